@@ -1,0 +1,20 @@
+"""Model selection for PyTorch Lightning by the Laplace marginal likelihood (Immer et al., ICML 2021)."""
+from .callbacks import MargLikCallback, MargLikCheckpoint, MargLikEarlyStopping
+from .curvature import CurvatureStatistics, collect_statistics
+from .evidence import LaplaceEvidence
+from .hyperparameters import CategoricalLikelihood, GaussianLikelihood, GaussianPrior, Likelihood, map_loss
+
+__all__ = [
+    "CategoricalLikelihood",
+    "CurvatureStatistics",
+    "GaussianLikelihood",
+    "GaussianPrior",
+    "LaplaceEvidence",
+    "MargLikCallback",
+    "MargLikCheckpoint",
+    "MargLikEarlyStopping",
+    "Likelihood",
+    "collect_statistics",
+    "map_loss",
+]
+__version__ = "0.1.0"
