@@ -108,7 +108,7 @@ class MargLikCallback(Callback):
         self.final_marglik = math.nan
         self.history: List[Dict[str, float]] = []
         self._optimizer_state: dict = {}
-        self._epochs_since_estimate = 0
+        self._last_estimate_step = -1
 
     # --- set-up ------------------------------------------------------------------------------
 
@@ -142,9 +142,8 @@ class MargLikCallback(Callback):
 
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if not self.is_estimation_epoch(trainer):
-            self._epochs_since_estimate += 1
             return
-        marglik = self.estimate(trainer, pl_module)
+        marglik = self.estimate(trainer, pl_module, epoch=trainer.current_epoch + 1)
         self.last_estimate_epoch = trainer.current_epoch
         if marglik > self.best_marglik:
             self.best_marglik, self.best_epoch = marglik, trainer.current_epoch
@@ -152,23 +151,33 @@ class MargLikCallback(Callback):
             pl_module.log(key, value, prog_bar=key == MONITOR, on_step=False, on_epoch=True, sync_dist=False)
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if self._epochs_since_estimate == 0:
+        if trainer.global_step == self._last_estimate_step:
             self.final_marglik = self.last_marglik
             return
-        self.final_marglik = self.estimate(trainer, pl_module)
+        # trainer.current_epoch counts the completed epochs here
+        self.final_marglik = self.estimate(trainer, pl_module, epoch=trainer.current_epoch)
         for logger in trainer.loggers:
             logger.log_metrics(self._metrics(self.final_marglik), step=trainer.global_step)
 
-    def estimate(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> float:
+    def estimate(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", epoch: int) -> float:
         """Evidence pass, all-reduce, ``steps`` hyperparameter steps; returns log evidence / N.
 
         Runs the same collectives on every rank. A non-finite evidence leaves the hyperparameters
         unchanged and returns NaN (``MargLikEarlyStopping`` stops on it).
+
+        Args:
+            trainer: The trainer (its strategy runs the collectives).
+            pl_module: The module whose forward the evidence pass calls.
+            epoch: Number of the epoch (from 1) the estimate follows, for ``history`` and the
+                Monte-Carlo seed.
+
+        Returns:
+            The log evidence per datum after the hyperparameter steps (NaN if not finite).
         """
         assert self.prior is not None and self.likelihood is not None
         strategy = trainer.strategy
         loader = evidence_loader(self._source_loader(trainer, pl_module), trainer.global_rank, trainer.world_size)
-        generator = torch.Generator().manual_seed(self.seed + trainer.current_epoch + 1) if self.mc_samples else None
+        generator = torch.Generator().manual_seed(self.seed + epoch) if self.mc_samples else None
 
         def local_pass():
             return collect_statistics(
@@ -188,9 +197,9 @@ class MargLikCallback(Callback):
                 buffer.copy_(strategy.broadcast(buffer, src=0))  # bit-identical on every rank
             marglik = value.item() / evidence.n_data
         self.estimations += 1
-        self._epochs_since_estimate = 0
+        self._last_estimate_step = trainer.global_step
         self.last_marglik = marglik
-        self.history.append({"epoch": trainer.current_epoch + 1, MONITOR: marglik})
+        self.history.append({"epoch": epoch, "step": trainer.global_step, MONITOR: marglik})
         return marglik
 
     # --- helpers -----------------------------------------------------------------------------
@@ -244,7 +253,7 @@ class MargLikCallback(Callback):
             "best_epoch": self.best_epoch,
             "history": list(self.history),
             "optimizer_state": self._optimizer_state,
-            "epochs_since_estimate": self._epochs_since_estimate,
+            "last_estimate_step": self._last_estimate_step,
         }
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -255,7 +264,7 @@ class MargLikCallback(Callback):
         self.best_epoch = state_dict["best_epoch"]
         self.history = list(state_dict["history"])
         self._optimizer_state = state_dict["optimizer_state"]
-        self._epochs_since_estimate = state_dict["epochs_since_estimate"]
+        self._last_estimate_step = state_dict["last_estimate_step"]
 
 
 def find_hyperparameters(pl_module: torch.nn.Module) -> "tuple[GaussianPrior, Likelihood]":

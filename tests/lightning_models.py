@@ -1,0 +1,64 @@
+"""Small LightningModules and data shared by the Trainer-level tests."""
+from __future__ import annotations
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_marglik import GaussianLikelihood, GaussianPrior, map_loss
+
+
+class Regressor(pl.LightningModule):
+    """1-D regression MLP trained with the MAP loss that matches the evidence."""
+
+    def __init__(self, n_data: int = 64, hidden: int = 16, lr: float = 1e-2, dropout: float = 0.0, weight_decay: float = 0.0):
+        super().__init__()
+        layers = [nn.Linear(1, hidden), nn.Tanh()]
+        if dropout:
+            layers.append(nn.Dropout(dropout))
+        self.net = nn.Sequential(*layers, nn.Linear(hidden, 1))
+        self.prior = GaussianPrior(self.net)
+        self.likelihood = GaussianLikelihood()
+        self.n_data = n_data
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self.train_modes: list = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        self.train_modes.append(self.training)
+        x, y = batch
+        return map_loss(self(x), y, self.likelihood, self.prior, self.n_data)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_mse", ((self(x) - y) ** 2).mean())
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.net.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+
+
+def regression_data(n: int = 64, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.linspace(-2, 2, n).unsqueeze(1)
+    return TensorDataset(x, torch.sin(2 * x) + 0.1 * torch.randn(x.shape, generator=g))
+
+
+def loader(dataset: TensorDataset, batch_size: int = 16, shuffle: bool = False) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle)
+
+
+def trainer(callbacks, max_epochs: int, **kwargs) -> pl.Trainer:
+    defaults = dict(
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks),
+        accelerator="cpu",
+        deterministic=True,
+    )
+    defaults.update(kwargs)
+    return pl.Trainer(max_epochs=max_epochs, callbacks=callbacks, **defaults)

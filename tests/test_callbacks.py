@@ -1,0 +1,215 @@
+"""Trainer-level tests of MargLikCallback, MargLikCheckpoint and MargLikEarlyStopping (real Trainer, CPU)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from lightning_fabric.utilities.exceptions import MisconfigurationException
+from torch import nn
+
+from lightning_marglik import LaplaceEvidence, MargLikCallback, MargLikCheckpoint, MargLikEarlyStopping
+from tests.lightning_models import Regressor, loader, regression_data, trainer
+
+
+def _fit(callbacks, max_epochs, model=None, data=None, **kwargs):
+    pl.seed_everything(0, verbose=False)
+    model = model or Regressor()
+    t = trainer(callbacks, max_epochs, **kwargs)
+    t.fit(model, data or loader(regression_data()))
+    return model, t
+
+
+def test_hyperparameters_learned_and_evidence_increases():
+    cb = MargLikCallback(structure="kron", frequency=1, steps=50, lr=0.1)
+    model, t = _fit([cb], max_epochs=12)
+    assert not torch.allclose(model.prior.log_precision, torch.zeros(4))
+    assert model.likelihood.log_sigma.item() < math.log(0.9)  # noise is 0.1: sigma shrinks from 1
+    margliks = [h["marglik"] for h in cb.history]
+    assert len(margliks) == 12 and margliks[-1] > margliks[0] + 0.1
+    keys = set(t.callback_metrics)
+    expected = {"marglik", "sigma", "temperature"} | {f"prior_precision/{n}" for n in model.prior.param_names}
+    assert expected <= keys
+    assert t.callback_metrics["marglik"].item() == pytest.approx(margliks[-1])
+    assert t.callback_metrics["sigma"].item() == pytest.approx(model.likelihood.sigma.item())
+    # the logged marglik is the evidence after the update, per datum
+    ev = LaplaceEvidence.fit(model, loader(regression_data()), model.likelihood, model.prior, "kron")
+    assert ev.log_marglik().item() / 64 == pytest.approx(margliks[-1], rel=1e-4)
+    # the user's optimizer never saw the hyperparameters
+    opt_params = {id(p) for g in t.optimizers[0].param_groups for p in g["params"]}
+    assert id(model.prior.log_precision) not in opt_params and model.prior.log_precision.grad is None
+
+
+@pytest.mark.parametrize("burnin,frequency,max_epochs,expected", [(2, 3, 10, [3, 6, 9, 10]), (3, 3, 9, [6, 9]), (0, 1, 3, [1, 2, 3])])
+def test_burnin_and_frequency(burnin, frequency, max_epochs, expected):
+    cb = MargLikCallback(structure="diag", approx="ef", frequency=frequency, burnin=burnin, steps=5)
+    _, t = _fit([cb], max_epochs=max_epochs)
+    assert [h["epoch"] for h in cb.history] == expected
+    assert cb.estimations == len(expected) and cb.final_marglik == cb.last_marglik
+
+
+def test_final_estimate_when_training_ends_between_estimations():
+    cb = MargLikCallback(structure="diag", approx="ef", frequency=5, steps=5)
+    _, t = _fit([cb], max_epochs=20, max_steps=4 * 7)  # 4 batches per epoch: stops after epoch 7
+    assert [h["epoch"] for h in cb.history] == [5, 7]
+    assert math.isfinite(cb.final_marglik) and cb.final_marglik == cb.history[-1]["marglik"]
+
+
+def test_evidence_pass_in_eval_mode_and_train_mode_restored():
+    model = Regressor(dropout=0.5)
+    cb = MargLikCallback(structure="diag", approx="ggn", steps=0)
+    _fit([cb], max_epochs=2, model=model)
+    assert all(model.train_modes)  # every training step ran in train mode after the estimates
+    # dropout off in the evidence pass: a second eval-mode pass reproduces the logged value exactly
+    ev = LaplaceEvidence.fit(model, loader(regression_data()), model.likelihood, model.prior, "diag")
+    assert ev.log_marglik().item() / 64 == pytest.approx(cb.last_marglik, rel=1e-6)
+
+
+def test_checkpoint_holds_best_evidence_and_reload_restores(tmp_path):
+    cb = MargLikCallback(structure="kron", frequency=2, steps=30)
+    ck = MargLikCheckpoint(dirpath=tmp_path, filename="{epoch}-{marglik:.4f}", save_top_k=2, save_last=True)
+    model, t = _fit([cb, ck], max_epochs=8)
+    best = max(cb.history, key=lambda h: h["marglik"])
+    assert ck.best_model_score.item() == pytest.approx(best["marglik"])
+    assert f"epoch={best['epoch'] - 1}-" in ck.best_model_path
+    saved = sorted(p.name for p in tmp_path.iterdir())
+    assert len(saved) == 3 and "last.ckpt" in saved  # top-2 + last, only estimation epochs
+    assert all(int(n.split("-")[0].split("=")[1]) % 2 == 1 for n in saved if n != "last.ckpt")
+    # the last epoch is the best here (evidence keeps increasing): reload restores weights and buffers
+    if best["epoch"] == 8:
+        restored = Regressor.load_from_checkpoint(ck.best_model_path)
+        for (n, a), b in zip(model.state_dict().items(), restored.state_dict().values()):
+            assert torch.equal(a, b), n
+    state = torch.load(ck.best_model_path, weights_only=False)["state_dict"]
+    assert "prior.log_precision" in state and "likelihood.log_sigma" in state
+
+
+def test_checkpoint_not_affected_by_validation(tmp_path):
+    data = loader(regression_data())
+    paths = []
+    for i, kwargs in enumerate([{}, {"check_val_every_n_epoch": 2}, {"check_val_every_n_epoch": 1}]):
+        cb = MargLikCallback(structure="diag", approx="ef", frequency=3, steps=20)
+        ck = MargLikCheckpoint(dirpath=tmp_path / str(i), save_top_k=1)
+        pl.seed_everything(0, verbose=False)
+        t = trainer([cb, ck], 7, **kwargs)
+        t.fit(Regressor(), data, val_dataloaders=data if kwargs else None)
+        paths.append(ck.best_model_path)
+    weights = [torch.load(p, weights_only=False)["state_dict"] for p in paths]
+    assert len({p.split("/")[-1] for p in paths}) == 1
+    for other in weights[1:]:
+        for key in weights[0]:
+            assert torch.equal(weights[0][key], other[key]), key
+
+
+def test_early_stopping_counts_estimations():
+    # lr=0 and no hyperparameter steps: the evidence never improves after the first estimate
+    cb = MargLikCallback(structure="diag", approx="ef", frequency=2, steps=0)
+    es = MargLikEarlyStopping(patience=2)
+    _, t = _fit([cb, es], max_epochs=30, model=Regressor(lr=0.0))
+    assert [h["epoch"] for h in cb.history] == [2, 4, 6]  # patience 2 estimations, not 2 epochs
+    assert t.current_epoch == 6 and es.wait_count == 2
+
+
+def test_early_stopping_on_non_finite_evidence():
+    model = Regressor()
+    cb = MargLikCallback(structure="diag", approx="ef", steps=5)
+    es = MargLikEarlyStopping(patience=10)
+    with torch.no_grad():
+        model.net[0].weight.fill_(float("nan"))
+    before = [b.clone() for b in (model.prior.log_precision, model.likelihood.log_sigma)]
+    with pytest.warns(UserWarning, match="not finite"):
+        _fit([cb, es], max_epochs=5, model=model)
+    assert cb.estimations == 1 and math.isnan(cb.last_marglik)
+    assert torch.equal(before[0], model.prior.log_precision) and torch.equal(before[1], model.likelihood.log_sigma)
+
+
+def test_resume_matches_uninterrupted_run(tmp_path):
+    def run(max_epochs, ckpt_path=None, dirpath=None):
+        cb = MargLikCallback(structure="kron", frequency=2, steps=30, lr=0.1)
+        es = MargLikEarlyStopping(patience=5)
+        ck = MargLikCheckpoint(dirpath=dirpath or tmp_path / "x", save_last=True)
+        pl.seed_everything(0, verbose=False)
+        model = Regressor()
+        t = trainer([cb, es, ck], max_epochs)
+        t.fit(model, loader(regression_data()), ckpt_path=ckpt_path)
+        return model, cb, es
+
+    full_model, full_cb, full_es = run(8, dirpath=tmp_path / "full")
+    run(4, dirpath=tmp_path / "part")
+    resumed_model, resumed_cb, resumed_es = run(8, ckpt_path=tmp_path / "part" / "last.ckpt", dirpath=tmp_path / "part")
+    assert [h["epoch"] for h in resumed_cb.history] == [h["epoch"] for h in full_cb.history]
+    for a, b in zip(resumed_cb.history, full_cb.history):
+        assert a["marglik"] == pytest.approx(b["marglik"], rel=1e-5)
+    for (name, a), b in zip(full_model.state_dict().items(), resumed_model.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    assert resumed_es.wait_count == full_es.wait_count
+    assert resumed_cb.best_epoch == full_cb.best_epoch
+
+
+def test_missing_prior_fails_before_first_epoch():
+    class NoPrior(Regressor):
+        def __init__(self):
+            super().__init__()
+            del self.prior
+
+        def training_step(self, batch, batch_idx):
+            raise AssertionError("training must not start")
+
+    with pytest.raises(MisconfigurationException, match="GaussianPrior"):
+        _fit([MargLikCallback()], max_epochs=1, model=NoPrior())
+
+
+def test_kron_on_unsupported_module_fails_before_first_epoch():
+    model = Regressor()
+    model.net.insert(1, nn.LayerNorm(16))
+    model.prior = type(model.prior)(model.net)
+    with pytest.raises(ValueError, match=r"module '.*1'.*structure='diag' or 'full'"):
+        _fit([MargLikCallback(structure="kron")], max_epochs=1, model=model)
+
+
+def test_checkpoint_requires_the_callback():
+    with pytest.raises(MisconfigurationException, match="MargLikCallback"):
+        _fit([MargLikCheckpoint()], max_epochs=1)
+
+
+def test_weight_decay_warns():
+    with pytest.warns(UserWarning, match="weight_decay=0.01.*counted twice"):
+        _fit([MargLikCallback(structure="diag", steps=1)], max_epochs=1, model=Regressor(weight_decay=0.01))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"structure": "dense"}, "structure.*'dense'"),
+        ({"approx": "fisher"}, "approx.*'fisher'"),
+        ({"frequency": 0}, "frequency.*0"),
+        ({"burnin": -1}, "burnin.*-1"),
+        ({"steps": 2.5}, "steps.*2.5"),
+        ({"lr": 0.0}, "lr.*0.0"),
+        ({"lr": float("nan")}, "lr.*nan"),
+        ({"mc_samples": 2, "approx": "ef"}, "mc_samples.*ggn"),
+        ({"dataloader": [1, 2]}, "dataloader.*list"),
+    ],
+)
+def test_init_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MargLikCallback(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [({"patience": 0}, "patience.*0"), ({"min_delta": -1.0}, "min_delta.*-1.0")])
+def test_early_stopping_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MargLikEarlyStopping(**kwargs)
+
+
+def test_dataloader_by_method_name():
+    class WithEvidenceData(Regressor):
+        def evidence_dataloader(self):
+            return loader(regression_data(n=64), batch_size=64)
+
+    cb = MargLikCallback(structure="diag", approx="ef", steps=0, dataloader="evidence_dataloader")
+    model, _ = _fit([cb], max_epochs=1, model=WithEvidenceData(), data=loader(regression_data(), batch_size=8, shuffle=True))
+    ev = LaplaceEvidence.fit(model, loader(regression_data()), model.likelihood, model.prior, "diag", "ef")
+    assert cb.evidence.n_data == 64
+    assert cb.last_marglik == pytest.approx(ev.log_marglik().item() / 64, rel=1e-6)
