@@ -2,6 +2,7 @@
 from .callbacks import MargLikCallback, MargLikCheckpoint, MargLikEarlyStopping
 from .curvature import CurvatureStatistics, collect_statistics
 from .evidence import LaplaceEvidence
+from .predictive import RegressionPrediction, linearized_outputs, predict_classification, predict_regression
 from .hyperparameters import CategoricalLikelihood, GaussianLikelihood, GaussianPrior, Likelihood, map_loss
 
 __all__ = [
@@ -15,6 +16,10 @@ __all__ = [
     "MargLikEarlyStopping",
     "Likelihood",
     "collect_statistics",
+    "linearized_outputs",
     "map_loss",
+    "predict_classification",
+    "predict_regression",
+    "RegressionPrediction",
 ]
 __version__ = "0.1.0"

@@ -104,11 +104,11 @@ class LaplaceEvidence:
             self._diag = sums["diag"]
         elif self.structure == "kron":
             self._layers = stats.layers
-            self._eig_g = [torch.linalg.eigvalsh(sums[f"kron.{j}.G"]).clamp(min=0) for j in range(len(stats.layers))]
-            self._eig_a = [
-                torch.linalg.eigvalsh(sums[f"kron.{j}.A"] / sums[f"kron.{j}.count"]).clamp(min=0)
-                for j in range(len(stats.layers))
+            self._factors = [
+                (sums[f"kron.{j}.G"], sums[f"kron.{j}.A"] / sums[f"kron.{j}.count"]) for j in range(len(stats.layers))
             ]
+            self._eig_g = [torch.linalg.eigvalsh(g).clamp(min=0) for g, _ in self._factors]
+            self._eig_a = [torch.linalg.eigvalsh(a).clamp(min=0) for _, a in self._factors]
         else:
             self._gram = sums.get("gram")
             self._rows = None if stats.rows is None else stats.rows.to(device, dtype)
@@ -180,6 +180,59 @@ class LaplaceEvidence:
         ``likelihood.log_temperature`` wherever those require grad.
         """
         return self._log_marglik(self._hyper())
+
+    # --- posterior ----------------------------------------------------------------------------
+
+    def jacobian_covariance(self, jacobians: Tensor) -> Tensor:
+        """``J H^-1 J^T`` for each row block of ``jacobians``, with ``H`` at the current hyperparameters.
+
+        The posterior covariance has the structure of the evidence (full, Kronecker, diagonal).
+
+        Args:
+            jacobians: Output Jacobians ``(B, C, P)``, parameters flattened in the prior's order.
+
+        Returns:
+            Covariances ``(B, C, C)`` of the linearized outputs.
+        """
+        h = {n: t.detach() for n, t in self._hyper().items()}
+        scale = self.likelihood.curvature_scale(self.approx, h.get("log_sigma"), h["log_temperature"])
+        jacobians = jacobians.to(h["log_precision"].dtype)
+        if self.structure == "diag":
+            variance = 1 / (scale * self._diag + self.prior.per_parameter(h["log_precision"]).exp())
+            return torch.einsum("bcp,p,bdp->bcd", jacobians, variance, jacobians)
+        if self.structure == "kron":
+            return self._kron_covariance(jacobians, scale, self.prior.per_tensor(h["log_precision"]).exp())
+        delta = self.prior.per_parameter(h["log_precision"]).exp()
+        flat = jacobians.reshape(-1, jacobians.shape[2])
+        if self._gram is not None:
+            chol = torch.linalg.cholesky(scale * self._gram + torch.diag(delta))
+            half = torch.linalg.solve_triangular(chol, flat.T, upper=False)
+            cov = half.T @ half
+        else:  # Woodbury: H^-1 = D^-1 - D^-1 U^T (I/s + U D^-1 U^T)^-1 U D^-1
+            ud = self._rows / delta
+            inner = torch.eye(ud.shape[0], dtype=ud.dtype, device=ud.device) / scale + ud @ self._rows.T
+            projected = flat @ ud.T
+            cov = (flat / delta) @ flat.T - projected @ torch.linalg.solve(inner, projected.T)
+        b, c = jacobians.shape[:2]
+        return torch.stack([cov[i * c : (i + 1) * c, i * c : (i + 1) * c] for i in range(b)])
+
+    def _kron_covariance(self, jacobians: Tensor, scale: Tensor, delta: Tensor) -> Tensor:
+        offsets = [0]
+        for size in self.prior.param_sizes:
+            offsets.append(offsets[-1] + size)
+        b, c = jacobians.shape[:2]
+        cov = jacobians.new_zeros(b, c, c)
+        for layer, (g, a) in zip(self._layers, self._factors):
+            q, vec_g = torch.linalg.eigh(g)
+            w, vec_a = torch.linalg.eigh(a)
+            q, w = q.clamp(min=0), w.clamp(min=0)
+            j_w = jacobians[:, :, offsets[layer.weight] : offsets[layer.weight + 1]].reshape(b, c, len(q), len(w))
+            rotated = vec_g.T @ j_w @ vec_a
+            cov += torch.einsum("bcij,ij,bdij->bcd", rotated, 1 / (scale * torch.outer(q, w) + delta[layer.weight]), rotated)
+            if layer.bias is not None:
+                rotated_b = jacobians[:, :, offsets[layer.bias] : offsets[layer.bias + 1]] @ vec_g
+                cov += torch.einsum("bci,i,bdi->bcd", rotated_b, 1 / (scale * q + delta[layer.bias]), rotated_b)
+        return cov
 
     # --- optimization -------------------------------------------------------------------------
 

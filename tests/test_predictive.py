@@ -1,0 +1,105 @@
+"""The linearized-Laplace predictive against a dense reference (explicit Jacobians, explicit H^-1)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_marglik import (
+    CategoricalLikelihood,
+    GaussianLikelihood,
+    GaussianPrior,
+    LaplaceEvidence,
+    predict_classification,
+    predict_regression,
+)
+from tests.reference import Problem, cnn, curvature_scale, jacobians, loader, make_data, mlp_deep, rel_err
+
+
+def dense_precision(ref, prior, likelihood) -> torch.Tensor:
+    """The posterior precision H of the reference, as a dense P x P matrix, per structure."""
+    log_delta, log_sigma, log_t = ref.hyper_from(prior, likelihood)
+    scale = curvature_scale(ref.kind, ref.approx, log_sigma, log_t)
+    delta = log_delta.exp()
+    if ref.structure == "full":
+        return scale * ref.full + torch.diag(delta)
+    if ref.structure == "diag":
+        return torch.diag(scale * torch.diagonal(ref.full) + delta)
+    h = torch.zeros_like(ref.full)
+    for block in ref.blocks:
+        h[block.index[:, None], block.index[None, :]] = scale * block.matrix + torch.diag(delta[block.index])
+    return h
+
+
+def reference_covariance(model, prior, likelihood, x, y, x_test, kind, structure, approx):
+    names = prior.param_names
+    ref = Problem(model, names, x, y, kind).reference(structure, approx)
+    _, jac = jacobians(model, names, x_test)
+    cov = jac @ torch.linalg.inv(dense_precision(ref, prior, likelihood)) @ jac.transpose(1, 2)
+    return cov
+
+
+@pytest.mark.parametrize("structure", ["full", "kron", "diag"])
+@pytest.mark.parametrize("n", [40, 5])  # 5 x 2 outputs < P: the full structure's low-rank (Woodbury) form
+def test_regression_predictive_matches_dense_reference(structure, n):
+    torch.manual_seed(0)
+    model = mlp_deep(2).double()
+    x, y = make_data(model, n, "regression", 2, seed=1)
+    x_test = torch.randn(7, 4)
+    prior = GaussianPrior(model, structure="layerwise")
+    with torch.no_grad():
+        prior.log_precision.copy_(torch.linspace(-1.0, 1.0, prior.log_precision.numel()))
+    lik = GaussianLikelihood(sigma=0.6, temperature=0.9)
+    ev = LaplaceEvidence.fit(model, loader(x, y), lik, prior, structure)
+    pred = predict_regression(ev, model, x_test)
+    cov = reference_covariance(model, prior, lik, x, y, x_test, "regression", structure, "ggn")
+    with torch.no_grad():
+        mean = model(x_test)
+    assert rel_err(pred.mean, mean) <= 1e-12
+    assert rel_err(pred.model_variance, torch.diagonal(cov, dim1=1, dim2=2)) <= 1e-8
+    assert torch.allclose(pred.noise_variance, torch.full_like(mean, 0.36))
+    assert torch.allclose(pred.variance, pred.model_variance + 0.36)
+
+
+@pytest.mark.parametrize("structure", ["full", "kron", "diag"])
+def test_classification_predictive_matches_dense_reference(structure):
+    torch.manual_seed(0)
+    model = cnn(3).double()
+    x, y = make_data(model, 30, "classification", 3, seed=1)
+    x_test = torch.randn(6, 1, 6, 6)
+    prior = GaussianPrior(model, precision=2.0, structure="scalar")
+    lik = CategoricalLikelihood()
+    ev = LaplaceEvidence.fit(model, loader(x, y), lik, prior, structure, "ggn")
+    cov = reference_covariance(model, prior, lik, x, y, x_test, "classification", structure, "ggn")
+    with torch.no_grad():
+        logits = model(x_test)
+    probit = torch.softmax(logits / torch.sqrt(1 + math.pi / 8 * torch.diagonal(cov, dim1=1, dim2=2)), 1)
+    assert rel_err(predict_classification(ev, model, x_test, "probit"), probit) <= 1e-8
+    # Monte Carlo: the average of softmax over draws from N(f, cov), same draws as the reference
+    draws = 4000
+    gen = torch.Generator().manual_seed(3)
+    mc = predict_classification(ev, model, x_test, "mc", samples=draws, generator=gen)
+    noise = torch.randn(draws, 6, 3, generator=torch.Generator().manual_seed(3))
+    chol = torch.linalg.cholesky(cov + 1e-10 * torch.eye(3))
+    expected = torch.softmax(logits + torch.einsum("bcd,sbd->sbc", chol, noise), 2).mean(0)
+    assert rel_err(mc, expected) <= 1e-6
+    assert torch.allclose(mc.sum(1), torch.ones(6))
+    # and the MC estimate is close to the probit approximation, not to the plain softmax
+    assert (mc - probit).abs().max() < (mc - torch.softmax(logits, 1)).abs().max() + 0.02
+
+
+def test_predictive_rejects_wrong_likelihood_and_options():
+    model = mlp_deep(2).double()
+    x, y = make_data(model, 10, "regression", 2)
+    ev = LaplaceEvidence.fit(model, loader(x, y), GaussianLikelihood(), GaussianPrior(model), "diag")
+    with pytest.raises(TypeError, match="CategoricalLikelihood"):
+        predict_classification(ev, model, x)
+    xc, yc = make_data(model, 10, "classification", 2)
+    evc = LaplaceEvidence.fit(model, loader(xc, yc), CategoricalLikelihood(), GaussianPrior(model), "diag")
+    with pytest.raises(ValueError, match="method.*'sampling'"):
+        predict_classification(evc, model, xc, method="sampling")
+    with pytest.raises(ValueError, match="samples.*0"):
+        predict_classification(evc, model, xc, method="mc", samples=0)
+    with pytest.raises(TypeError, match="GaussianLikelihood"):
+        predict_regression(evc, model, xc)
