@@ -3,9 +3,11 @@ from .callbacks import MargLikCallback, MargLikCheckpoint, MargLikEarlyStopping
 from .curvature import CurvatureStatistics, collect_statistics
 from .evidence import LaplaceEvidence
 from .predictive import RegressionPrediction, linearized_outputs, predict_classification, predict_regression
+from .selection import CandidateResult, NegativeLogLikelihood, select_models
 from .hyperparameters import CategoricalLikelihood, GaussianLikelihood, GaussianPrior, Likelihood, map_loss
 
 __all__ = [
+    "CandidateResult",
     "CategoricalLikelihood",
     "CurvatureStatistics",
     "GaussianLikelihood",
@@ -14,6 +16,7 @@ __all__ = [
     "MargLikCallback",
     "MargLikCheckpoint",
     "MargLikEarlyStopping",
+    "NegativeLogLikelihood",
     "Likelihood",
     "collect_statistics",
     "linearized_outputs",
@@ -21,5 +24,6 @@ __all__ = [
     "predict_classification",
     "predict_regression",
     "RegressionPrediction",
+    "select_models",
 ]
 __version__ = "0.1.0"

@@ -147,7 +147,7 @@ class MargLikCallback(Callback):
         self.last_estimate_epoch = trainer.current_epoch
         if marglik > self.best_marglik:
             self.best_marglik, self.best_epoch = marglik, trainer.current_epoch
-        for key, value in self._metrics(marglik).items():
+        for key, value in self.logged_values(marglik).items():
             pl_module.log(key, value, prog_bar=key == MONITOR, on_step=False, on_epoch=True, sync_dist=False)
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -157,7 +157,7 @@ class MargLikCallback(Callback):
         # trainer.current_epoch counts the completed epochs here
         self.final_marglik = self.estimate(trainer, pl_module, epoch=trainer.current_epoch)
         for logger in trainer.loggers:
-            logger.log_metrics(self._metrics(self.final_marglik), step=trainer.global_step)
+            logger.log_metrics(self.logged_values(self.final_marglik), step=trainer.global_step)
 
     def estimate(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", epoch: int) -> float:
         """Evidence pass, all-reduce, ``steps`` hyperparameter steps; returns log evidence / N.
@@ -228,7 +228,8 @@ class MargLikCallback(Callback):
             )
         return loader
 
-    def _metrics(self, marglik: float) -> Dict[str, float]:
+    def logged_values(self, marglik: float) -> Dict[str, float]:
+        """What the callback logs for an estimate: ``marglik`` and every hyperparameter by name."""
         assert self.prior is not None and self.likelihood is not None
         out = {MONITOR: marglik}
         prior = self.prior

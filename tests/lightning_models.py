@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_marglik import GaussianLikelihood, GaussianPrior, map_loss
+from lightning_marglik import CategoricalLikelihood, GaussianLikelihood, GaussianPrior, map_loss
 
 
 class Regressor(pl.LightningModule):
@@ -62,3 +62,48 @@ def trainer(callbacks, max_epochs: int, **kwargs) -> pl.Trainer:
     )
     defaults.update(kwargs)
     return pl.Trainer(max_epochs=max_epochs, callbacks=callbacks, **defaults)
+
+
+class Classifier(pl.LightningModule):
+    """Small MLP classifier for the model-selection tests."""
+
+    def __init__(self, n_data: int, width: int = 8, depth: int = 1, in_features: int = 2, classes: int = 3):
+        super().__init__()
+        layers, size = [], in_features
+        for _ in range(depth):
+            layers += [nn.Linear(size, width), nn.Tanh()]
+            size = width
+        self.net = nn.Sequential(*layers, nn.Linear(size, classes))
+        self.prior = GaussianPrior(self.net)
+        self.likelihood = CategoricalLikelihood()
+        self.n_data = n_data
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return map_loss(self(x), y, self.likelihood, self.prior, self.n_data)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.net.parameters(), lr=3e-2)
+
+
+def blobs(n: int, seed: int) -> TensorDataset:
+    """Three Gaussian blobs in 2-D."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.arange(n) % 3
+    centers = torch.tensor([[0.0, 2.0], [2.0, -1.0], [-2.0, -1.0]])
+    return TensorDataset((centers[y] + torch.randn(n, 2, generator=g)).float(), y)
+
+
+class BlobData(pl.LightningDataModule):
+    def __init__(self, n_train: int = 60, n_test: int = 90, batch_size: int = 20):
+        super().__init__()
+        self.n_train, self.n_test, self.batch_size = n_train, n_test, batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(blobs(self.n_train, 0), batch_size=self.batch_size, shuffle=True)
+
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(blobs(self.n_test, 1), batch_size=self.batch_size)
