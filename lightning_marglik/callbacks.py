@@ -148,7 +148,8 @@ class MargLikCallback(Callback):
         if marglik > self.best_marglik:
             self.best_marglik, self.best_epoch = marglik, trainer.current_epoch
         for key, value in self.logged_values(marglik).items():
-            pl_module.log(key, value, prog_bar=key == MONITOR, on_step=False, on_epoch=True, sync_dist=False)
+            # identical on every rank: the sync is exact and keeps Lightning's DDP logging contract
+            pl_module.log(key, value, prog_bar=key == MONITOR, on_step=False, on_epoch=True, sync_dist=True)
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if trainer.global_step == self._last_estimate_step:
@@ -176,10 +177,12 @@ class MargLikCallback(Callback):
         """
         assert self.prior is not None and self.likelihood is not None
         strategy = trainer.strategy
-        loader = evidence_loader(self._source_loader(trainer, pl_module), trainer.global_rank, trainer.world_size)
-        generator = torch.Generator().manual_seed(self.seed + epoch) if self.mc_samples else None
+        rank, world = trainer.global_rank, trainer.world_size
+        # distinct Monte-Carlo draws on every rank, reproducible for a given (seed, epoch, rank)
+        generator = torch.Generator().manual_seed((self.seed + epoch) * world + rank) if self.mc_samples else None
 
-        def local_pass():
+        def local_pass():  # everything that can fail on one rank only, before the first collective
+            loader = evidence_loader(self._source_loader(trainer, pl_module), rank, world)
             return collect_statistics(
                 pl_module, loader, self.likelihood, self.prior, self.structure, self.approx, self.mc_samples, generator
             )

@@ -5,7 +5,7 @@ lead to a collective depend only on values that are identical on all ranks.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 from pytorch_lightning.strategies import Strategy
@@ -29,7 +29,9 @@ def evidence_loader(loader: DataLoader, rank: int = 0, world_size: int = 1) -> D
         world_size: Number of processes.
 
     Returns:
-        A loader over examples ``rank, rank + world_size, ...`` in order, same batch size.
+        A loader over examples ``rank, rank + world_size, ...`` in order, with the same batch size
+        (that of a custom batch sampler if it has one, else 1; none if ``loader`` does not batch,
+        i.e. its items already are batches) and the same collation and worker set-up.
 
     Raises:
         ValueError: If the data set is iterable-style under several processes (it cannot be
@@ -46,13 +48,29 @@ def evidence_loader(loader: DataLoader, rank: int = 0, world_size: int = 1) -> D
     size = len(dataset)  # type: ignore[arg-type]
     if size < world_size:
         raise ValueError(f"The evidence data set has {size} examples, fewer than the {world_size} processes.")
+    batch_size: Optional[int]
+    if loader.batch_size is not None:
+        batch_size = loader.batch_size
+    elif loader.batch_sampler is not None:  # a custom batch sampler
+        batch_size = getattr(loader.batch_sampler, "batch_size", None) or 1
+    else:  # automatic batching off: every item already is a batch
+        batch_size = None
+    workers: Dict[str, Any] = {}
+    if loader.num_workers > 0:  # the user's worker set-up (e.g. opening files per worker)
+        workers = dict(
+            worker_init_fn=loader.worker_init_fn,
+            multiprocessing_context=loader.multiprocessing_context,
+            prefetch_factor=loader.prefetch_factor,
+            timeout=loader.timeout,
+        )
     return DataLoader(
         dataset,
-        batch_size=loader.batch_size or 1,
+        batch_size=batch_size,
         sampler=range(rank, size, world_size),
         collate_fn=loader.collate_fn,
         num_workers=loader.num_workers,
         pin_memory=loader.pin_memory,
+        **workers,
     )
 
 

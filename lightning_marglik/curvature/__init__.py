@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from ..hyperparameters import APPROXIMATIONS, GaussianPrior, Likelihood
 from .functional import jacobian_rows
-from .layers import LayerHooks, layer_diagonal, layer_kron, unsupported_reason
+from .layers import LayerHooks, layer_diagonal, layer_gradient, layer_kron, unsupported_reason
 from .statistics import STRUCTURES, CurvatureStatistics, KronLayer
 
 __all__ = ["CurvatureStatistics", "KronLayer", "Plan", "check_model", "check_options", "collect_statistics", "eval_mode"]
@@ -122,22 +122,36 @@ def collect_statistics(
         stats.layers = [KronLayer(n, roles["weight"], roles.get("bias")) for n, (_, roles) in layers.items()]
     device = params[0].device
     hooks = LayerHooks({n: m for n, (m, _) in layers.items()} if use_hooks else {})
+    verified = False
     with eval_mode(model), torch.enable_grad(), hooks:
         for x, y in _batches(dataloader, device):
             if use_hooks:
                 output = model(x)
                 factor = _factor(likelihood, output, y, approx, mc_samples, generator, stats)
-                _accumulate_layers(stats, layers, hooks, hooks.backprop(output, factor))
-                hooks.clear()
+                if not verified:
+                    verified = True
+                    missed = _missed_use(layers, hooks, params, output, factor)
+                    if missed and structure == "kron":
+                        raise ValueError(
+                            f"structure='kron': the parameters of '{missed}' are used outside its forward call "
+                            "(shared or functional weights); use structure='diag' or 'full'."
+                        )
+                    if missed:  # the diagonal falls back to exact per-example Jacobians
+                        use_hooks = False
+                        hooks.__exit__()
+                if use_hooks:
+                    _accumulate_layers(stats, layers, hooks, hooks.backprop(output, factor))
+                    hooks.clear()
+                    continue
             else:
                 with torch.no_grad():
                     output = model(x)
                 factor = _factor(likelihood, output, y, approx, mc_samples, generator, stats)
-                rows = jacobian_rows(model, names, params, x, factor)
-                if structure == "diag":
-                    stats.add("diag", rows.pow(2).sum(0))
-                else:
-                    stats.add_rows(rows)
+            rows = jacobian_rows(model, names, params, x, factor)
+            if structure == "diag":
+                stats.add("diag", rows.pow(2).sum(0))
+            else:
+                stats.add_rows(rows)
     if "n_data" not in stats.sums:
         raise ValueError("The data loader yielded no batches.")
     return stats
@@ -207,6 +221,38 @@ def _factor(
     for key, value in likelihood.statistics(detached, y).items():
         stats.add(f"lik.{key}", value.to(detached))
     return likelihood.hessian_sqrt(detached, y, approx, mc_samples, generator)
+
+
+def _missed_use(
+    layers: Dict[str, Tuple[nn.Module, Dict[str, int]]],
+    hooks: LayerHooks,
+    params: List[Tensor],
+    output: Tensor,
+    factor: Tensor,
+) -> Optional[str]:
+    """Name of a hooked layer whose parameters act outside its own forward call, if any.
+
+    Compares, for the first factor column, the parameter gradients that the hooks imply with
+    autograd's: they differ when a weight is tied, reused functionally or never called.
+    """
+    missing = [n for n in layers if n not in hooks.outputs]
+    if missing:
+        return missing[0]
+    column = factor[:, :, 0]
+    expected = torch.autograd.grad(output, params, grad_outputs=column, retain_graph=True, allow_unused=True)
+    outputs = [hooks.outputs[n] for n in layers]
+    seen = torch.autograd.grad(output, outputs, grad_outputs=column, retain_graph=True, allow_unused=True)
+    for (name, (module, roles)), z, g in zip(layers.items(), outputs, seen):
+        g = torch.zeros_like(z) if g is None else g
+        implied = dict(zip(("weight", "bias"), layer_gradient(module, hooks.inputs[name], g)))
+        for role, index in roles.items():
+            truth = expected[index]
+            truth = torch.zeros_like(implied[role]) if truth is None else truth
+            if not torch.isfinite(truth).all():  # nothing to compare: the evidence reports it
+                continue
+            if not torch.allclose(implied[role], truth, rtol=1e-4, atol=1e-6 * float(truth.abs().max()) + 1e-12):
+                return name
+    return None
 
 
 def _accumulate_layers(

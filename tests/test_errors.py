@@ -1,0 +1,259 @@
+"""Clear errors for what a structure cannot handle, and fallbacks that are exact.
+
+* structure='kron' on a parameterized module that is not Linear/Conv2d: ValueError naming it;
+  'diag' and 'full' on the same models fall back to torch.func and match the dense reference.
+* Bad option strings, MC with the EF, non-(x, y) batches, empty loaders, bad targets.
+* Never silently wrong: shared or functionally reused layer weights must raise or be exact.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_marglik import CategoricalLikelihood, GaussianLikelihood, GaussianPrior, LaplaceEvidence
+from tests.reference import Problem, hyper, loader, reference_env, rel_err, setup  # noqa: F401 (reference_env: autouse fixture)
+
+TOL = 1e-8
+
+
+class Affine(nn.Module):
+    """Elementwise scale and shift: raw nn.Parameters outside Linear/Conv2d."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(1 + 0.3 * torch.randn(n))
+        self.shift = nn.Parameter(0.3 * torch.randn(n))
+
+    def forward(self, x):
+        return x * self.scale + self.shift
+
+
+class WithAffine(nn.Module):
+    def __init__(self, n_out: int) -> None:
+        super().__init__()
+        self.fc1, self.affine, self.fc2 = nn.Linear(3, 5), Affine(5), nn.Linear(5, n_out)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.affine(self.fc1(x))))
+
+
+class WithLayerNorm(nn.Module):
+    def __init__(self, n_out: int) -> None:
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = nn.Linear(3, 5), nn.LayerNorm(5), nn.Linear(5, n_out)
+        with torch.no_grad():  # away from the default (1, 0) so the norm's parameters matter
+            self.norm.weight.add_(0.3 * torch.randn(5))
+            self.norm.bias.add_(0.3 * torch.randn(5))
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.norm(self.fc1(x))))
+
+
+class TopLevelGain(nn.Module):
+    """A raw parameter owned by the top-level module itself."""
+
+    def __init__(self, n_out: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(3, 5), nn.Linear(5, n_out)
+        self.gain = nn.Parameter(torch.tensor(1.3))
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x))) * self.gain
+
+
+CUSTOM = {"affine": WithAffine, "norm": WithLayerNorm, "gain": TopLevelGain}
+
+
+def custom_case(name: str, kind: str, n: int = 24):
+    torch.manual_seed(1)
+    n_out = 2 if kind == "regression" else 3
+    model = CUSTOM[name](n_out).double()
+    x = torch.randn(n, 3)
+    if kind == "regression":
+        with torch.no_grad():
+            y = model(x) + 0.5 * torch.randn(n, n_out)
+    else:
+        y = torch.randint(0, n_out, (n,))
+    return model, x, y
+
+
+@pytest.mark.parametrize("name", list(CUSTOM))
+def test_kron_rejects_unsupported_modules_by_name(name):
+    model, x, y = custom_case(name, "regression")
+    prior, lik = GaussianPrior(model), GaussianLikelihood()
+    with pytest.raises(ValueError) as info:
+        LaplaceEvidence.fit(model, loader(x, y), lik, prior, structure="kron")
+    msg = str(info.value)
+    if name == "gain":  # owned by the top-level module: its class or the parameter must be named
+        assert "TopLevelGain" in msg or "gain" in msg, msg
+    else:
+        assert f"'{name}'" in msg or f"`{name}`" in msg or f" {name} " in msg or f"{name}." in msg, msg
+
+
+@pytest.mark.parametrize("approx", ["ggn", "ef"])
+@pytest.mark.parametrize("structure", ["diag", "full"])
+@pytest.mark.parametrize("kind", ["regression", "classification"])
+@pytest.mark.parametrize("name", list(CUSTOM))
+def test_diag_and_full_fall_back_exactly(name, kind, structure, approx):
+    model, x, y = custom_case(name, kind)
+    prior, lik = hyper(model, kind, "layerwise")
+    ev = LaplaceEvidence.fit(model, loader(x, y, 10), lik, prior, structure=structure, approx=approx)
+    expected = Problem(model, prior.param_names, x, y, kind).reference(structure, approx).evaluate(prior, lik)
+    for piece in ("log_det", "log_marglik", "log_prior", "log_likelihood"):
+        assert rel_err(getattr(ev, piece)(), expected[piece]) <= TOL, piece
+
+
+@pytest.mark.parametrize("structure", ["diag", "kron", "full"])
+@pytest.mark.parametrize("frozen", ["0.bias", "4.bias", "2.weight"])
+def test_partially_frozen_layers(frozen, structure):
+    """A frozen tensor is outside the prior; the rest must still be exact. A frozen weight with a
+    trainable bias has no Kronecker form: kron may refuse it with a ValueError."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    dict(model.named_parameters())[frozen].requires_grad_(False)
+    x, y = torch.randn(20, 4), torch.randint(0, 3, (20,))
+    prior, lik = hyper(model, "classification", "layerwise")
+    assert frozen not in prior.param_names
+    try:
+        ev = LaplaceEvidence.fit(model, loader(x, y), lik, prior, structure=structure)
+    except ValueError as err:
+        assert structure == "kron" and frozen.endswith("weight") and "'2'" in str(err), err
+        return
+    expected = Problem(model, prior.param_names, x, y, "classification").reference(structure, "ggn").evaluate(prior, lik)
+    assert rel_err(ev.log_marglik(), expected["log_marglik"]) <= TOL
+    assert rel_err(ev.log_det(), expected["log_det"]) <= TOL
+
+
+def test_kron_with_diagonal_prior_raises():
+    model, x, y, _ = setup("mlp_small", "regression")
+    with pytest.raises(ValueError, match="[Dd]iagonal"):
+        LaplaceEvidence.fit(model, loader(x, y), GaussianLikelihood(), GaussianPrior(model, structure="diagonal"), "kron")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"structure": "dense"},
+        {"structure": "Kron"},
+        {"structure": "kfac"},
+        {"structure": None},
+        {"approx": "fisher"},
+        {"approx": "GGN"},
+        {"approx": "ef", "mc_samples": 4},  # MC sampling applies to the GGN only
+        {"mc_samples": -1},
+        {"mc_samples": 1.5},
+    ],
+)
+def test_bad_options_raise_value_error(kwargs):
+    model, x, y, _ = setup("mlp_small", "regression")
+    with pytest.raises(ValueError):
+        LaplaceEvidence.fit(model, loader(x, y), GaussianLikelihood(), GaussianPrior(model), **kwargs)
+
+
+@pytest.mark.parametrize("structure", ["diag", "kron", "full"])
+@pytest.mark.parametrize("batches", ["inputs_only", "triples", "dicts", "bare_tensors"])
+def test_non_pair_batches_raise_type_error(batches, structure):
+    model, x, y, _ = setup("mlp_small", "regression")
+    data = {
+        "inputs_only": DataLoader(TensorDataset(x), batch_size=8),
+        "triples": DataLoader(TensorDataset(x, y, torch.ones(len(x))), batch_size=8),
+        "dicts": [{"x": x[:8], "y": y[:8]}],
+        "bare_tensors": [x[:8], x[8:16]],
+    }[batches]
+    with pytest.raises(TypeError):
+        LaplaceEvidence.fit(model, data, GaussianLikelihood(), GaussianPrior(model), structure=structure)
+
+
+def test_empty_loader_raises():
+    model, x, y, _ = setup("mlp_small", "regression")
+    with pytest.raises(ValueError):
+        LaplaceEvidence.fit(model, [], GaussianLikelihood(), GaussianPrior(model), structure="diag")
+
+
+@pytest.mark.parametrize(
+    "kind,target",
+    [
+        ("classification", lambda n: torch.zeros(n)),  # float labels
+        ("classification", lambda n: torch.zeros(n, 3, dtype=torch.long)),  # one-hot-like shape
+        ("regression", lambda n: torch.zeros(n, 3)),  # wrong number of outputs
+    ],
+)
+def test_bad_targets_raise_value_error(kind, target):
+    model, x, _, _ = setup("mlp_small", kind)
+    lik = GaussianLikelihood() if kind == "regression" else CategoricalLikelihood()
+    with pytest.raises(ValueError):
+        LaplaceEvidence.fit(model, loader(x, target(len(x))), lik, GaussianPrior(model), structure="diag")
+
+
+def test_prior_of_another_model_or_partial_prior_raises():
+    model, x, y, _ = setup("mlp_small", "regression")
+    other = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+    with pytest.raises(ValueError):
+        LaplaceEvidence.fit(model, loader(x, y), GaussianLikelihood(), GaussianPrior(other), structure="diag")
+    partial = GaussianPrior(model[0])  # covers the first layer only; the last still requires grad
+    with pytest.raises(ValueError):
+        LaplaceEvidence.fit(model, loader(x, y), GaussianLikelihood(), partial, structure="diag")
+
+
+# --- never silently wrong ----------------------------------------------------------------------
+
+
+class CalledTwice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.fc(torch.tanh(self.fc(x)))
+
+
+class FunctionalReuse(nn.Module):
+    """fc1.weight is used by its layer AND functionally (weight tying): a forward hook on fc1
+    sees only the first use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(3, 3), nn.Linear(3, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        return self.fc2(h) + F.linear(h, self.fc1.weight)[:, :2]
+
+
+class FunctionalOnly(nn.Module):
+    """fc2 is an nn.Linear whose parameters are used only through F.linear: its hook never fires."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(3, 5), nn.Linear(5, 2)
+
+    def forward(self, x):
+        return F.linear(torch.tanh(self.fc1(x)), self.fc2.weight, self.fc2.bias)
+
+
+@pytest.mark.parametrize("structure", ["diag", "kron", "full"])
+@pytest.mark.parametrize("cls", [CalledTwice, FunctionalReuse, FunctionalOnly])
+def test_reused_weights_raise_or_are_exact(cls, structure):
+    """Layer-wise curvature from hooks cannot see every use of a weight: raise a ValueError
+    (kron, whose blocks are undefined there) or be exact (diag/full, e.g. by falling back)."""
+    torch.manual_seed(2)
+    model = cls().double()
+    x = torch.randn(12, 3)
+    with torch.no_grad():
+        y = model(x) + 0.5 * torch.randn(12, model(x).shape[1])
+    prior, lik = hyper(model, "regression", "layerwise")
+    data = loader(x, y, 5)
+    if structure == "kron":
+        with pytest.raises(ValueError):
+            LaplaceEvidence.fit(model, data, lik, prior, structure=structure)
+        return
+    try:
+        ev = LaplaceEvidence.fit(model, data, lik, prior, structure=structure)
+    except ValueError:
+        assert structure == "diag"  # the full structure never needs hooks
+        return
+    expected = Problem(model, prior.param_names, x, y, "regression").reference(structure, "ggn").evaluate(prior, lik)
+    assert rel_err(ev.log_det(), expected["log_det"]) <= TOL
