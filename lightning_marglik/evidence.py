@@ -135,7 +135,12 @@ class LaplaceEvidence:
         scale = self.likelihood.curvature_scale(self.approx, h.get("log_sigma"), h["log_temperature"])
         log_prec = h["log_precision"]
         if self.structure == "diag":
-            return torch.log(scale * self._diag + self.prior.per_parameter(log_prec).exp()).sum()
+            if self.prior.structure == "diagonal":
+                return torch.log(scale * self._diag + log_prec.exp()).sum()
+            # one precision per tensor: add it blockwise instead of expanding it to P entries
+            delta = self.prior.per_tensor(log_prec).exp()
+            blocks = torch.split(self._diag, self.prior.param_sizes)
+            return torch.stack([torch.log(scale * c + d).sum() for c, d in zip(blocks, delta)]).sum()
         if self.structure == "kron":
             delta = self.prior.per_tensor(log_prec).exp()
             total = log_prec.new_zeros(())
@@ -267,7 +272,7 @@ class LaplaceEvidence:
         buffers = self._learnable()
         fixed = {n: t.detach() for n, t in self._hyper().items()}
         leaves = {n: t.detach().clone().requires_grad_(True) for n, t in buffers.items()}
-        optimizer = torch.optim.Adam(list(leaves.values()), lr=lr) if leaves else None
+        optimizer = torch.optim.Adam(list(leaves.values()), lr=lr, fused=True) if leaves else None
         if optimizer is not None and state:
             optimizer.load_state_dict(state)
             for group in optimizer.param_groups:
