@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 from pytorch_lightning.strategies import Strategy
 from torch import Tensor
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from .curvature import CurvatureStatistics
 
@@ -30,8 +30,9 @@ def evidence_loader(loader: DataLoader, rank: int = 0, world_size: int = 1) -> D
 
     Returns:
         A loader over examples ``rank, rank + world_size, ...`` in order, with the same batch size
-        (that of a custom batch sampler if it has one, else 1; none if ``loader`` does not batch,
-        i.e. its items already are batches) and the same collation and worker set-up.
+        (that of a custom batch sampler if it has one, else 1; if ``loader`` does not batch, the
+        keys stay single items, or index lists of the same length when its sampler is a
+        ``BatchSampler``) and the same collation and worker set-up.
 
     Raises:
         ValueError: If the data set is iterable-style under several processes (it cannot be
@@ -49,12 +50,16 @@ def evidence_loader(loader: DataLoader, rank: int = 0, world_size: int = 1) -> D
     if size < world_size:
         raise ValueError(f"The evidence data set has {size} examples, fewer than the {world_size} processes.")
     batch_size: Optional[int]
+    shard: Any = range(rank, size, world_size)
     if loader.batch_size is not None:
         batch_size = loader.batch_size
     elif loader.batch_sampler is not None:  # a custom batch sampler
         batch_size = getattr(loader.batch_sampler, "batch_size", None) or 1
-    else:  # automatic batching off: every item already is a batch
+    else:  # automatic batching off: the data set is indexed by the sampler's keys
         batch_size = None
+        per_key = getattr(loader.sampler, "batch_size", None)
+        if per_key:  # a BatchSampler as sampler: the keys are index lists (one fetch per batch)
+            shard = BatchSampler(shard, per_key, drop_last=False)
     workers: Dict[str, Any] = {}
     if loader.num_workers > 0:  # the user's worker set-up (e.g. opening files per worker)
         workers = dict(
@@ -66,7 +71,7 @@ def evidence_loader(loader: DataLoader, rank: int = 0, world_size: int = 1) -> D
     return DataLoader(
         dataset,
         batch_size=batch_size,
-        sampler=range(rank, size, world_size),
+        sampler=shard,
         collate_fn=loader.collate_fn,
         num_workers=loader.num_workers,
         pin_memory=loader.pin_memory,
