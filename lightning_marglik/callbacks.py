@@ -288,14 +288,23 @@ def find_hyperparameters(pl_module: torch.nn.Module) -> "tuple[GaussianPrior, Li
     return priors[0], likelihoods[0]
 
 
-def _marglik_callback(trainer: "pl.Trainer", owner: str) -> MargLikCallback:
-    found = [c for c in trainer.callbacks if isinstance(c, MargLikCallback)]  # type: ignore[attr-defined]
-    if len(found) != 1:
-        raise MisconfigurationException(f"{owner} needs exactly one MargLikCallback in the Trainer's callbacks.")
-    return found[0]
+class _FollowsEstimates(Callback):
+    """Mixin of the callbacks that act on ``MargLikCallback``'s estimates: finds it at set-up."""
+
+    _marglik: MargLikCallback
+
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage == "fit":
+            found = [c for c in trainer.callbacks if isinstance(c, MargLikCallback)]  # type: ignore[attr-defined]
+            if len(found) != 1:
+                raise MisconfigurationException(
+                    f"{type(self).__name__} needs exactly one MargLikCallback in the Trainer's callbacks."
+                )
+            self._marglik = found[0]
 
 
-class MargLikCheckpoint(ModelCheckpoint):
+class MargLikCheckpoint(_FollowsEstimates, ModelCheckpoint):
     """Keep the best-evidence model(s) instead of validation-based checkpointing.
 
     Acts only at the end of training epochs in which ``MargLikCallback`` estimated the evidence:
@@ -333,17 +342,12 @@ class MargLikCheckpoint(ModelCheckpoint):
             save_on_train_epoch_end=True,
         )
 
-    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        if stage == "fit":
-            self._marglik = _marglik_callback(trainer, type(self).__name__)
-
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self._marglik.is_fresh(trainer):
             super().on_train_epoch_end(trainer, pl_module)
 
 
-class MargLikEarlyStopping(EarlyStopping):
+class MargLikEarlyStopping(_FollowsEstimates, EarlyStopping):
     """Stop training when the evidence stops improving, without validation data.
 
     Patience counts *estimations* (every ``frequency`` epochs), not epochs. Stops with a message
@@ -366,11 +370,6 @@ class MargLikEarlyStopping(EarlyStopping):
         super().__init__(
             monitor=MONITOR, min_delta=min_delta, patience=patience, mode="max", check_finite=True, verbose=verbose
         )
-
-    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        if stage == "fit":
-            self._marglik = _marglik_callback(trainer, type(self).__name__)
 
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self._marglik.is_fresh(trainer):
