@@ -54,6 +54,7 @@ class LaplaceEvidence:
         with torch.no_grad():
             self._sq_norms = prior.group_sq_norms().to(device, dtype)
         self._group_sizes = prior.group_sizes()
+        self._tensor_sizes = torch.tensor(prior.param_sizes, dtype=dtype, device=device)
         self.trace: List[float] = []
         self.optimizer_state: dict = {}
         self._prepare(stats, device, dtype)
@@ -112,6 +113,11 @@ class LaplaceEvidence:
         else:
             self._gram = sums.get("gram")
             self._rows = None if stats.rows is None else stats.rows.to(device, dtype)
+            self._row_grams = None
+            if self._rows is not None and self.prior.structure != "diagonal":
+                # U D^-1 U^T = sum_t U_t U_t^T / delta_t: one R x R Gram per tensor makes a step O(T R^2 + R^3)
+                blocks = torch.split(self._rows, self.prior.param_sizes, dim=1)
+                self._row_grams = torch.stack([b @ b.T for b in blocks])
 
     # --- evaluation ---------------------------------------------------------------------------
 
@@ -149,14 +155,20 @@ class LaplaceEvidence:
                 if layer.bias is not None:
                     total = total + torch.log(scale * q + delta[layer.bias]).sum()
             return total
-        delta = self.prior.per_parameter(log_prec).exp()
         if self._gram is not None:
-            matrix = scale * self._gram + torch.diag(delta)
+            matrix = scale * self._gram + torch.diag(self.prior.per_parameter(log_prec).exp())
             return 2 * torch.log(torch.diagonal(torch.linalg.cholesky(matrix))).sum()
         # determinant lemma: |s U^T U + D| = |D| |I + s U D^-1 U^T|, for fewer rows than parameters
-        scaled = self._rows * torch.sqrt(scale / delta)
-        inner = torch.eye(scaled.shape[0], dtype=scaled.dtype, device=scaled.device) + scaled @ scaled.T
-        return torch.log(delta).sum() + 2 * torch.log(torch.diagonal(torch.linalg.cholesky(inner))).sum()
+        eye = torch.eye(self._rows.shape[0], dtype=self._rows.dtype, device=self._rows.device)
+        if self._row_grams is not None:
+            log_delta = self.prior.per_tensor(log_prec)
+            inner = eye + scale * torch.einsum("t,trs->rs", torch.exp(-log_delta), self._row_grams)
+            log_det_prior = (self._tensor_sizes * log_delta).sum()
+        else:
+            scaled = self._rows * torch.sqrt(scale * torch.exp(-log_prec))
+            inner = eye + scaled @ scaled.T
+            log_det_prior = log_prec.sum()
+        return log_det_prior + 2 * torch.log(torch.diagonal(torch.linalg.cholesky(inner))).sum()
 
     def _log_marglik(self, h: Dict[str, Tensor]) -> Tensor:
         return (

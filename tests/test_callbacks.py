@@ -213,3 +213,12 @@ def test_dataloader_by_method_name():
     ev = LaplaceEvidence.fit(model, loader(regression_data()), model.likelihood, model.prior, "diag", "ef")
     assert cb.evidence.n_data == 64
     assert cb.last_marglik == pytest.approx(ev.log_marglik().item() / 64, rel=1e-6)
+
+
+def test_float64_training_with_float32_data():
+    torch.set_default_dtype(torch.float32)
+    data = loader(regression_data())
+    cb = MargLikCallback(structure="kron", steps=5)
+    model, _ = _fit([cb], max_epochs=2, precision="64-true", data=data)
+    assert model.net[0].weight.dtype == torch.float64 and model.prior.log_precision.dtype == torch.float64
+    assert math.isfinite(cb.last_marglik)

@@ -69,7 +69,8 @@ def _locate(model: nn.Module, prior: GaussianPrior) -> Tuple[List[str], List[Tup
     return [names[id(p)] for p in params], [owners[id(p)] for p in params]
 
 
-def _batches(dataloader: Iterable, device: torch.device) -> Iterator[Tuple[Tensor, Tensor]]:
+def _batches(dataloader: Iterable, device: torch.device, dtype: torch.dtype) -> Iterator[Tuple[Tensor, Tensor]]:
+    """``(x, y)`` on the parameters' device; floating inputs in their dtype (e.g. a float64 model)."""
     for batch in dataloader:
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise TypeError(
@@ -77,7 +78,7 @@ def _batches(dataloader: Iterable, device: torch.device) -> Iterator[Tuple[Tenso
                 f"{type(batch).__name__}; pass a DataLoader that yields (inputs, targets)."
             )
         x, y = batch
-        yield x.to(device), y.to(device)
+        yield x.to(device, dtype if x.is_floating_point() else None), y.to(device)
 
 
 def collect_statistics(
@@ -124,7 +125,7 @@ def collect_statistics(
     hooks = LayerHooks({n: m for n, (m, _) in layers.items()} if use_hooks else {})
     verified = False
     with eval_mode(model), torch.enable_grad(), hooks:
-        for x, y in _batches(dataloader, device):
+        for x, y in _batches(dataloader, device, params[0].dtype):
             if use_hooks:
                 output = model(x)
                 factor = _factor(likelihood, output, y, approx, mc_samples, generator, stats)
