@@ -31,6 +31,7 @@ import inspect
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
@@ -292,6 +293,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("config", help="YAML file with data, candidates, trainer and callback sections")
     parser.add_argument("--output-dir", help="overrides `output_dir` of the YAML")
     args = parser.parse_args(argv)
+    sys.path.insert(0, os.getcwd())  # class paths of the user's own modules, as with `python -m`
     with open(args.config) as f:
         config = yaml.safe_load(f)
     if args.output_dir:
