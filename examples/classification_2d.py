@@ -24,18 +24,16 @@ LightningCLI overrides of the config. Writes ``examples/results/classification_2
 from __future__ import annotations
 
 import os
-import sys
-import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
 try:
-    from .common import (CONFIGS, RESULTS, MLPClassifier, MoonsData, build, classification_metrics, fit,
-                         markdown_table, quiet, script_args)
+    from .common import (CONFIGS, RESULTS, MLPClassifier, MoonsData, classification_metrics, fit,
+                         markdown_table, script_main)
 except ImportError:  # run as a script: examples/ is on sys.path
-    from common import (CONFIGS, RESULTS, MLPClassifier, MoonsData, build, classification_metrics, fit,
-                        markdown_table, quiet, script_args)
+    from common import (CONFIGS, RESULTS, MLPClassifier, MoonsData, classification_metrics, fit,
+                        markdown_table, script_main)
 
 CONFIG = os.path.join(CONFIGS, "classification_2d.yaml")
 PLOT = os.path.join(RESULTS, "classification_2d.png")
@@ -148,17 +146,7 @@ def make_plot(fits: Dict[str, Any], rows: List[Dict[str, Any]], path: str) -> No
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-    quiet()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "fit":  # plain LightningCLI: one model as configured
-        build(MLPClassifier, MoonsData, CONFIG, argv, run=True)
-        return {}
-    quick, config, plot, overrides = script_args(argv)
-    plot = PLOT if plot == "" else plot
-    start = time.perf_counter()
-    out = run(config or CONFIG, [*(QUICK if quick else []), *overrides], plot=plot)
-    print(f"total {time.perf_counter() - start:.1f} s")
-    return out
+    return script_main(argv, MLPClassifier, MoonsData, CONFIG, PLOT, run, QUICK)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 import warnings
 from typing import Any, Dict, List, Optional, Sequence
@@ -492,3 +493,32 @@ def markdown_table(rows: List[Dict[str, Any]], columns: Sequence[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def script_main(
+    argv: Optional[Sequence[str]],
+    model_cls: type,
+    data_cls: type,
+    config: str,
+    plot: str,
+    run: Any,
+    quick_overrides: Sequence[str],
+    **quick_kwargs: Any,
+) -> Dict[str, Any]:
+    """The command line shared by the comparison examples.
+
+    ``fit ...`` runs one plain LightningCLI fit of the config; otherwise ``run(config, overrides,
+    plot=...)`` with the script options of :func:`script_args`, and ``--quick`` adds
+    ``quick_overrides`` and ``quick_kwargs``.
+    """
+    quiet()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "fit":  # plain LightningCLI: one model as configured
+        build(model_cls, data_cls, config, argv, run=True)
+        return {}
+    quick, chosen, plot_path, overrides = script_args(argv)
+    start = time.perf_counter()
+    out = run(chosen or config, [*(quick_overrides if quick else []), *overrides],
+              plot=plot if plot_path == "" else plot_path, **(quick_kwargs if quick else {}))
+    print(f"total {time.perf_counter() - start:.1f} s")
+    return out

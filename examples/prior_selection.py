@@ -26,18 +26,16 @@ from __future__ import annotations
 
 import math
 import os
-import sys
-import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
 try:
-    from .common import (CONFIGS, RESULTS, BreastCancerData, HyperparameterTrace, MLPClassifier, build,
-                         classification_metrics, evidence_per_datum, fit, markdown_table, quiet, script_args)
+    from .common import (CONFIGS, RESULTS, BreastCancerData, HyperparameterTrace, MLPClassifier,
+                         classification_metrics, evidence_per_datum, fit, markdown_table, script_main)
 except ImportError:  # run as a script: examples/ is on sys.path
-    from common import (CONFIGS, RESULTS, BreastCancerData, HyperparameterTrace, MLPClassifier, build,
-                        classification_metrics, evidence_per_datum, fit, markdown_table, quiet, script_args)
+    from common import (CONFIGS, RESULTS, BreastCancerData, HyperparameterTrace, MLPClassifier,
+                        classification_metrics, evidence_per_datum, fit, markdown_table, script_main)
 
 CONFIG = os.path.join(CONFIGS, "prior_selection.yaml")
 PLOT = os.path.join(RESULTS, "prior_selection.png")
@@ -181,18 +179,7 @@ def make_plot(out: Dict[str, Any], path: str) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-    quiet()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "fit":  # plain LightningCLI: one model as configured
-        build(MLPClassifier, BreastCancerData, CONFIG, argv, run=True)
-        return {}
-    quick, config, plot, overrides = script_args(argv)
-    plot = PLOT if plot == "" else plot
-    start = time.perf_counter()
-    out = run(config or CONFIG, [*(QUICK if quick else []), *overrides], grid=QUICK_GRID if quick else GRID,
-              plot=plot)
-    print(f"total {time.perf_counter() - start:.1f} s")
-    return out
+    return script_main(argv, MLPClassifier, BreastCancerData, CONFIG, PLOT, run, QUICK, grid=QUICK_GRID)
 
 
 if __name__ == "__main__":

@@ -21,17 +21,15 @@ from __future__ import annotations
 
 import math
 import os
-import sys
-import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from torch.func import functional_call, jacrev
 
 try:
-    from .common import CONFIGS, RESULTS, MLPRegressor, ToyRegressionData, build, fit, markdown_table, quiet, script_args
+    from .common import CONFIGS, RESULTS, MLPRegressor, ToyRegressionData, fit, markdown_table, script_main
 except ImportError:  # run as a script: examples/ is on sys.path
-    from common import CONFIGS, RESULTS, MLPRegressor, ToyRegressionData, build, fit, markdown_table, quiet, script_args
+    from common import CONFIGS, RESULTS, MLPRegressor, ToyRegressionData, fit, markdown_table, script_main
 
 CONFIG = os.path.join(CONFIGS, "toy_regression.yaml")
 PLOT = os.path.join(RESULTS, "toy_regression.png")
@@ -168,17 +166,7 @@ def make_plot(fits: Dict[int, Any], rows: List[Dict[str, Any]], path: str) -> No
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-    quiet()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "fit":  # plain LightningCLI: one model as configured
-        build(MLPRegressor, ToyRegressionData, CONFIG, argv, run=True)
-        return {}
-    quick, config, plot, overrides = script_args(argv)
-    plot = PLOT if plot == "" else plot
-    start = time.perf_counter()
-    out = run(config or CONFIG, [*(QUICK if quick else []), *overrides], plot=plot)
-    print(f"total {time.perf_counter() - start:.1f} s")
-    return out
+    return script_main(argv, MLPRegressor, ToyRegressionData, CONFIG, PLOT, run, QUICK)
 
 
 if __name__ == "__main__":

@@ -6,13 +6,12 @@ the buffers, fixed hyperparameters left alone.
 """
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 from torch import nn
 
-from lightning_marglik import CategoricalLikelihood, GaussianLikelihood, GaussianPrior, LaplaceEvidence
+from lightning_marglik import GaussianLikelihood, GaussianPrior, LaplaceEvidence
 from tests.reference import Problem, hyper, loader, reference_env, setup  # noqa: F401 (reference_env: autouse fixture)
 
 _TOY: dict = {}

@@ -102,7 +102,7 @@ class LayerHooks:
         self.outputs.clear()
 
     def backprop(self, output: Tensor, factor: Tensor) -> Dict[str, Tensor]:
-        """Gradients of ``sum_n L_n[:, j]^T f_n`` w.r.t. every layer output, batched over ``j``.
+        """Gradients of ``sum_n L_n[:, j]^T f_n`` w.r.t. every layer output, for every column ``j``.
 
         One plain backward pass per column ``j`` (the graph is kept until the last one). This is
         faster than ``is_grads_batched`` (vmap), which has no batching rule for some backward
