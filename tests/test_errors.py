@@ -257,3 +257,16 @@ def test_reused_weights_raise_or_are_exact(cls, structure):
         return
     expected = Problem(model, prior.param_names, x, y, "regression").reference(structure, "ggn").evaluate(prior, lik)
     assert rel_err(ev.log_det(), expected["log_det"]) <= TOL
+
+
+def test_float32_rounding_is_not_taken_for_a_reused_weight():
+    """The reuse check compares two float32 gradient sums over many conv positions: rounding only."""
+    torch.set_default_dtype(torch.float32)
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 7 * 7, 10),
+    )
+    data = [(torch.randn(256, 1, 28, 28), torch.randint(0, 10, (256,)))]
+    ev = LaplaceEvidence.fit(net, data, CategoricalLikelihood(), GaussianPrior(net), "kron", "ef")
+    assert torch.isfinite(ev.log_marglik())
