@@ -25,6 +25,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_marglik import CategoricalLikelihood, GaussianPrior, map_loss
 
+try:
+    from .common import _TensorData
+except ImportError:  # imported with examples/ on sys.path
+    from common import _TensorData
+
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU}
 
 
@@ -119,34 +124,10 @@ class DigitCNN(_Classifier):
         self.save_hyperparameters()
 
 
-class _ImageData(pl.LightningDataModule):
-    x_train: Tensor
-    y_train: Tensor
-    x_test: Tensor
-    y_test: Tensor
-
-    def __init__(self, batch_size: int) -> None:
-        super().__init__()
-        self.batch_size = batch_size
-
-    @property
-    def n_train(self) -> int:
-        return len(self.x_train)
-
-    def _loader(self, x: Tensor, y: Tensor, shuffle: bool) -> DataLoader:
-        size = self.batch_size if self.batch_size > 0 else len(x)
-        generator = torch.Generator().manual_seed(0) if shuffle else None
-        return DataLoader(TensorDataset(x, y), batch_size=size, shuffle=shuffle, generator=generator)
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.x_train, self.y_train, shuffle=self.batch_size > 0)
-
+class _ImageData(_TensorData):
     def evidence_dataloader(self) -> DataLoader:
         """Training data in order, in large batches (for ``MargLikCallback(dataloader=...)``)."""
         return DataLoader(TensorDataset(self.x_train, self.y_train), batch_size=512)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader(self.x_test, self.y_test, shuffle=False)
 
 
 class DigitsData(_ImageData):
