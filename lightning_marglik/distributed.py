@@ -5,38 +5,71 @@ lead to a collective depend only on values that are identical on all ranks.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional
+import itertools
+import operator
+from typing import Any, Callable, Dict, Hashable, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
+from lightning_fabric.utilities.distributed import _DatasetSamplerWrapper
 from pytorch_lightning.strategies import Strategy
+from pytorch_lightning.utilities.seed import isolate_rng
 from torch import Tensor
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 
 from .curvature import CurvatureStatistics
 
-__all__ = ["evidence_loader", "reduce_statistics", "run_on_all_ranks"]
+__all__ = ["epoch_keys", "evidence_loader", "reduce_statistics", "run_on_all_ranks"]
+
+T = TypeVar("T")
+
+_FIX = (
+    "the evidence needs every training example exactly once: pass MargLikCallback `dataloader=` a DataLoader "
+    "over the examples to evaluate (e.g. `DataLoader(Subset(dataset, indices))`)."
+)
 
 
-def evidence_loader(loader: DataLoader, rank: int = 0, world_size: int = 1) -> DataLoader:
-    """A loader over this rank's share of ``loader``'s data set, each example on exactly one rank.
+def evidence_loader(
+    loader: DataLoader, rank: int = 0, world_size: int = 1, max_batches: Optional[int] = None
+) -> Iterable:
+    """This rank's share of the examples one epoch of ``loader`` draws, each example on exactly one rank.
 
-    The training loader's sampler is not reused: it may shuffle, drop the last batch, or (under
-    DDP) pad shards by repeating examples, all of which would miscount the evidence.
+    The examples are those of ``loader``'s sampler (its index set: a ``SubsetRandomSampler``'s
+    indices, a custom sampler's keys, the whole data set for sequential, shuffling and distributed
+    samplers), each once, in sorted order (first-seen order for keys that do not sort). The
+    sampler itself is not reused: it may shuffle, drop the last batch or (under DDP) pad shards by
+    repeating examples, all of which would miscount the evidence. Under DDP, Lightning's
+    ``DistributedSamplerWrapper`` around a custom sampler is looked through to the user's sampler.
 
     Args:
-        loader: The loader whose data set the evidence covers.
+        loader: The loader whose examples the evidence covers.
         rank: This process's global rank.
         world_size: Number of processes.
+        max_batches: For an iterable-style data set (which has no index set): read only its first
+            ``max_batches`` batches, those one training epoch uses. Ignored for map-style data.
 
     Returns:
-        A loader over examples ``rank, rank + world_size, ...`` in order, with the same batch size
-        (that of a custom batch sampler if it has one, else 1; if ``loader`` does not batch, the
-        keys stay single items, or index lists of the same length when its sampler is a
-        ``BatchSampler``) and the same collation and worker set-up.
+        A loader over every ``world_size``-th key of that index set starting at ``rank``, with the
+        same batch size (that of a custom batch sampler if it has one, else 1; if ``loader`` does not
+        batch, the keys stay single items, or index lists of the same length when its sampler is a
+        ``BatchSampler``) and the same collation and worker set-up. An iterable-style loader comes
+        back as it is (or bounded by ``max_batches``).
 
     Raises:
-        ValueError: If the data set is iterable-style under several processes (it cannot be
-            sharded without padding), or has fewer examples than processes.
+        ValueError: If the sampler draws another distribution than its index set (with
+            replacement, by weight, a random part of it, or a key more than once), has no finite
+            length, or there are fewer examples than processes; if the data set is iterable-style
+            under several processes (it cannot be sharded without repeating examples), or has no
+            length and no ``max_batches`` (the pass would never end).
     """
     dataset = loader.dataset
     if isinstance(dataset, IterableDataset):
@@ -45,21 +78,14 @@ def evidence_loader(loader: DataLoader, rank: int = 0, world_size: int = 1) -> D
                 "The evidence pass cannot shard an IterableDataset across processes without repeating "
                 "examples; pass `dataloader=` a map-style data set to MargLikCallback."
             )
-        return loader
-    size = len(dataset)  # type: ignore[arg-type]
-    if size < world_size:
-        raise ValueError(f"The evidence data set has {size} examples, fewer than the {world_size} processes.")
-    batch_size: Optional[int]
-    shard: Any = range(rank, size, world_size)
-    if loader.batch_size is not None:
-        batch_size = loader.batch_size
-    elif loader.batch_sampler is not None:  # a custom batch sampler
-        batch_size = getattr(loader.batch_sampler, "batch_size", None) or 1
-    else:  # automatic batching off: the data set is indexed by the sampler's keys
-        batch_size = None
-        per_key = getattr(loader.sampler, "batch_size", None)
-        if per_key:  # a BatchSampler as sampler: the keys are index lists (one fetch per batch)
-            shard = BatchSampler(shard, per_key, drop_last=False)
+        return _bounded(loader, max_batches)
+    source, batched, batch_size, per_key = _key_source(loader)
+    keys = epoch_keys(source, batched)
+    if len(keys) < world_size:
+        raise ValueError(f"The evidence data set has {len(keys)} examples, fewer than the {world_size} processes.")
+    shard: Any = keys[rank::world_size]
+    if per_key:  # a BatchSampler as sampler: the keys are index lists (one fetch per batch)
+        shard = BatchSampler(shard, per_key, drop_last=False)
     workers: Dict[str, Any] = {}
     if loader.num_workers > 0:  # the user's worker set-up (e.g. opening files per worker)
         workers = dict(
@@ -79,14 +105,148 @@ def evidence_loader(loader: DataLoader, rank: int = 0, world_size: int = 1) -> D
     )
 
 
-def run_on_all_ranks(strategy: Strategy, work: Callable[[], CurvatureStatistics]) -> CurvatureStatistics:
+def _key_source(loader: DataLoader) -> Tuple[Union[Sampler, Iterable], bool, Optional[int], Optional[int]]:
+    """Where ``loader``'s keys come from: ``(sampler, yields batches, batch size, keys per fetch)``.
+
+    A custom batch sampler with an inner ``sampler`` (a ``BatchSampler``) gives that sampler;
+    one without is returned itself (it yields batches of keys). The last entry is set when
+    automatic batching is off and the sampler is a ``BatchSampler`` (every key an index list).
+    """
+    if loader.batch_size is not None:  # automatic batching: BatchSampler(loader.sampler)
+        return loader.sampler, False, loader.batch_size, None
+    if loader.batch_sampler is not None:  # a custom batch sampler
+        size = getattr(loader.batch_sampler, "batch_size", None) or 1
+        inner = getattr(loader.batch_sampler, "sampler", None)
+        return (loader.batch_sampler, True, size, None) if inner is None else (inner, False, size, None)
+    per_key = getattr(loader.sampler, "batch_size", None)
+    if per_key and hasattr(loader.sampler, "sampler"):
+        return loader.sampler.sampler, False, None, per_key  # type: ignore[union-attr]
+    return loader.sampler, False, None, None
+
+
+def epoch_keys(sampler: Union[Sampler, Iterable], batched: bool = False) -> Sequence:
+    """The keys one epoch of ``sampler`` draws, each once, sorted (or in first-seen order).
+
+    Sequential, shuffling (without replacement) and distributed samplers draw every index of their
+    data set; a ``SubsetRandomSampler`` its ``indices``; Lightning's ``DistributedSamplerWrapper``
+    the keys of the sampler it wraps; any other sampler (or a batch sampler, flattened) what one
+    pass over it yields, taken with the random state restored afterwards so that training draws
+    as it would have.
+
+    Args:
+        sampler: The sampler (or any iterable of keys with a length).
+        batched: Whether ``sampler`` yields batches of keys (a custom batch sampler).
+
+    Raises:
+        ValueError: For a sampler that draws another distribution (with replacement, by weight, a
+            random part of the data set, a key more than once) or has no finite length; the
+            message names ``dataloader=``.
+    """
+    name = type(sampler).__name__
+    while isinstance(sampler, DistributedSampler):
+        if not isinstance(sampler.dataset, _DatasetSamplerWrapper):
+            return range(len(sampler.dataset))  # type: ignore[arg-type]  # the whole data set, before padding
+        # Lightning's DistributedSamplerWrapper keeps the user's sampler there (lightning_fabric)
+        sampler = sampler.dataset._sampler
+        name = type(sampler).__name__
+    if isinstance(sampler, SequentialSampler):
+        return range(len(sampler))
+    if isinstance(sampler, WeightedRandomSampler):
+        raise ValueError(f"The training sampler {name} draws examples by weight, with replacement; {_FIX}")
+    if isinstance(sampler, RandomSampler):
+        size = len(sampler.data_source)
+        if sampler.replacement:
+            raise ValueError(
+                f"The training sampler RandomSampler(replacement=True) draws examples with replacement; {_FIX}"
+            )
+        if sampler.num_samples != size:
+            raise ValueError(
+                f"The training sampler RandomSampler(num_samples={sampler.num_samples}) draws a random part (or "
+                f"repeats) of the {size} examples per epoch; {_FIX}"
+            )
+        return range(size)
+    if isinstance(sampler, SubsetRandomSampler):
+        return _unique(sampler.indices, name)
+    try:
+        length = len(sampler)  # type: ignore[arg-type]
+    except TypeError:
+        length = None
+    if length is None or length == float("inf"):
+        raise ValueError(f"The training sampler {name} has no finite length, so its examples cannot be listed; {_FIX}")
+    with isolate_rng():  # a random sampler must not shift the random stream training draws from
+        drawn = list(itertools.islice(iter(sampler), length))
+    if batched:
+        drawn = [key for batch in drawn for key in batch]
+    return _unique(drawn, name)
+
+
+def _unique(keys: Iterable, name: str) -> Sequence:
+    """``keys`` (ints where they are integral, e.g. 0-dim tensors), sorted where they sort.
+
+    Raises:
+        ValueError: If a key repeats (the sampler draws another distribution than its key set).
+    """
+    seen: Dict[Hashable, None] = {}
+    for key in keys:
+        key = _as_key(key)
+        if key in seen:
+            raise ValueError(f"The training sampler {name} draws example {key!r} more than once per epoch; {_FIX}")
+        seen[key] = None
+    try:
+        return sorted(seen)  # type: ignore[type-var]
+    except TypeError:  # keys of mixed or unordered types: the sampler's own order
+        return list(seen)
+
+
+def _as_key(key: Any) -> Hashable:
+    try:
+        return operator.index(key)  # int, numpy integer, 0-dim integer tensor
+    except TypeError:
+        return key
+
+
+class _FirstBatches:
+    """The first ``count`` batches of ``loader``, with a length (for progress)."""
+
+    def __init__(self, loader: DataLoader, count: int) -> None:
+        self.loader, self.count = loader, count
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(iter(self.loader), self.count)
+
+    def __len__(self) -> int:
+        return self.count
+
+
+def _bounded(loader: DataLoader, max_batches: Optional[int]) -> Iterable:
+    """An iterable-style ``loader``, read up to ``max_batches`` batches; never unbounded."""
+    try:
+        length: Optional[int] = len(loader)
+    except TypeError:  # an IterableDataset without __len__: possibly endless
+        length = None
+    if max_batches is None:
+        if length is None:
+            raise ValueError(
+                "The evidence data is an IterableDataset without a length, so the evidence pass would never end: "
+                "set Trainer(limit_train_batches=<number of batches>) or pass MargLikCallback `dataloader=` a "
+                "DataLoader of finite length."
+            )
+        return loader
+    if length is not None and length <= max_batches:
+        return loader
+    return _FirstBatches(loader, max_batches)
+
+
+def run_on_all_ranks(strategy: Strategy, work: Callable[[], T]) -> T:
     """Run ``work`` on every rank; if it fails anywhere, raise on every rank instead of hanging.
+
+    One collective (a sum of failure flags) follows ``work`` on every rank, whatever happened.
 
     Raises:
         RuntimeError: If ``work`` failed on another rank (this rank re-raises its own error).
     """
     error: Optional[BaseException] = None
-    result = None
+    result: Optional[T] = None
     try:
         result = work()
     except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks know
@@ -97,15 +257,18 @@ def run_on_all_ranks(strategy: Strategy, work: Callable[[], CurvatureStatistics]
         raise error
     if float(failures) > 0:
         raise RuntimeError("The evidence pass failed on another process; see that process's error.")
-    assert result is not None
-    return result
+    return result  # type: ignore[return-value]
 
 
 def reduce_statistics(stats: CurvatureStatistics, strategy: Strategy) -> CurvatureStatistics:
-    """Sum the statistics of all ranks in place (rows of the full structure are concatenated).
+    """Sum the statistics of all ranks in place: every declared statistic in ONE all-reduce.
+
+    The full structure's low-rank rows (while fewer rows than parameters) are gathered instead,
+    in one more collective pair (lengths, padded rows); its choice depends on the global row
+    count only.
 
     Args:
-        stats: This rank's statistics; the same keys on every rank.
+        stats: This rank's statistics; the same declared states on every rank.
         strategy: The trainer's strategy, which owns the collectives.
 
     Returns:
@@ -113,26 +276,12 @@ def reduce_statistics(stats: CurvatureStatistics, strategy: Strategy) -> Curvatu
     """
     if strategy.world_size == 1:
         return stats
-    if stats.structure == "full":
-        local = 0 if stats.rows is None else stats.rows.shape[0]
-        in_gram = "gram" in stats.sums
-        flags = strategy.reduce(torch.tensor([float(local), float(in_gram)], device=strategy.root_device), reduce_op="sum")
-        if flags[0] >= stats.n_params or flags[1] > 0:
-            stats.to_gram()
-            ref = stats.sums["n_data"]
-            stats.sums.setdefault("gram", ref.new_zeros(stats.n_params, stats.n_params))
-        else:
-            stats.rows = _gather_rows(stats.rows, strategy)
-    stats.sums = {k: strategy.reduce(v, reduce_op="sum") for k, v in sorted(stats.sums.items())}
-    return stats
+    device = strategy.root_device
 
+    def sum_fn(flat: Tensor) -> Tensor:
+        return strategy.reduce(flat.to(device), reduce_op="sum")
 
-def _gather_rows(rows: Optional[Tensor], strategy: Strategy) -> Tensor:
-    """All-gather row blocks of different lengths (padded to the longest, then trimmed)."""
-    assert rows is not None
-    lengths = strategy.all_gather(torch.tensor(rows.shape[0], device=rows.device)).reshape(-1)
-    longest = int(lengths.max())
-    padded = rows.new_zeros(longest, rows.shape[1])
-    padded[: rows.shape[0]] = rows
-    gathered = strategy.all_gather(padded).reshape(-1, longest, rows.shape[1])
-    return torch.cat([block[: int(n)] for block, n in zip(gathered, lengths)])
+    def gather_fn(tensor: Tensor) -> List[Tensor]:
+        return list(strategy.all_gather(tensor.to(device)).unbind(0))
+
+    return stats.reduce(sum_fn, gather_fn)

@@ -20,10 +20,16 @@ from typing import Dict, List, Optional
 import torch
 from torch import Tensor, nn
 
-__all__ = ["GaussianPrior", "GaussianLikelihood", "CategoricalLikelihood", "Likelihood", "map_loss"]
+__all__ = [
+    "GaussianPrior",
+    "GaussianLikelihood",
+    "CategoricalLikelihood",
+    "Likelihood",
+    "assign_hyperparameters",
+    "map_loss",
+]
 
 PRIOR_STRUCTURES = ("scalar", "layerwise", "diagonal")
-APPROXIMATIONS = ("ggn", "ef")
 
 
 def _log_buffer(value: float, name: str) -> Tensor:
@@ -143,8 +149,11 @@ class GaussianPrior(nn.Module):
 class Likelihood(nn.Module):
     """Base class of the likelihoods: a tempered ``p(y|f)^(1/T)`` with a learnable temperature.
 
-    Subclasses define the per-datum negative log-likelihood, the sufficient statistics of the
-    data term, and a square root of the loss Hessian used by the curvature pass.
+    Outputs are ``(B, ..., C)``: every position ``(b, ...)`` is one *term* (datum) of the
+    log-likelihood and one row of the curvature. Subclasses define the per-term negative
+    log-likelihood, the sufficient statistics of the data term, a square root of the loss Hessian
+    per term, and their own hyperparameters (log-parameterised buffers) with how they enter the
+    log-likelihood and the curvature scale.
     """
 
     log_temperature: Tensor
@@ -170,40 +179,87 @@ class Likelihood(nn.Module):
         """Validate a batch and return the target in the shape the likelihood works with."""
         raise NotImplementedError
 
-    def nll(self, output: Tensor, target: Tensor) -> Tensor:
-        """Untempered negative log-likelihood per datum at the current hyperparameters, shape ``(B,)``."""
+    def terms(self, output: Tensor, target: Tensor) -> "tuple[Tensor, Tensor, Tensor]":
+        """Outputs ``(n, C)``, targets and a boolean mask ``(n,)`` of the kept terms, one row per position."""
         raise NotImplementedError
+
+    def term_nll(self, output: Tensor, target: Tensor) -> Tensor:
+        """Untempered negative log-likelihood of each row of :meth:`terms`, shape ``(n,)``."""
+        raise NotImplementedError
+
+    def term_hessian_sqrt(
+        self, output: Tensor, target: Tensor, approx: str, mc_samples: int, generator: Optional[torch.Generator]
+    ) -> Tensor:
+        """Factor ``L`` ``(n, C, k)`` of each term's curvature in ``f`` (unit noise and temperature)."""
+        raise NotImplementedError
+
+    def term_statistics(self, output: Tensor, target: Tensor, mask: Tensor) -> Dict[str, Tensor]:
+        """Sum-reduced sufficient statistics of the kept terms (integer counts as int64 tensors)."""
+        raise NotImplementedError
+
+    def log_likelihood(self, stats: Dict[str, Tensor], values: Dict[str, Tensor]) -> Tensor:
+        """Tempered log-likelihood ``log p(D|theta) / T`` from summed statistics at log hyperparameters ``values``."""
+        raise NotImplementedError
+
+    def curvature_scale(self, approx: str, values: Dict[str, Tensor]) -> Tensor:
+        """The factor ``s`` of ``H = s C + diag(delta)`` for the unit-scale curvature ``C``."""
+        raise NotImplementedError
+
+    # --- shared by every likelihood: positions as terms -------------------------------------
+
+    def nll(self, output: Tensor, target: Tensor) -> Tensor:
+        """Untempered negative log-likelihood of every kept term at the current hyperparameters, ``(n_kept,)``."""
+        flat, flat_target, mask = self.terms(output, target)
+        return self.term_nll(flat[mask], flat_target[mask])
+
+    def count(self, output: Tensor, target: Tensor) -> int:
+        """Number of kept terms (data) in the batch: what ``n_data`` counts."""
+        return int(self.terms(output, target)[2].sum())
 
     def statistics(self, output: Tensor, target: Tensor) -> Dict[str, Tensor]:
-        """Sum-reduced sufficient statistics of the data term for one batch."""
-        raise NotImplementedError
-
-    def log_likelihood(self, stats: Dict[str, Tensor], log_sigma: Optional[Tensor], log_temperature: Tensor) -> Tensor:
-        """Tempered log-likelihood ``log p(D|theta) / T`` from the summed statistics."""
-        raise NotImplementedError
+        """Sum-reduced statistics of the batch, computed in float64 whatever the output dtype."""
+        flat, flat_target, mask = self.terms(output.double(), target)
+        stats = self.term_statistics(flat[mask], flat_target[mask], mask)
+        stats["n_data"] = mask.sum()
+        return stats
 
     def hessian_sqrt(
         self, output: Tensor, target: Tensor, approx: str, mc_samples: int, generator: Optional[torch.Generator]
     ) -> Tensor:
-        """Factor ``L_n`` (shape ``(B, C, k)``) with ``L_n L_n^T`` the per-datum curvature in ``f``.
+        """Factor ``L_n`` ``(B, M, K)`` of each example's curvature in its flattened output (``M`` values).
 
-        Taken at unit noise and temperature; :meth:`curvature_scale` restores both.
+        For ``(B, C)`` outputs, ``K`` is the per-term ``k``. For ``(B, T, C)`` outputs the terms of
+        one example must stay separate (the curvature is block-diagonal over positions): ``K = T k``
+        columns, each supported on one position, except for the Monte-Carlo GGN, whose ``k``
+        samples may sum over positions (independent draws: the same GGN in expectation). Ignored
+        positions have zero columns. Computed in float64, returned in the output's dtype.
         """
-        raise NotImplementedError
-
-    def curvature_scale(self, approx: str, log_sigma: Optional[Tensor], log_temperature: Tensor) -> Tensor:
-        """The factor ``s`` of ``H = s C + diag(delta)`` for the unit-scale curvature ``C``."""
-        raise NotImplementedError
+        flat, flat_target, mask = self.terms(output.detach().double(), target)
+        factor = self.term_hessian_sqrt(flat, flat_target, approx, mc_samples, generator) * mask.reshape(-1, 1, 1)
+        b, c, k = output.shape[0], output.shape[-1], factor.shape[2]
+        if output.dim() == 2:
+            return factor.to(output.dtype)
+        positions = flat.shape[0] // b
+        factor = factor.reshape(b, positions, c, k)
+        if approx == "ggn" and mc_samples:
+            return factor.reshape(b, positions * c, k).to(output.dtype)
+        eye = torch.eye(positions, dtype=factor.dtype, device=factor.device)
+        return torch.einsum("btck,ts->btcsk", factor, eye).reshape(b, positions * c, positions * k).to(output.dtype)
 
 
 class GaussianLikelihood(Likelihood):
     """Gaussian likelihood ``N(y | f, sigma^2 I)`` for regression, with learnable noise.
+
+    Outputs ``(B, ..., D)``: each position is one datum with ``D`` outputs.
 
     Args:
         sigma: Initial observation noise standard deviation.
         temperature: Likelihood temperature ``T`` (``p^(1/T)``; ``T < 1`` up-weights the data).
         learn_sigma: Whether the marginal likelihood optimizes ``sigma``.
         learn_temperature: Whether the marginal likelihood optimizes ``T``.
+
+    Raises:
+        ValueError: On a non-positive or non-finite ``sigma`` or ``temperature``.
 
     Example:
         >>> lik = GaussianLikelihood(sigma=0.5)
@@ -231,49 +287,55 @@ class GaussianLikelihood(Likelihood):
         return super().learnable() + (["log_sigma"] if self.learn_sigma else [])
 
     def check_target(self, output: Tensor, target: Tensor) -> Tensor:
-        if output.dim() != 2:
-            raise ValueError(f"GaussianLikelihood expects outputs of shape (batch, outputs), got {tuple(output.shape)}.")
-        if target.dim() == 1 and output.shape[1] == 1:
-            target = target.unsqueeze(1)
+        if output.dim() < 2:
+            raise ValueError(
+                f"GaussianLikelihood expects outputs of shape (batch, ..., outputs), got {tuple(output.shape)}; "
+                "return (batch, 1) for a single output."
+            )
+        if target.shape == output.shape[:-1] and output.shape[-1] == 1:
+            target = target.unsqueeze(-1)
         if target.shape != output.shape:
             raise ValueError(
                 f"GaussianLikelihood: target shape {tuple(target.shape)} does not match output shape "
                 f"{tuple(output.shape)}."
             )
+        if not target.is_floating_point():
+            raise ValueError(f"GaussianLikelihood expects floating-point targets, got {target.dtype}.")
         return target.to(output.dtype)
 
-    def nll(self, output: Tensor, target: Tensor) -> Tensor:
+    def terms(self, output: Tensor, target: Tensor) -> "tuple[Tensor, Tensor, Tensor]":
         target = self.check_target(output, target)
-        sigma2 = self.sigma.detach() ** 2
-        c = output.shape[1]
-        return 0.5 * ((target - output) ** 2).sum(1) / sigma2 + 0.5 * c * torch.log(2 * math.pi * sigma2)
+        d = output.shape[-1]
+        flat = output.reshape(-1, d)
+        return flat, target.reshape(-1, d), torch.ones(flat.shape[0], dtype=torch.bool, device=output.device)
 
-    def statistics(self, output: Tensor, target: Tensor) -> Dict[str, Tensor]:
-        target = self.check_target(output, target)
-        return {"sse": ((target - output) ** 2).sum(), "n_outputs": torch.tensor(float(target.numel()))}
+    def term_nll(self, output: Tensor, target: Tensor) -> Tensor:
+        sigma2 = self.sigma.detach().to(output.dtype) ** 2
+        return 0.5 * ((target - output) ** 2).sum(1) / sigma2 + 0.5 * output.shape[1] * torch.log(2 * math.pi * sigma2)
 
-    def log_likelihood(self, stats: Dict[str, Tensor], log_sigma: Optional[Tensor], log_temperature: Tensor) -> Tensor:
-        assert log_sigma is not None
-        loglik = -0.5 * stats["n_outputs"] * (math.log(2 * math.pi) + 2 * log_sigma) - 0.5 * stats["sse"] * torch.exp(
-            -2 * log_sigma
-        )
-        return loglik * torch.exp(-log_temperature)
+    def term_statistics(self, output: Tensor, target: Tensor, mask: Tensor) -> Dict[str, Tensor]:
+        return {"sse": ((target - output) ** 2).sum(), "n_outputs": torch.tensor(target.numel())}
 
-    def hessian_sqrt(
+    def log_likelihood(self, stats: Dict[str, Tensor], values: Dict[str, Tensor]) -> Tensor:
+        log_sigma = values["log_sigma"]
+        n_outputs = stats["n_outputs"].to(log_sigma.dtype)
+        loglik = -0.5 * n_outputs * (math.log(2 * math.pi) + 2 * log_sigma) - 0.5 * stats["sse"] * torch.exp(-2 * log_sigma)
+        return loglik * torch.exp(-values["log_temperature"])
+
+    def term_hessian_sqrt(
         self, output: Tensor, target: Tensor, approx: str, mc_samples: int, generator: Optional[torch.Generator]
     ) -> Tensor:
-        b, c = output.shape
+        n, c = output.shape
         if approx == "ef":
-            return (self.check_target(output, target) - output).unsqueeze(2)
+            return (target - output).unsqueeze(2)
         if mc_samples:
-            noise = torch.randn(b, c, mc_samples, dtype=output.dtype, generator=generator).to(output.device)
+            noise = torch.randn(n, c, mc_samples, dtype=output.dtype, generator=generator).to(output.device)
             return noise / math.sqrt(mc_samples)
-        return torch.eye(c, dtype=output.dtype, device=output.device).expand(b, c, c)
+        return torch.eye(c, dtype=output.dtype, device=output.device).expand(n, c, c)
 
-    def curvature_scale(self, approx: str, log_sigma: Optional[Tensor], log_temperature: Tensor) -> Tensor:
-        assert log_sigma is not None
+    def curvature_scale(self, approx: str, values: Dict[str, Tensor]) -> Tensor:
         power = 4 if approx == "ef" else 2  # the score carries 1/sigma^2, its outer product 1/sigma^4
-        return torch.exp(-power * log_sigma - log_temperature)
+        return torch.exp(-power * values["log_sigma"] - values["log_temperature"])
 
     def extra_repr(self) -> str:
         return f"learn_sigma={self.learn_sigma}, learn_temperature={self.learn_temperature}"
@@ -282,9 +344,16 @@ class GaussianLikelihood(Likelihood):
 class CategoricalLikelihood(Likelihood):
     """Categorical likelihood ``softmax(f)`` over class logits for classification.
 
+    Logits ``(B, C)`` with labels ``(B,)``, or ``(B, ..., C)`` with labels ``(B, ...)`` (token or
+    pixel classification): every position whose label is not ``ignore_index`` is one datum.
+
     Args:
         temperature: Likelihood temperature ``T`` (``p^(1/T)``; ``T < 1`` up-weights the data).
         learn_temperature: Whether the marginal likelihood optimizes ``T``.
+        ignore_index: Label of positions that are not data (padding), as in ``F.cross_entropy``.
+
+    Raises:
+        ValueError: On a non-positive or non-finite ``temperature``.
 
     Example:
         >>> lik = CategoricalLikelihood()
@@ -292,42 +361,68 @@ class CategoricalLikelihood(Likelihood):
         True
     """
 
+    def __init__(self, temperature: float = 1.0, learn_temperature: bool = False, ignore_index: int = -100) -> None:
+        super().__init__(temperature, learn_temperature)
+        self.ignore_index = int(ignore_index)
+
     def check_target(self, output: Tensor, target: Tensor) -> Tensor:
-        if output.dim() != 2:
-            raise ValueError(f"CategoricalLikelihood expects logits of shape (batch, classes), got {tuple(output.shape)}.")
-        if target.dim() != 1 or target.shape[0] != output.shape[0] or target.dtype.is_floating_point:
+        if output.dim() < 2:
+            raise ValueError(f"CategoricalLikelihood expects logits of shape (batch, ..., classes), got {tuple(output.shape)}.")
+        if target.shape != output.shape[:-1] or target.dtype.is_floating_point or target.dtype == torch.bool:
             raise ValueError(
-                f"CategoricalLikelihood expects integer class labels of shape ({output.shape[0]},), got "
+                f"CategoricalLikelihood expects integer class labels of shape {tuple(output.shape[:-1])}, got "
                 f"{tuple(target.shape)} of {target.dtype}."
+            )
+        kept = target[target != self.ignore_index]
+        if kept.numel() and (kept.min() < 0 or kept.max() >= output.shape[-1]):
+            raise ValueError(
+                f"CategoricalLikelihood: labels must lie in [0, {output.shape[-1]}) or equal ignore_index="
+                f"{self.ignore_index}, got values in [{int(kept.min())}, {int(kept.max())}]."
             )
         return target
 
-    def nll(self, output: Tensor, target: Tensor) -> Tensor:
-        return nn.functional.cross_entropy(output, self.check_target(output, target), reduction="none")
+    def terms(self, output: Tensor, target: Tensor) -> "tuple[Tensor, Tensor, Tensor]":
+        target = self.check_target(output, target).reshape(-1)
+        mask = target != self.ignore_index
+        return output.reshape(-1, output.shape[-1]), torch.where(mask, target, 0), mask
 
-    def statistics(self, output: Tensor, target: Tensor) -> Dict[str, Tensor]:
-        return {"log_lik": -self.nll(output, target).sum()}
+    def term_nll(self, output: Tensor, target: Tensor) -> Tensor:
+        return nn.functional.cross_entropy(output, target, reduction="none")
 
-    def log_likelihood(self, stats: Dict[str, Tensor], log_sigma: Optional[Tensor], log_temperature: Tensor) -> Tensor:
-        return stats["log_lik"] * torch.exp(-log_temperature)
+    def term_statistics(self, output: Tensor, target: Tensor, mask: Tensor) -> Dict[str, Tensor]:
+        return {"log_lik": -self.term_nll(output, target).sum()}
 
-    def hessian_sqrt(
+    def log_likelihood(self, stats: Dict[str, Tensor], values: Dict[str, Tensor]) -> Tensor:
+        return stats["log_lik"] * torch.exp(-values["log_temperature"])
+
+    def term_hessian_sqrt(
         self, output: Tensor, target: Tensor, approx: str, mc_samples: int, generator: Optional[torch.Generator]
     ) -> Tensor:
         probs = output.softmax(1)
         if approx == "ef":
-            onehot = nn.functional.one_hot(self.check_target(output, target), output.shape[1]).to(output.dtype)
+            onehot = nn.functional.one_hot(target, output.shape[1]).to(output.dtype)
             return (onehot - probs).unsqueeze(2)
         if mc_samples:
-            draws = torch.multinomial(probs.detach().cpu().double(), mc_samples, replacement=True, generator=generator)
+            draws = torch.multinomial(probs.cpu(), mc_samples, replacement=True, generator=generator)
             onehot = nn.functional.one_hot(draws.to(output.device), output.shape[1]).to(output.dtype)
             return (onehot - probs.unsqueeze(1)).transpose(1, 2) / math.sqrt(mc_samples)
-        # diag(p) - p p^T = (diag(sqrt p) - p sqrt(p)^T)(diag(sqrt p) - p sqrt(p)^T)^T
+        # diag(p) - p p^T = D^1/2 (I - s s^T) D^1/2 with s = sqrt(p), |s| = 1, has rank C - 1 (s spans
+        # its null space): C - 1 columns suffice, one backward pass fewer. The Householder reflection
+        # H = I - 2 v v^T / v^T v with v = s + e_C maps s to -e_C, so its first C - 1 columns are an
+        # orthonormal basis of s's complement; v^T v = 2 + 2 s_C >= 2 keeps it stable.
         sqrt_p = probs.sqrt()
-        return torch.diag_embed(sqrt_p) - probs.unsqueeze(2) * sqrt_p.unsqueeze(1)
+        v = sqrt_p.clone()
+        v[:, -1] += 1
+        reflection = torch.eye(output.shape[1], dtype=output.dtype, device=output.device) - 2 * v.unsqueeze(
+            2
+        ) * v.unsqueeze(1) / (v * v).sum(1).reshape(-1, 1, 1)
+        return sqrt_p.unsqueeze(2) * reflection[:, :, :-1]
 
-    def curvature_scale(self, approx: str, log_sigma: Optional[Tensor], log_temperature: Tensor) -> Tensor:
-        return torch.exp(-log_temperature)
+    def curvature_scale(self, approx: str, values: Dict[str, Tensor]) -> Tensor:
+        return torch.exp(-values["log_temperature"])
+
+    def extra_repr(self) -> str:
+        return f"learn_temperature={self.learn_temperature}, ignore_index={self.ignore_index}"
 
 
 def map_loss(
@@ -353,5 +448,34 @@ def map_loss(
     """
     if n_data <= 0:
         raise ValueError(f"`n_data` must be the positive training set size, got {n_data}.")
-    data_term = likelihood.nll(output, target).mean() / likelihood.temperature.detach()
+    data_term = likelihood.nll(output, target).mean() / likelihood.temperature.detach().to(output.dtype)
     return data_term + prior.penalty() / n_data
+
+
+def assign_hyperparameters(prior: GaussianPrior, likelihood: Likelihood, values: Dict[str, Tensor]) -> None:
+    """Write log hyperparameters into the prior's and the likelihood's buffers: the one writer.
+
+    Args:
+        prior: Owner of ``log_precision``.
+        likelihood: Owner of its own hyperparameters (e.g. ``log_sigma``, ``log_temperature``).
+        values: Log values by buffer name; names not given stay as they are.
+
+    Raises:
+        ValueError: On an unknown name, a shape mismatch, or a value that is not finite in the
+            buffer's dtype (nothing is written then).
+    """
+    buffers = {"log_precision": prior.log_precision, **likelihood.hyperparameters()}
+    converted = {}
+    for name, value in values.items():
+        if name not in buffers:
+            raise ValueError(f"Unknown hyperparameter {name!r}; expected one of {sorted(buffers)}.")
+        buffer = buffers[name]
+        if value.shape != buffer.shape:
+            raise ValueError(f"Hyperparameter {name!r} has shape {tuple(buffer.shape)}, got {tuple(value.shape)}.")
+        cast = value.detach().to(buffer.device, buffer.dtype)
+        if not torch.isfinite(cast).all() or not torch.isfinite(cast.exp()).all():
+            raise ValueError(f"Refusing to write a non-finite {name!r} (in {buffer.dtype}); the buffers are unchanged.")
+        converted[name] = cast
+    with torch.no_grad():
+        for name, cast in converted.items():
+            buffers[name].copy_(cast)

@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
-from .curvature import check_model, eval_mode
+from .curvature import eval_mode, locate
 from .curvature.functional import jacobian_rows
 from .evidence import LaplaceEvidence
 from .hyperparameters import CategoricalLikelihood, GaussianLikelihood
@@ -46,7 +46,7 @@ def linearized_outputs(evidence: LaplaceEvidence, model: nn.Module, x: Tensor) -
         The output mean and covariance.
     """
     prior = evidence.prior
-    plan = check_model(model, prior, "full")  # any graph: the Jacobian comes from torch.func
+    names, _ = locate(model, prior)  # any graph: the Jacobian comes from torch.func
     params = prior.params
     x = x.to(params[0].device)
     with eval_mode(model), torch.no_grad():
@@ -54,7 +54,7 @@ def linearized_outputs(evidence: LaplaceEvidence, model: nn.Module, x: Tensor) -
     b, c = mean.shape
     identity = torch.eye(c, dtype=mean.dtype, device=mean.device).expand(b, c, c)
     with eval_mode(model):
-        jacobians = jacobian_rows(model, plan.names, params, x, identity).reshape(b, c, -1)
+        jacobians = jacobian_rows(model, names, params, x, identity).reshape(b, c, -1)
     return mean, evidence.jacobian_covariance(jacobians)
 
 

@@ -9,19 +9,21 @@ Modes:
     popen          the ``ddp`` (popen) strategy, in one process group, each case a fresh
                    Trainer: ``evidence`` (one fit per case, weights frozen, K=0, the evidence of
                    every rank recorded), ``train`` (a short training run with MargLikCheckpoint
-                   and MargLikEarlyStopping), then ``errors`` with the default cases, so the run
-                   ends with an error on both ranks (exit code 1) by design.
+                   and MargLikEarlyStopping), ``samplers`` (the training loader samples a subset,
+                   through Lightning's DistributedSamplerWrapper or the user's own sampler), then
+                   ``errors`` with the default cases, so the run ends with an error on both ranks
+                   (exit code 1) by design.
     spawn          ``ddp_spawn``: per-rank results from the workers, and what the main process
                    gets back (``spawn-main.json``).
     errors [CASE ...]
-                   one fit per case in which rank 1 alone fails (default ``error-batch``: a bad
-                   batch, not an ``(x, y)`` pair, in rank 1's evidence shard; ``error-collect``:
-                   the network raises in rank 1's evidence pass). Every case but the last is
-                   caught on both ranks and the next fit runs; the last one propagates, so the
-                   run ends with an error on both ranks. ``error-loader`` (building the evidence
-                   loader fails on rank 1, outside the guarded evidence pass) is not in the suite:
-                   ``errors error-loader error-batch`` shows rank 0 blocked until the 60 s
-                   timeout (while ``errors error-loader`` alone ends when rank 1's process dies).
+                   one fit per case in which rank 1 alone fails (default ``error-setup``: a bad
+                   batch, not an ``(inputs, targets)`` pair, in rank 1's evidence shard from the
+                   start, found by the set-up check; ``error-batch``: the same, only after the
+                   first training epoch, so the evidence pass meets it; ``error-collect``: the
+                   network raises in rank 1's evidence pass). Every case but the last is caught
+                   on both ranks and the next fit runs; the last one propagates, so the run ends
+                   with an error on both ranks. ``error-loader`` (building the evidence loader
+                   fails on rank 1) is not in the suite.
 
 The models and data are built here and imported by the test (``from tests import ddp_worker``;
 importing has no side effects).
@@ -43,7 +45,7 @@ import torch
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.strategies import DDPStrategy
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, SubsetRandomSampler, TensorDataset
 
 from lightning_marglik import (
     CategoricalLikelihood,
@@ -88,6 +90,7 @@ class Model(pl.LightningModule):
         if (
             self.fail_in_evidence_on_rank is not None
             and not self.training
+            and self.trainer.global_step > 0  # past the set-up check: in the evidence pass
             and self.trainer.global_rank == self.fail_in_evidence_on_rank
         ):
             raise RuntimeError(f"injected failure in the evidence pass on rank {self.trainer.global_rank}")
@@ -237,7 +240,40 @@ class Recorder(Callback):
 # --------------------------------------------------------------------------------------------
 
 
+COLLECTIVES: List[List[str]] = []
+
+
+def _count_collectives() -> None:
+    """Record the collectives of every ``reduce_statistics`` call (one list per estimate)."""
+    from lightning_marglik import callbacks
+
+    original = callbacks.reduce_statistics
+
+    class Counting:
+        def __init__(self, strategy, calls):
+            self._strategy, self._calls = strategy, calls
+
+        def __getattr__(self, name):
+            return getattr(self._strategy, name)
+
+        def reduce(self, tensor, *args, **kwargs):
+            self._calls.append(f"reduce:{tensor.numel()}")
+            return self._strategy.reduce(tensor, *args, **kwargs)
+
+        def all_gather(self, tensor, *args, **kwargs):
+            self._calls.append(f"all_gather:{tensor.numel()}")
+            return self._strategy.all_gather(tensor, *args, **kwargs)
+
+    def counted(stats, strategy):
+        calls: List[str] = []
+        COLLECTIVES.append(calls)
+        return original(stats, Counting(strategy, calls))
+
+    callbacks.reduce_statistics = counted
+
+
 def run_evidence_cases(out: Path) -> Dict[str, Any]:
+    _count_collectives()
     results = {}
     for name, (_, _, structure, approx, _, source) in CASES.items():
         module, dataset = make_case(name)
@@ -268,8 +304,8 @@ def run_evidence_cases(out: Path) -> Dict[str, Any]:
             "epoch": recorder.epochs[-1],
             "world_size": trainer.world_size,
             # full structure: whether the determinant lemma (rows kept) or the Gram matrix was used
-            "regime": None if structure != "full" or not hasattr(ev, "_rows")
-            else ("woodbury" if getattr(ev, "_rows") is not None else "gram"),
+            "regime": None if structure != "full" else ("woodbury" if ev.structures[0].gram is None else "gram"),
+            "collectives": COLLECTIVES.pop() if COLLECTIVES else None,
         }
     return results
 
@@ -317,12 +353,37 @@ def run_training(out: Path) -> Dict[str, Any]:
     }
 
 
-ERROR_CASES = ["error-batch", "error-collect"]
+# A training sampler over a subset of the 37 examples (15, odd: Lightning's wrapper pads it to 16).
+# name: Trainer(use_distributed_sampler=...): True wraps the sampler in a DistributedSamplerWrapper,
+# False leaves every rank with the user's SubsetRandomSampler.
+SAMPLER_CASES = {"sampler-wrapped": True, "sampler-own": False}
+SAMPLER_SUBSET = list(range(0, N_EVIDENCE, 3)) + [1, 2]
+SAMPLER_MODEL = "diag-ggn-regression"  # weights and data of this evidence case (lr 0: they stay)
+
+
+def run_sampler_cases(out: Path) -> Dict[str, Any]:
+    """One fit per case (K=0): the evidence must cover the sampler's subset, unpadded."""
+    results = {}
+    for name, use_distributed_sampler in SAMPLER_CASES.items():
+        module, dataset = make_case(SAMPLER_MODEL)
+        structure, approx = CASES[SAMPLER_MODEL][2:4]
+        callback = MargLikCallback(structure=structure, approx=approx, frequency=1, steps=0)
+        recorder = Recorder()
+        trainer = ddp_trainer(out, [callback, recorder], max_epochs=1, use_distributed_sampler=use_distributed_sampler)
+        loader = DataLoader(dataset, batch_size=BATCH, sampler=SubsetRandomSampler(SAMPLER_SUBSET))
+        trainer.fit(module, train_dataloaders=loader)
+        ev = callback.evidence
+        assert ev is not None
+        results[name] = {"log_marglik": ev.log_marglik().item(), "n_data": ev.n_data, "epoch": recorder.epochs[-1]}
+    return results
+
+
+ERROR_CASES = ["error-setup", "error-batch", "error-collect"]
 
 
 def popen(out: Path) -> None:
-    """Evidence cases, training, then the error cases: the run ends with an error by design."""
-    results = {"evidence": run_evidence_cases(out), "train": run_training(out)}
+    """Evidence cases, training, sampler cases, then the error cases: the run ends with an error by design."""
+    results = {"evidence": run_evidence_cases(out), "train": run_training(out), "samplers": run_sampler_cases(out)}
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     results["rank"] = rank
     write(out, f"popen-rank{rank}.json", results)
@@ -382,34 +443,39 @@ def spawn(out: Path) -> None:
 
 
 class OddBatchesAreBad(Dataset):
-    """Odd indices (rank 1's evidence shard) yield ``(x, y, extra)`` triples."""
+    """Odd indices (rank 1's evidence shard) yield ``(x, y, extra)`` triples once ``armed``."""
 
-    def __init__(self, dataset: TensorDataset) -> None:
+    def __init__(self, dataset: TensorDataset, armed: bool = True) -> None:
         self.dataset = dataset
+        self.armed = armed
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, i):
         x, y = self.dataset[i]
-        return (x, y) if i % 2 == 0 else (x, y, x)
+        return (x, y) if i % 2 == 0 or not self.armed else (x, y, x)
 
 
 class Clock(Callback):
-    """Placed before MargLikCallback: when this rank entered the evidence pass."""
+    """Placed before MargLikCallback: when this rank entered the evidence pass; arms ``bad`` then."""
 
-    def __init__(self) -> None:
+    def __init__(self, bad: Optional[OddBatchesAreBad] = None) -> None:
         self.entered: Optional[float] = None
+        self.bad = bad
 
     def on_train_epoch_end(self, trainer, pl_module):
         self.entered = time.time()
+        if self.bad is not None:
+            self.bad.armed = True
 
 
 def failing_fit(out: Path, case: str, catch: bool) -> None:
-    """One fit in which rank 1 (only) fails in the evidence pass of the first epoch.
+    """One fit in which rank 1 (only) fails at set-up or in the evidence pass of the first epoch.
 
-    ``error-batch``: rank 1's evidence shard yields ``(x, y, extra)`` batches.
-    ``error-collect``: the network's eval-mode forward raises on rank 1.
+    ``error-setup``: rank 1's evidence shard yields ``(x, y, extra)`` batches (set-up check).
+    ``error-batch``: the same from the end of the first epoch (evidence pass).
+    ``error-collect``: the network's eval-mode forward raises on rank 1 after the first step.
     ``error-loader``: building the evidence loader (``dataloader="evidence_dataloader"``) raises
     on rank 1, before the evidence pass.
     Each rank writes ``<case>-rank<r>.json`` (error, time entering the estimate, time failing).
@@ -418,8 +484,10 @@ def failing_fit(out: Path, case: str, catch: bool) -> None:
     dataset = make_data(sizes, "regression", N_EVIDENCE, seed=3)
     module = Model(make_net(sizes, seed=3), "regression", N_EVIDENCE, lr=1e-2)
     loader: Any = None
-    if case == "error-batch":
-        loader = DataLoader(OddBatchesAreBad(dataset), batch_size=BATCH)
+    bad: Optional[OddBatchesAreBad] = None
+    if case in ("error-setup", "error-batch"):
+        bad = OddBatchesAreBad(dataset, armed=case == "error-setup")
+        loader = DataLoader(bad, batch_size=BATCH)
     elif case == "error-collect":
         module.fail_in_evidence_on_rank = 1
     elif case == "error-loader":
@@ -432,7 +500,7 @@ def failing_fit(out: Path, case: str, catch: bool) -> None:
         loader = "evidence_dataloader"
     else:
         raise SystemExit(f"unknown error case {case!r}")
-    clock = Clock()
+    clock = Clock(bad)
     callback = MargLikCallback(structure="diag", approx="ggn", frequency=1, steps=5, dataloader=loader)
     trainer = ddp_trainer(out, [clock, callback], max_epochs=3)
     record: Dict[str, Any] = {"type": None, "message": None}

@@ -14,6 +14,50 @@ Conventions (DESIGN.md):
 
     Gaussian:    Lambda = I,              r = y - f,          s = 1/(sigma^2 T) (GGN), 1/(sigma^4 T) (EF)
     Categorical: Lambda = diag(p) - pp^T, r = onehot(y) - p,  s = 1/T
+    EF:          Lambda_n = r_n r_n^T (per datum), unit scale as above
+
+Two problem classes: :class:`Problem` (``nn.Sequential`` models, outputs (N, C), the original
+Sequential-only Kronecker blocks :func:`kron_blocks`) and :class:`GraphProblem` (ANY module graph,
+tensor / tuple / dict inputs, sequence outputs, the hybrid Kronecker structure). Both feed
+:class:`Reference` (structures "full", "diag", "kron").
+
+Sequence outputs (GraphProblem): outputs (N, T, C); categorical targets (N, T) with
+``ignore_index`` (default -100), Gaussian targets (N, T, D). Every kept position (n, t) is one
+datum: loglik = sum over kept positions; C = sum_{(n,t) kept} J_nt^T Lambda_nt J_nt, i.e. per
+example Lambda_n = block-diag_t(kept_nt Lambda_nt) over the flattened (T*C) outputs (the EF too:
+block-diag_t of r_nt r_nt^T, not r_n r_n^T); ignored positions contribute nothing (Lambda = 0).
+n_data = number of kept positions. Outputs (N, C) are the special case T = 1.
+
+structure="kron" on any graph is HYBRID: log|H| = sum over blocks of log|s C_b + diag(delta_b)|.
+
+* Kronecker blocks (expand convention) for every nn.Linear / nn.Conv1d / nn.Conv2d / nn.Embedding
+  that is called exactly once per forward pass and whose parameters are used only inside that
+  call (:func:`kron_eligible`). With z_n the layer output of example n and
+  B_n = d f_n / d z_n (jacrev through a forward hook that replaces the layer output by z), and
+  r the layer's "rows" (weight-sharing positions):
+    G = sum_n sum_r B_{n,:,r}^T Lambda_n B_{n,:,r}     (sums over ALL output columns, kept ones
+                                                        only through Lambda)
+    A = (1/R_total) sum_{n,r} a_{n,r} a_{n,r}^T        (a mean over ALL rows the layer sees,
+                                                        ignored positions' inputs included)
+  Linear, input (N, ..., in): every index between batch and features is a row;
+    weight (out, in): kron(G, A) in weight.flatten() order; bias: G.
+  Conv1d / Conv2d (any stride, zero padding incl. 'same'/'valid', dilation, groups): rows =
+    output positions, a_{n,r} = the unfolded input patch (F.unfold order = weight.reshape(out, -1)
+    order); per group g: G_g = the (out/groups)^2 diagonal sub-block of G, A_g = mean of group g's
+    patches; weight: block-diag_g kron(G_g, A_g) (a group's weight rows are contiguous); bias: the
+    full G (out x out).
+  Embedding (num, dim), indices (N, ...): rows = index positions; G (dim x dim) as above;
+    A = diag(c) / R_total with c_i = number of rows with index i (rows with index == padding_idx
+    count in R_total, not in c); weight (num, dim): kron(A, G).
+* Exact DIAGONAL blocks for every other covered parameter (norm affine parameters, raw
+  nn.Parameters, parameters of a module called more than once or used outside its call):
+  log det = sum_p log(s C_pp + delta_p) with C_pp the diagonal of the dense C.
+* Frozen parameters (requires_grad=False) are not in the prior: no block. A frozen weight with a
+  trainable bias still gives the bias its block G.
+
+Everything runs in eval mode (BatchNorm on running statistics); the layer Jacobians are taken for
+the whole batch and their per-example diagonal blocks extracted, asserting that the off-diagonal
+blocks (example n's output w.r.t. example m's layer output) are exactly zero.
 """
 from __future__ import annotations
 
@@ -25,6 +69,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vmap
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -194,6 +240,13 @@ class KronBlock:
     matrix: Tensor
     name: str = ""
     factors: Tuple[Tensor, ...] = field(default_factory=tuple)
+    kind: str = "kron"  # "kron" (Kronecker-factored) or "diag" (exact diagonal of the dense C)
+
+
+def kron(a: Tensor, b: Tensor) -> Tensor:
+    """``torch.kron`` on contiguous copies: torch 2.14's kron raises "view size is not compatible"
+    on non-contiguous inputs such as einsum results."""
+    return torch.kron(a.contiguous(), b.contiguous())
 
 
 def _param_offsets(model: nn.Module, names: Sequence[str]) -> Dict[int, Tuple[int, int]]:
@@ -258,7 +311,7 @@ def kron_blocks(
         a_mean = a_sum / a_count
         if id(layer.weight) in offsets:  # (a frozen tensor is not in the prior: no block)
             lo, hi = offsets[id(layer.weight)]
-            blocks.append(KronBlock(torch.arange(lo, hi), torch.kron(g_sum, a_mean), f"{i}.weight", (g_sum, a_mean)))
+            blocks.append(KronBlock(torch.arange(lo, hi), kron(g_sum, a_mean), f"{i}.weight", (g_sum, a_mean)))
         if layer.bias is not None and id(layer.bias) in offsets:
             lo, hi = offsets[id(layer.bias)]
             blocks.append(KronBlock(torch.arange(lo, hi), g_sum.clone(), f"{i}.bias", (g_sum,)))
@@ -271,7 +324,11 @@ def kron_blocks(
 
 
 class Problem:
-    """Hyperparameter- and structure-independent quantities of (model, data): f, J, layer Jacobians."""
+    """Hyperparameter- and structure-independent quantities of (model, data): f, J, layer Jacobians.
+
+    ``nn.Sequential``-only Kronecker blocks (:func:`kron_blocks`); outputs ``(N, C)``. See
+    :class:`GraphProblem` for any module graph, dict/tuple inputs and sequence outputs.
+    """
 
     def __init__(self, model: nn.Module, names: Sequence[str], x: Tensor, y: Tensor, kind: str):
         self.model, self.names, self.x, self.y, self.kind = model, list(names), x, y, kind
@@ -286,6 +343,20 @@ class Problem:
             self._layers = layer_jacobians(self.model, self.x)
         return self._layers
 
+    @property
+    def n_data(self) -> int:
+        return self.f.shape[0]
+
+    def unit_stats(self) -> Dict[str, Tensor]:
+        return unit_log_likelihood(self.f, self.y, self.kind)
+
+    def lambdas(self, approx: str) -> Tensor:
+        """Lambda_n (N, O, O) over the flattened outputs of each example."""
+        return loss_hessians(self.f, self.y, self.kind, approx)
+
+    def curvature_blocks(self, lam: Tensor) -> List[KronBlock]:
+        return kron_blocks(self.model, self.names, self.layers, lam)
+
     def reference(self, structure: str, approx: str) -> "Reference":
         return Reference(self, structure, approx)
 
@@ -299,11 +370,12 @@ class Reference:
         self.kind, self.structure, self.approx = kind, structure, approx
         self.names, self.sizes, self.theta = problem.names, problem.sizes, problem.theta
         self.n_params = self.theta.numel()
-        self.stats = unit_log_likelihood(problem.f, problem.y, kind)
-        lam = loss_hessians(problem.f, problem.y, kind, approx)
+        self.n_data = problem.n_data
+        self.stats = problem.unit_stats()
+        lam = problem.lambdas(approx)
         self.full = torch.einsum("ncp,ncd,ndq->pq", problem.jac, lam, problem.jac)  # dense unit-scale curvature
         if structure == "kron":
-            self.blocks = kron_blocks(problem.model, problem.names, problem.layers, lam)
+            self.blocks = problem.curvature_blocks(lam)
             covered = torch.cat([b.index for b in self.blocks]).sort().values
             assert torch.equal(covered, torch.arange(self.n_params)), "kron blocks must tile the parameters"
 
@@ -366,6 +438,410 @@ class Reference:
         if self.kind == "regression":
             out["log_sigma"] = grads[2]
         return out
+
+
+# --------------------------------------------------------------------------------------------
+# any module graph: inputs, sequence outputs, the hybrid Kronecker structure
+# --------------------------------------------------------------------------------------------
+
+KRON_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding)
+
+def call(model: nn.Module, inputs) -> Tensor:
+    """``model(x)``, ``model(*x)`` or ``model(**x)``."""
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def _args_kwargs(inputs) -> Tuple[tuple, dict]:
+    if isinstance(inputs, dict):
+        return (), dict(inputs)
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}
+    return (inputs,), {}
+
+
+def n_examples(inputs) -> int:
+    if isinstance(inputs, Tensor):
+        return inputs.shape[0]
+    values = list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
+    return next(v.shape[0] for v in values if isinstance(v, Tensor))
+
+
+class eval_mode:
+    """Every module in eval mode (BatchNorm on running statistics, no dropout); modes restored."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __enter__(self):
+        self.flags = [(m, m.training) for m in self.model.modules()]
+        self.model.eval()
+
+    def __exit__(self, *exc):
+        for m, flag in self.flags:
+            m.training = flag
+
+
+def graph_jacobians(model: nn.Module, names: Sequence[str], inputs) -> Tuple[Tensor, Tensor]:
+    """Outputs f (N, *out) and J (N, O, P) with O = prod(out): d f_n / d theta by ``jacrev`` of the
+    WHOLE batch's output (row n of the batch Jacobian is example n's Jacobian; no independence
+    assumption needed)."""
+    args, kwargs = _args_kwargs(inputs)
+    theta0 = tuple(p.detach().clone() for p in param_list(model, names))
+    n = n_examples(inputs)
+
+    def f(*theta: Tensor) -> Tensor:
+        return functional_call(model, dict(zip(names, theta)), args, kwargs)
+
+    with eval_mode(model):
+        with torch.no_grad():
+            out = call(model, inputs).detach()
+        jac = jacrev(f, argnums=tuple(range(len(theta0))))(*theta0)
+    o = out[0].numel()
+    return out, torch.cat([j.reshape(n, o, -1) for j in jac], dim=2).detach()
+
+
+_METADATA = {
+    "shape", "dtype", "device", "requires_grad", "is_cuda", "ndim", "layout", "is_leaf", "grad_fn", "names",
+    "size", "dim", "numel", "ndimension", "nelement", "stride", "is_floating_point", "is_complex",
+    "element_size", "data_ptr", "is_contiguous", "__len__", "__hash__", "__format__", "__repr__",
+}
+
+
+def _func_name(func) -> str:
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):
+        return getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+class _UseTracker(TorchFunctionMode):
+    """Records, for every use of a tracked parameter as an operand of a torch operation (metadata
+    reads such as ``.shape`` excluded), the set of candidate modules whose call is in progress."""
+
+    def __init__(self, params: Dict[int, str], active: List[int]):
+        super().__init__()
+        self.params, self.active = params, active
+        self.uses: Dict[str, List[frozenset]] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _func_name(func) not in _METADATA:
+            for leaf in tree_leaves((args, kwargs)):
+                if isinstance(leaf, Tensor) and id(leaf) in self.params:
+                    self.uses.setdefault(self.params[id(leaf)], []).append(frozenset(self.active))
+        return func(*args, **kwargs)
+
+
+def kron_eligible(model: nn.Module, names: Sequence[str], inputs) -> Dict[str, nn.Module]:
+    """The modules that get Kronecker blocks in the hybrid structure, by module name.
+
+    A Linear / Conv1d / Conv2d / Embedding module with at least one parameter in ``names`` is
+    eligible iff, in one forward pass over ``inputs`` (eval mode):
+      * it is called exactly once, and
+      * every use of each of its own parameters in ``names`` happens inside that call (traced
+        with a TorchFunctionMode over the module call stack), and
+      * numerically: with the module's output replaced by a constant (a forward hook returning it),
+        the network output does not depend on those parameters (their jacrev is exactly 0).
+    """
+    found = {id(p): n for n, p in model.named_parameters() if n in set(names)}
+    candidates = {}
+    for mod_name, m in model.named_modules():
+        if isinstance(m, KRON_MODULES):
+            own = [found[id(p)] for _, p in m.named_parameters(recurse=False) if id(p) in found]
+            if own:
+                candidates[mod_name] = (m, own)
+    calls = {name: 0 for name in candidates}
+    active: List[int] = []
+    handles = []
+    for mod_name, (m, _) in candidates.items():
+
+        def pre(mod, args, mod_name=mod_name):
+            calls[mod_name] += 1
+            active.append(id(mod))
+
+        def post(mod, args, output):
+            active.pop()
+
+        handles.append(m.register_forward_pre_hook(pre))
+        handles.append(m.register_forward_hook(post, always_call=True))
+    tracker = _UseTracker(found, active)
+    try:
+        with eval_mode(model), torch.no_grad(), tracker:
+            call(model, inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    eligible = {}
+    for mod_name, (m, own) in candidates.items():
+        if calls[mod_name] != 1:
+            continue
+        if any(id(m) not in ctx for p in own for ctx in tracker.uses.get(p, [])):
+            continue
+        if _depends_outside_call(model, inputs, m, own):
+            continue
+        eligible[mod_name] = m
+    return eligible
+
+
+def _depends_outside_call(model: nn.Module, inputs, module: nn.Module, own: Sequence[str]) -> bool:
+    """Whether f depends on ``own`` parameters when ``module``'s output is a constant."""
+    args, kwargs = _args_kwargs(inputs)
+    found = dict(model.named_parameters())
+    theta0 = tuple(found[n].detach().clone() for n in own)
+    with eval_mode(model), torch.no_grad():
+        record = {}
+        h = module.register_forward_hook(lambda m, i, o: record.setdefault("z", o.detach().clone()))
+        try:
+            call(model, inputs)
+        finally:
+            h.remove()
+    z = record.get("z")  # None: the module is never called
+
+    def f(*theta):
+        handle = module.register_forward_hook(lambda m, i, o: z) if z is not None else None
+        try:
+            return functional_call(model, dict(zip(own, theta)), args, kwargs)
+        finally:
+            if handle is not None:
+                handle.remove()
+
+    with eval_mode(model):
+        jac = jacrev(f, argnums=tuple(range(len(theta0))))(*theta0)
+    return any(bool((j != 0).any()) for j in jac)
+
+
+@dataclass
+class LayerRecord:
+    """One eligible module: its input ``a`` and output ``z`` over the batch, and
+    B (N, O, *z.shape[1:]) = d f_n / d z_n (per-example diagonal blocks of the batch Jacobian)."""
+
+    name: str
+    module: nn.Module
+    a: Tensor
+    z: Tensor
+    jac: Tensor
+
+
+def layer_records(model: nn.Module, inputs, modules: Dict[str, nn.Module]) -> List[LayerRecord]:
+    """Input/output of every module in ``modules`` and d f_n / d z_n by ``jacrev`` through a forward
+    hook that REPLACES the module's output by the differentiated tensor z."""
+    n = n_examples(inputs)
+    records = []
+    for name, module in modules.items():
+        seen = {}
+
+        def rec(m, args, output):
+            seen["a"], seen["z"] = args[0].detach().clone(), output.detach().clone()
+
+        with eval_mode(model), torch.no_grad():
+            handle = module.register_forward_hook(rec)
+            try:
+                call(model, inputs)
+            finally:
+                handle.remove()
+        a, z = seen["a"], seen["z"]
+        assert a.shape[0] == n and z.shape[0] == n, (name, a.shape, z.shape)
+
+        def f(zz: Tensor, module=module) -> Tensor:
+            handle = module.register_forward_hook(lambda m, i, o: zz)
+            try:
+                return call(model, inputs).reshape(n, -1)
+            finally:
+                handle.remove()
+
+        with eval_mode(model):
+            full = jacrev(f)(z).detach()  # (N, O, N, *z.shape[1:])
+        o = full.shape[1]
+        full = full.reshape(n, o, n, -1)
+        diag = torch.stack([full[i, :, i] for i in range(n)])  # (N, O, Z)
+        off = full.clone()
+        for i in range(n):
+            off[i, :, i] = 0
+        assert bool((off == 0).all()), f"examples are not independent through '{name}'"
+        records.append(LayerRecord(name, module, a, z, diag.reshape((n, o) + tuple(z.shape[1:]))))
+    return records
+
+
+def conv_padding(layer: nn.Module) -> List[Tuple[int, int]]:
+    """(left, right) zero padding per spatial dim of a Conv1d/Conv2d (ints, 'valid' or 'same')."""
+    k, dil = layer.kernel_size, layer.dilation
+    if isinstance(layer.padding, str):
+        if layer.padding == "valid":
+            return [(0, 0)] * len(k)
+        total = [d * (kk - 1) for d, kk in zip(dil, k)]  # 'same' (stride 1)
+        return [(t // 2, t - t // 2) for t in total]
+    return [(p, p) for p in layer.padding]
+
+
+def conv_patches(layer: nn.Module, a: Tensor) -> Tensor:
+    """Unfolded input patches (N, in * prod(kernel), R) of a Conv1d/Conv2d, F.unfold order
+    (channel-major, then kernel positions) = weight.reshape(out, -1) order within a group."""
+    k, s, dil = tuple(layer.kernel_size), tuple(layer.stride), tuple(layer.dilation)
+    pads = conv_padding(layer)
+    flat = [v for lr in reversed(pads) for v in lr]  # F.pad: last dim first
+    if any(flat):
+        mode = "constant" if layer.padding_mode == "zeros" else layer.padding_mode
+        a = F.pad(a, flat, mode=mode)
+    if a.dim() == 3:  # Conv1d as a 1 x L image
+        a, k, s, dil = a.unsqueeze(2), (1,) + k, (1,) + s, (1,) + dil
+    return F.unfold(a, k, dilation=dil, padding=0, stride=s)
+
+
+def _g_factor(jac_rows: Tensor, lam: Tensor) -> Tensor:
+    """G = sum_{n,r} B_{n,:,r}^T Lambda_n B_{n,:,r} from B (N, O, R, d)."""
+    return torch.einsum("nori,nop,nprj->ij", jac_rows, lam, jac_rows)
+
+
+def hybrid_module_blocks(record: LayerRecord, lam: Tensor, offsets: Dict[int, Tuple[int, int]], prefix: str) -> List[KronBlock]:
+    """The Kronecker blocks of one eligible module (expand convention; see the module docstring)."""
+    layer, a, z, jac = record.module, record.a, record.z, record.jac
+    n, o = jac.shape[:2]
+    blocks = []
+
+    def add(param, matrix, role, factors):
+        if param is not None and id(param) in offsets:  # frozen: not in the prior, no block
+            lo, hi = offsets[id(param)]
+            assert matrix.shape == (hi - lo, hi - lo), (prefix, role, matrix.shape)
+            blocks.append(KronBlock(torch.arange(lo, hi), matrix, prefix + role, factors, "kron"))
+
+    if isinstance(layer, nn.Linear):
+        rows = a.reshape(n, -1, layer.in_features)  # every leading index beyond the batch is a row
+        r = rows.shape[1]
+        g = _g_factor(jac.reshape(n, o, r, layer.out_features), lam)
+        a_mean = torch.einsum("nri,nrj->ij", rows, rows) / (n * r)
+        check = rows @ layer.weight.detach().T + (0 if layer.bias is None else layer.bias.detach())
+        assert torch.allclose(check, z.reshape(check.shape), atol=1e-10), prefix
+        add(layer.weight, kron(g, a_mean), "weight", (g, a_mean))
+        add(layer.bias, g.clone(), "bias", (g,))
+    elif isinstance(layer, (nn.Conv1d, nn.Conv2d)):
+        cols = conv_patches(layer, a)  # (N, in*K, R)
+        r, groups, out = cols.shape[2], layer.groups, layer.out_channels
+        assert r == z[0, 0].numel(), (prefix, r, z.shape)
+        g = _g_factor(jac.reshape(n, o, out, r).transpose(2, 3), lam)  # (out, out)
+        cols_g = cols.reshape(n, groups, -1, r)  # (N, groups, in/groups*K, R)
+        w = layer.weight.detach().reshape(groups, out // groups, -1)
+        check = torch.einsum("gok,ngkr->ngor", w, cols_g).reshape(n, out, r)
+        if layer.bias is not None:
+            check = check + layer.bias.detach()[:, None]
+        assert torch.allclose(check, z.reshape(n, out, r), atol=1e-10), prefix  # patch order = weight order
+        og = out // groups
+        g_blocks = [g[i * og:(i + 1) * og, i * og:(i + 1) * og] for i in range(groups)]
+        a_blocks = [torch.einsum("nkr,nlr->kl", cols_g[:, i], cols_g[:, i]) / (n * r) for i in range(groups)]
+        weight = torch.block_diag(*[kron(gb, ab) for gb, ab in zip(g_blocks, a_blocks)])
+        add(layer.weight, weight, "weight", tuple(x for pair in zip(g_blocks, a_blocks) for x in pair))
+        add(layer.bias, g.clone(), "bias", (g,))
+    elif isinstance(layer, nn.Embedding):
+        idx = a.reshape(n, -1)
+        r, num, dim = idx.shape[1], layer.num_embeddings, layer.embedding_dim
+        assert torch.equal(z.reshape(n, r, dim), layer.weight.detach()[idx]), prefix
+        g = _g_factor(jac.reshape(n, o, r, dim), lam)
+        keep = idx.reshape(-1)
+        if layer.padding_idx is not None:
+            keep = keep[keep != layer.padding_idx]  # counted in R_total, not in c
+        counts = torch.bincount(keep, minlength=num).to(g.dtype)
+        a_diag = torch.diag(counts) / (n * r)
+        add(layer.weight, kron(a_diag, g), "weight", (a_diag, g))
+    else:  # pragma: no cover
+        raise AssertionError(type(layer))
+    return blocks
+
+
+def hybrid_blocks(
+    model: nn.Module, names: Sequence[str], inputs, lam: Tensor, dense_diag: Tensor, records: List[LayerRecord]
+) -> List[KronBlock]:
+    """The hybrid structure: Kronecker blocks for the eligible modules (``records``), an exact
+    diagonal block (``dense_diag``, the diagonal of the dense C) for every other covered tensor."""
+    offsets = _param_offsets(model, names)
+    blocks: List[KronBlock] = []
+    for record in records:
+        blocks.extend(hybrid_module_blocks(record, lam, offsets, record.name + "." if record.name else ""))
+    done = {b.name for b in blocks}
+    for name, p in zip(names, param_list(model, names)):
+        if name in done:
+            continue
+        lo, hi = offsets[id(p)]
+        blocks.append(KronBlock(torch.arange(lo, hi), torch.diag(dense_diag[lo:hi]), name, (), "diag"))
+    return blocks
+
+
+class GraphProblem(Problem):
+    """(model, data) on ANY module graph: tensor / tuple / dict inputs, outputs (N, C) or sequence
+    outputs (N, T, C) (categorical targets (N, T) with ``ignore_index``; Gaussian targets (N, T, D)).
+
+    Every output position (n, t) whose target is not ``ignore_index`` is one datum; ignored positions
+    contribute nothing to the log-likelihood or the curvature (their Lambda is 0) but the layers
+    still see their inputs. ``n_data`` = number of kept positions.
+    """
+
+    def __init__(self, model: nn.Module, names: Sequence[str], inputs, y: Tensor, kind: str, ignore_index: int = -100):
+        self.model, self.names, self.inputs, self.x, self.y, self.kind = model, list(names), inputs, inputs, y, kind
+        self.ignore_index = ignore_index
+        self.sizes = [p.numel() for p in param_list(model, names)]
+        self.theta = flat_theta(model, names)
+        self.f, self.jac = graph_jacobians(model, names, inputs)
+        self._eligible: Optional[Dict[str, nn.Module]] = None
+        self._records: Optional[List[LayerRecord]] = None
+
+    # ----- data positions
+    def positions(self) -> Tuple[Tensor, Tensor, Tensor]:
+        """f (N, Q, C), targets (N, Q) or (N, Q, D) with ignored ones replaced by 0, kept (N, Q)."""
+        n, f = self.f.shape[0], self.f
+        if self.kind == "regression":
+            f_pos = f.reshape(n, 1, 1) if f.dim() == 1 else f.reshape(n, -1, f.shape[-1])
+            y_pos = self.y.reshape(f_pos.shape)
+            return f_pos, y_pos, torch.ones(f_pos.shape[:2], dtype=torch.bool)
+        c = f.shape[-1]
+        f_pos, y_pos = f.reshape(n, -1, c), self.y.reshape(n, -1)
+        assert f_pos.shape[1] == y_pos.shape[1], (f.shape, self.y.shape)
+        kept = y_pos != self.ignore_index
+        return f_pos, torch.where(kept, y_pos, torch.zeros_like(y_pos)), kept
+
+    @property
+    def n_data(self) -> int:
+        return int(self.positions()[2].sum())
+
+    def unit_stats(self) -> Dict[str, Tensor]:
+        f_pos, y_pos, kept = self.positions()
+        if self.kind == "regression":
+            return {"sse": ((y_pos - f_pos) ** 2).sum(), "n_outputs": torch.tensor(float(f_pos.numel()))}
+        logp = torch.log_softmax(f_pos, -1).gather(-1, y_pos.unsqueeze(-1)).squeeze(-1)
+        return {"loglik": (logp * kept).sum()}
+
+    def lambdas(self, approx: str) -> Tensor:
+        """Lambda_n (N, Q*C, Q*C) = block-diag over positions q of kept_q * Lambda_{n,q}."""
+        f_pos, y_pos, kept = self.positions()
+        n, q, c = f_pos.shape
+        flat_y = y_pos.reshape(n * q, -1) if self.kind == "regression" else y_pos.reshape(n * q)
+        lam = loss_hessians(f_pos.reshape(n * q, c), flat_y, self.kind, approx).reshape(n, q, c, c)
+        lam = lam * kept[:, :, None, None].to(lam.dtype)
+        return torch.einsum("nqcd,qr->nqcrd", lam, torch.eye(q, dtype=lam.dtype)).reshape(n, q * c, q * c)
+
+    # ----- the hybrid Kronecker structure
+    @property
+    def eligible(self) -> Dict[str, nn.Module]:
+        if self._eligible is None:
+            self._eligible = kron_eligible(self.model, self.names, self.inputs)
+        return self._eligible
+
+    @property
+    def records(self) -> List[LayerRecord]:
+        if self._records is None:
+            self._records = layer_records(self.model, self.inputs, self.eligible)
+        return self._records
+
+    def curvature_blocks(self, lam: Tensor) -> List[KronBlock]:
+        dense_diag = torch.einsum("ncp,ncd,ndp->p", self.jac, lam, self.jac)
+        return hybrid_blocks(self.model, self.names, self.inputs, lam, dense_diag, self.records)
+
+
+def graph_problem(model: nn.Module, inputs, y: Tensor, kind: str, ignore_index: int = -100) -> GraphProblem:
+    """A :class:`GraphProblem` over the parameters the library's prior covers (requires_grad)."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    return GraphProblem(model, names, inputs, y, kind, ignore_index)
 
 
 def rel_err(a: Tensor, b: Tensor) -> float:

@@ -160,11 +160,21 @@ def test_missing_prior_fails_before_first_epoch():
         _fit([MargLikCallback()], max_epochs=1, model=NoPrior())
 
 
-def test_kron_on_unsupported_module_fails_before_first_epoch():
+def test_kron_with_a_layer_norm_learns_its_precisions():
+    """Issue 9: kron takes any network; the LayerNorm gets exact diagonal blocks and its own precisions."""
     model = Regressor()
     model.net.insert(1, nn.LayerNorm(16))
     model.prior = type(model.prior)(model.net)
-    with pytest.raises(ValueError, match=r"module '.*1'.*structure='diag' or 'full'"):
+    _fit([MargLikCallback(structure="kron")], max_epochs=2, model=model)
+    names = model.prior.param_names
+    learned = dict(zip(names, model.prior.log_precision.tolist()))
+    assert "1.weight" in learned and all(v != 0.0 for v in learned.values())
+
+
+def test_kron_with_a_diagonal_prior_fails_before_the_first_epoch():
+    model = Regressor()
+    model.prior = type(model.prior)(model.net, structure="diagonal")
+    with pytest.raises(ValueError, match="[Dd]iagonal prior.*Kronecker"):
         _fit([MargLikCallback(structure="kron")], max_epochs=1, model=model)
 
 

@@ -166,10 +166,43 @@ def test_full_structure_regimes(popen_ranks, name, regime):
     if name == "full-mixed":  # EF: one row per example; 19 (rank 0) >= P = 19 > 18 (rank 1)
         assert approx == "ef" and n_params == 19
     for ranks_result in popen_ranks:
-        got = ranks_result["evidence"][name]["regime"]
-        if got is None:
-            pytest.skip("LaplaceEvidence no longer exposes `_rows`: regime not observable")
-        assert got == regime
+        assert ranks_result["evidence"][name]["regime"] == regime
+
+
+def test_one_collective_reduces_every_statistic(popen_ranks):
+    """Issue 9: all declared sum statistics travel in ONE flattened all-reduce per estimate; the
+    full structure adds one all-reduce of its Gram matrix, or gathers its rows (lengths, rows)."""
+    for ranks_result in popen_ranks:
+        for name, got in ranks_result["evidence"].items():
+            calls = got["collectives"]
+            assert calls[0].startswith("reduce:"), (name, calls)
+            structure = ddp_worker.CASES[name][2]
+            if structure != "full":
+                assert len(calls) == 1, (name, calls)
+            elif got["regime"] == "gram":
+                assert [c.split(":")[0] for c in calls] == ["reduce", "reduce"], (name, calls)
+            else:
+                assert [c.split(":")[0] for c in calls] == ["reduce", "all_gather", "all_gather"], (name, calls)
+
+
+@pytest.mark.parametrize("name", list(ddp_worker.SAMPLER_CASES))
+def test_evidence_under_ddp_covers_the_samplers_subset(popen_run, popen_ranks, name):
+    """The training loader samples 15 of the 37 examples (SubsetRandomSampler): whether Lightning
+    wrapped it in a padding DistributedSamplerWrapper or every rank kept it, the evidence is the
+    single-process evidence over those 15 examples."""
+    module, case, _ = _reference(popen_run, ddp_worker.SAMPLER_MODEL)
+    subset = ddp_worker.SAMPLER_SUBSET
+    data = DataLoader(TensorDataset(case["x"][subset], case["y"][subset]), batch_size=10)
+    _, _, structure, approx, _, _ = ddp_worker.CASES[ddp_worker.SAMPLER_MODEL]
+    ref = LaplaceEvidence.fit(module, data, module.likelihood, module.prior, structure, approx)
+    wrapped = ddp_worker.SAMPLER_CASES[name]
+    for ranks_result in popen_ranks:
+        got = ranks_result["samplers"][name]
+        assert got["epoch"]["sampler"] == ("DistributedSamplerWrapper" if wrapped else "SubsetRandomSampler")
+        if wrapped:
+            assert got["epoch"]["sampler_total_size"] == 16  # Lightning padded the training shards
+        assert got["n_data"] == len(subset) == 15
+        assert _close(got["log_marglik"], ref.log_marglik().item())
 
 
 # --------------------------------------------------------------------------------------------
@@ -255,11 +288,16 @@ def test_ddp_spawn_runs_and_returns_weights_and_buffers_but_no_callback_state(sp
 
 
 def test_error_on_one_rank_raises_on_every_rank_without_hanging(popen_run):
-    """Rank 1 alone fails inside the evidence pass; both ranks raise at once (rank 0 with a
-    message pointing to rank 1), the first time both continue in step to the next fit, the
-    second time both processes exit with an error, long before the 60 s collective timeout."""
+    """Rank 1 alone fails in the set-up check or inside the evidence pass; both ranks raise at
+    once (rank 0 with a message pointing to rank 1), every time but the last both continue in
+    step to the next fit, the last time both processes exit with an error, long before the 60 s
+    collective timeout."""
     assert popen_run.returncode != 0
-    own = {"error-batch": ("TypeError", "(x, y) pairs"), "error-collect": ("RuntimeError", "injected failure")}
+    own = {
+        "error-setup": ("MargLikConfigurationError", "(inputs, targets) pair"),
+        "error-batch": ("TypeError", "(inputs, targets) pair"),
+        "error-collect": ("RuntimeError", "injected failure"),
+    }
     assert list(own) == ddp_worker.ERROR_CASES
     failed = []
     for case, (kind, text) in own.items():
@@ -267,8 +305,11 @@ def test_error_on_one_rank_raises_on_every_rank_without_hanging(popen_run):
         assert r1["type"] == kind and text in r1["message"], r1
         assert r0["type"] == "RuntimeError" and "failed on another process" in r0["message"], r0
         for r in (r0, r1):
-            assert r["epoch"] == 0  # the first estimate
-            assert r["failed"] - r["entered"] < COLLECTIVE_TIMEOUT / 4, r
+            assert r["epoch"] == 0  # at set-up, or the first estimate
+            if case == "error-setup":
+                assert r["entered"] is None  # before the first epoch ended
+            else:
+                assert r["failed"] - r["entered"] < COLLECTIVE_TIMEOUT / 4, r
         failed.append(max(r0["failed"], r1["failed"]))
     assert popen_run.ended - failed[-1] < COLLECTIVE_TIMEOUT / 2  # both processes gone soon after
     assert "failed on another process" in popen_run.output and "injected failure" in popen_run.output
@@ -333,8 +374,10 @@ def test_evidence_loader_refuses_what_it_cannot_shard():
             yield from zip(torch.randn(4, 1), torch.randn(4, 1))
 
     stream = DataLoader(Stream(), batch_size=2)
-    assert evidence_loader(stream, 0, 1) is stream
+    assert [len(x) for x, _ in evidence_loader(stream, 0, 1, max_batches=1)] == [2]  # one training epoch's batches
+    with pytest.raises(ValueError, match="without a length.*limit_train_batches"):
+        evidence_loader(stream, 0, 1)  # no length, no limit: it might never end
     with pytest.raises(ValueError, match="IterableDataset"):
-        evidence_loader(stream, 0, 2)
+        evidence_loader(stream, 0, 2, max_batches=1)
     with pytest.raises(ValueError, match="fewer than the 4 processes"):
         evidence_loader(DataLoader(_indexed(3)), 0, 4)

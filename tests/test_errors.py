@@ -7,6 +7,8 @@
 """
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -14,7 +16,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_marglik import CategoricalLikelihood, GaussianLikelihood, GaussianPrior, LaplaceEvidence
-from tests.reference import Problem, hyper, loader, reference_env, rel_err, setup  # noqa: F401 (reference_env: autouse fixture)
+from tests.reference import Problem, graph_problem, hyper, loader, reference_env, rel_err, setup  # noqa: F401 (reference_env: autouse fixture)
 
 TOL = 1e-8
 
@@ -81,16 +83,23 @@ def custom_case(name: str, kind: str, n: int = 24):
 
 
 @pytest.mark.parametrize("name", list(CUSTOM))
-def test_kron_rejects_unsupported_modules_by_name(name):
+def test_kron_gives_other_modules_exact_diagonal_blocks_and_names_them(name):
+    """Issue 9: kron never refuses a network; a parameter outside Linear/Conv/Embedding/norm
+    layers takes the exact path (named in a warning) and gets an exact diagonal block."""
     model, x, y = custom_case(name, "regression")
-    prior, lik = GaussianPrior(model), GaussianLikelihood()
-    with pytest.raises(ValueError) as info:
-        LaplaceEvidence.fit(model, loader(x, y), lik, prior, structure="kron")
-    msg = str(info.value)
-    if name == "gain":  # owned by the top-level module: its class or the parameter must be named
-        assert "TopLevelGain" in msg or "gain" in msg, msg
-    else:
-        assert f"'{name}'" in msg or f"`{name}`" in msg or f" {name} " in msg or f"{name}." in msg, msg
+    prior, lik = hyper(model, "regression")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ev = LaplaceEvidence.fit(model, loader(x, y), lik, prior, structure="kron")
+    msg = " ".join(str(w.message) for w in caught)
+    if name == "gain":  # owned by the top-level module
+        assert "top-level module" in msg and "TopLevelGain" in msg, msg
+    elif name == "affine":
+        assert "exact per-example path" in msg and f"'{name}'" in msg, msg
+    else:  # LayerNorm: an exact diagonal from its hooks, no slow path
+        assert msg == "", msg
+    expected = graph_problem(model, x, y, "regression").reference("kron", "ggn").evaluate(prior, lik)
+    assert rel_err(ev.log_marglik(), expected["log_marglik"]) <= TOL
 
 
 @pytest.mark.parametrize("approx", ["ggn", "ef"])
@@ -236,9 +245,9 @@ class FunctionalOnly(nn.Module):
 
 @pytest.mark.parametrize("structure", ["diag", "kron", "full"])
 @pytest.mark.parametrize("cls", [CalledTwice, FunctionalReuse, FunctionalOnly])
-def test_reused_weights_raise_or_are_exact(cls, structure):
-    """Layer-wise curvature from hooks cannot see every use of a weight: raise a ValueError
-    (kron, whose blocks are undefined there) or be exact (diag/full, e.g. by falling back)."""
+def test_reused_weights_are_exact(cls, structure):
+    """Hooks cannot see every use of a weight: such a parameter takes the exact path (an exact
+    diagonal block under kron), found from the autograd graph."""
     torch.manual_seed(2)
     model = cls().double()
     x = torch.randn(12, 3)
@@ -246,16 +255,8 @@ def test_reused_weights_raise_or_are_exact(cls, structure):
         y = model(x) + 0.5 * torch.randn(12, model(x).shape[1])
     prior, lik = hyper(model, "regression", "layerwise")
     data = loader(x, y, 5)
-    if structure == "kron":
-        with pytest.raises(ValueError):
-            LaplaceEvidence.fit(model, data, lik, prior, structure=structure)
-        return
-    try:
-        ev = LaplaceEvidence.fit(model, data, lik, prior, structure=structure)
-    except ValueError:
-        assert structure == "diag"  # the full structure never needs hooks
-        return
-    expected = Problem(model, prior.param_names, x, y, "regression").reference(structure, "ggn").evaluate(prior, lik)
+    ev = LaplaceEvidence.fit(model, data, lik, prior, structure=structure)
+    expected = graph_problem(model, x, y, "regression").reference(structure, "ggn").evaluate(prior, lik)
     assert rel_err(ev.log_det(), expected["log_det"]) <= TOL
 
 

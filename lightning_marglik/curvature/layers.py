@@ -1,181 +1,234 @@
-"""Layer-local curvature for ``nn.Linear`` and ``nn.Conv2d`` from module hooks.
+"""Layer-local curvature from module hooks: the fast path of the evidence pass.
 
-One forward pass records each layer's input ``a``; one batched backward pass of the ``k`` columns
-of the loss-Hessian factor ``L`` (see ``Likelihood.hessian_sqrt``) yields the gradients ``g`` of
-the outputs w.r.t. each layer's pre-activations. The diagonal and the Kronecker factors follow from
+One forward pass records each hooked layer's input ``a``; one backward pass per column of the
+loss-Hessian factor ``L`` (see ``Likelihood.hessian_sqrt``) yields the gradients ``g`` of the
+outputs w.r.t. each layer's output. The exact diagonal and the Kronecker factors follow from
 ``a`` and ``g`` alone, without per-example Jacobians of the whole network.
 
-Weight sharing (conv positions, extra Linear input dims) uses the *expand* convention: every
-output position counts as an example for the Kronecker factors,
-``G = sum_{n,k,r} g g^T`` and ``A = mean_{n,r} a a^T``; the diagonal is exact.
+* ``nn.Linear``, ``nn.Conv1d``, ``nn.Conv2d`` (any groups, stride, padding, dilation) and
+  ``nn.Embedding``: exact diagonal and Kronecker factors.
+* ``BatchNorm`` (running statistics), ``LayerNorm``, ``GroupNorm``, ``RMSNorm``: exact diagonal
+  of their affine parameters (they have no Kronecker form; under ``kron`` they are exact
+  diagonal blocks).
+
+Weight sharing (conv positions, sequence positions of a Linear, token positions of an
+Embedding) uses the *expand* convention: every row (position) counts as an example for the
+Kronecker factors, ``G = sum_{n,k,r} g g^T`` and ``A = mean_{n,r} a a^T``; the diagonal is exact.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+from torch.nn.utils import parametrize
 
-SUPPORTED = (nn.Linear, nn.Conv2d)
+__all__ = ["KRON_LAYERS", "KronSums", "hook_reason", "is_kron_layer", "layer_diagonal", "layer_kron"]
 
-
-def unsupported_reason(module: nn.Module) -> Optional[str]:
-    """Why the hook backend cannot handle ``module`` (``None`` if it can)."""
-    if not isinstance(module, SUPPORTED):
-        return f"{type(module).__name__} is not nn.Linear or nn.Conv2d"
-    if isinstance(module, nn.Conv2d) and (module.groups != 1 or module.padding_mode != "zeros"):
-        return "grouped or non-zero-padded Conv2d"
-    if isinstance(module, nn.Conv2d) and isinstance(module.padding, str):
-        return "Conv2d with string padding"
-    return None
+KRON_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding)
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+_NORMS = _BATCH_NORMS + (nn.LayerNorm, nn.GroupNorm) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
+_CONVS = (nn.Conv1d, nn.Conv2d)
 
 
-def _inputs_as_rows(module: nn.Module, a: Tensor) -> Tensor:
-    """Layer input as ``(B, R, in)``: ``R`` shared-weight positions per example."""
-    if isinstance(module, nn.Conv2d):
-        return _unfold(a, module).transpose(1, 2)
-    return a.reshape(a.shape[0], -1, a.shape[-1])
+def hook_reason(module: nn.Module) -> Optional[str]:
+    """Why the hook path cannot take ``module``'s own parameters (``None`` if it can)."""
+    if isinstance(module, _CONVS):
+        if module.padding_mode != "zeros":
+            return f"{type(module).__name__} with padding_mode={module.padding_mode!r}"
+        return None
+    if isinstance(module, nn.Embedding):
+        if module.max_norm is not None or module.scale_grad_by_freq:
+            return "Embedding with max_norm or scale_grad_by_freq"
+        return None
+    if isinstance(module, _BATCH_NORMS) and getattr(module, "running_mean", None) is None:
+        return "BatchNorm without running statistics mixes the examples of a batch"
+    if isinstance(module, (nn.Linear,) + _NORMS):
+        return None
+    if isinstance(module, parametrize.ParametrizationList):
+        return "a parametrized weight (torch.nn.utils.parametrize): exact diagonal of the tensors it is computed from"
+    return f"{type(module).__name__} has no hook rule"
 
 
-def _unfold(a: Tensor, module: nn.Conv2d) -> Tensor:
-    """``F.unfold`` for the layer: ``(B, C kh kw, R)``, the very same values.
+def is_kron_layer(module: nn.Module) -> bool:
+    """Whether the layer has Kronecker factors (else only an exact diagonal)."""
+    return isinstance(module, KRON_LAYERS)
 
-    Built from a strided view of the zero-padded input and one copy, which is about twice as
-    fast on CPU as ``F.unfold``'s im2col.
+
+# --- rows: (examples, shared-weight positions, features) --------------------------------------
+
+
+def _conv_padding(module: nn.Module, spatial: int) -> List[Tuple[int, int]]:
+    """``(before, after)`` zero padding per spatial dimension (``'same'`` pads the extra one after)."""
+    if module.padding == "valid":
+        return [(0, 0)] * spatial
+    if module.padding == "same":
+        pads = []
+        for k, d in zip(module.kernel_size, module.dilation):
+            total = d * (k - 1)
+            pads.append((total // 2, total - total // 2))
+        return pads
+    return [(p, p) for p in module.padding]
+
+
+def _unfold(module: nn.Module, a: Tensor) -> Tensor:
+    """Input patches ``(B, R, C_in k)`` of a Conv1d/Conv2d, in ``weight.reshape(out, -1)`` order.
+
+    Built from a strided view of the zero-padded input and one copy, which is about twice as fast
+    on CPU as ``F.unfold``'s im2col, and handles Conv1d (as a height-1 Conv2d) and ``'same'``.
     """
-    (kh, kw), (dh, dw), (ph, pw), (sh, sw) = module.kernel_size, module.dilation, module.padding, module.stride
-    if a.dim() != 4:
-        return F.unfold(a, module.kernel_size, module.dilation, module.padding, module.stride)
-    padded = (F.pad(a, (pw, pw, ph, ph)) if ph or pw else a).contiguous()
+    spatial = a.dim() - 2
+    pads = _conv_padding(module, spatial)
+    if spatial == 1:
+        a, pads = a.unsqueeze(2), [(0, 0)] + pads
+        kernel, dilation, stride = (1,) + module.kernel_size, (1,) + module.dilation, (1,) + module.stride
+    else:
+        kernel, dilation, stride = module.kernel_size, module.dilation, module.stride
+    (ph0, ph1), (pw0, pw1) = pads
+    padded = (F.pad(a, (pw0, pw1, ph0, ph1)) if ph0 or ph1 or pw0 or pw1 else a).contiguous()
     b, c, h, w = padded.shape
+    (kh, kw), (dh, dw), (sh, sw) = kernel, dilation, stride
     oh, ow = (h - dh * (kh - 1) - 1) // sh + 1, (w - dw * (kw - 1) - 1) // sw + 1
     s_b, s_c, s_h, s_w = padded.stride()
     view = padded.as_strided((b, c, kh, kw, oh, ow), (s_b, s_c, dh * s_h, dw * s_w, sh * s_h, sw * s_w))
-    return view.reshape(b, c * kh * kw, oh * ow)
+    return view.reshape(b, c * kh * kw, oh * ow).transpose(1, 2)
 
 
-def _grads_as_rows(module: nn.Module, g: Tensor) -> Tensor:
-    """Pre-activation gradients ``(k, B, ...)`` as ``(k, B, R, out)``."""
+def _input_rows(module: nn.Module, a: Tensor) -> Tensor:
+    """Layer input as rows ``(B, R, in)`` (Embedding: token indices ``(B, R)``)."""
+    if isinstance(module, _CONVS):
+        return _unfold(module, a)
+    if isinstance(module, nn.Embedding):
+        return a.reshape(a.shape[0], -1)
+    return a.reshape(a.shape[0], -1, a.shape[-1])
+
+
+def _grad_rows(module: nn.Module, g: Tensor) -> Tensor:
+    """Output gradients ``(K, B, *out)`` as rows ``(K, B, R, out)``."""
     k, b = g.shape[:2]
-    if isinstance(module, nn.Conv2d):
+    if isinstance(module, _CONVS):
         return g.reshape(k, b, g.shape[2], -1).transpose(2, 3)
     return g.reshape(k, b, -1, g.shape[-1])
 
 
-class LayerHooks:
-    """Records inputs and outputs of the hooked layers during one forward pass.
+def _groups(module: nn.Module) -> int:
+    return module.groups if isinstance(module, _CONVS) else 1
 
-    Use as a context manager; the hooks are removed on exit, also on error.
+
+# --- per-example gradients and the exact diagonal --------------------------------------------
+
+
+def _norm_input(module: nn.Module, a: Tensor) -> Tensor:
+    """The normalized input ``x_hat`` the affine parameters multiply."""
+    if isinstance(module, _BATCH_NORMS):
+        shape = (1, -1) + (1,) * (a.dim() - 2)
+        return (a - module.running_mean.reshape(shape)) * torch.rsqrt(module.running_var.reshape(shape) + module.eps)
+    if isinstance(module, nn.GroupNorm):
+        return F.group_norm(a, module.num_groups, None, None, module.eps)
+    if isinstance(module, nn.LayerNorm):
+        return F.layer_norm(a, module.normalized_shape, None, None, module.eps)
+    return F.rms_norm(a, module.normalized_shape, None, module.eps)
+
+
+def _norm_example_grads(module: nn.Module, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
+    """Per-example, per-column gradients ``(K, B, *param.shape)`` of a norm layer's affine parameters."""
+    k, b = g.shape[:2]
+    if isinstance(module, (nn.LayerNorm,) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())):
+        shape = tuple(module.normalized_shape)
+        flat = lambda t: t.reshape(k, b, -1, *shape).sum(2)  # noqa: E731 - sum over leading positions
+    else:  # channels on dim 1 of the activation
+        flat = lambda t: t.reshape(k, b, t.shape[2], -1).sum(3)  # noqa: E731
+    out = {}
+    if module.weight is not None:
+        out["weight"] = flat(g * _norm_input(module, a))
+    if getattr(module, "bias", None) is not None:
+        out["bias"] = flat(g)
+    return out
+
+
+def _embedding_diagonal(module: nn.Embedding, idx: Tensor, g_rows: Tensor) -> Tensor:
+    """``sum_{k,n} (sum_{r: idx_nr = i} g_knr)^2`` for every token ``i``: the exact diagonal.
+
+    Repeated tokens within one example add up before squaring; pairs (example, token) are made
+    unique first so that memory stays ``K x pairs x dim``, not ``K x B x vocabulary x dim``.
     """
-
-    def __init__(self, modules: Dict[str, nn.Module]) -> None:
-        self.modules = modules
-        self.inputs: Dict[str, Tensor] = {}
-        self.outputs: Dict[str, Tensor] = {}
-        self._handles: list = []
-
-    def __enter__(self) -> "LayerHooks":
-        for name, module in self.modules.items():
-            self._handles.append(module.register_forward_hook(self._hook(name)))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
-    def _hook(self, name: str):
-        def hook(module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> None:
-            if name in self.outputs:
-                raise ValueError(
-                    f"Module '{name}' is called more than once per forward pass (shared weights); the "
-                    "layer-wise curvature would be wrong. Use structure='full'."
-                )
-            self.inputs[name] = inputs[0].detach()
-            self.outputs[name] = output
-
-        return hook
-
-    def clear(self) -> None:
-        self.inputs.clear()
-        self.outputs.clear()
-
-    def backprop(self, output: Tensor, factor: Tensor) -> Dict[str, Tensor]:
-        """Gradients of ``sum_n L_n[:, j]^T f_n`` w.r.t. every layer output, for every column ``j``.
-
-        One plain backward pass per column ``j`` (the graph is kept until the last one). This is
-        faster than ``is_grads_batched`` (vmap), which has no batching rule for some backward
-        ops (e.g. max-pooling) and falls back to slow per-column loops with extra copies.
-
-        Args:
-            output: Network output ``(B, C)`` of the recorded forward pass.
-            factor: Loss-Hessian factor ``(B, C, k)``.
-
-        Returns:
-            Per layer name, a tensor ``(k, *layer_output.shape)``.
-        """
-        names = list(self.outputs)
-        outs = [self.outputs[n] for n in names]
-        k = factor.shape[2]
-        stacked: List[Optional[Tensor]] = [None] * len(names)
-        for j in range(k):
-            grads = torch.autograd.grad(
-                output, outs, grad_outputs=factor[:, :, j], retain_graph=j < k - 1, allow_unused=True
-            )
-            for i, g in enumerate(grads):
-                if g is None:
-                    continue
-                if k == 1:
-                    stacked[i] = g.unsqueeze(0)
-                    continue
-                if stacked[i] is None:
-                    stacked[i] = g.new_empty((k,) + g.shape)
-                stacked[i][j] = g
-        return {
-            n: torch.zeros((k,) + o.shape, dtype=output.dtype, device=output.device) if g is None else g
-            for n, o, g in zip(names, outs, stacked)
-        }
+    k, b, r, dim = g_rows.shape
+    example = torch.arange(b, device=idx.device).unsqueeze(1).expand(b, r)
+    pairs, inverse = torch.unique(example * module.num_embeddings + idx, return_inverse=True)
+    summed = g_rows.new_zeros(k, pairs.numel(), dim).index_add_(1, inverse.reshape(-1), g_rows.reshape(k, -1, dim))
+    diag = g_rows.new_zeros(module.num_embeddings, dim)
+    diag.index_add_(0, pairs % module.num_embeddings, summed.pow(2).sum(0))
+    if module.padding_idx is not None:  # its gradient is zero by definition
+        diag[module.padding_idx] = 0
+    return diag
 
 
-def layer_diagonal(module: nn.Module, a: Tensor, g: Tensor) -> List[Tensor]:
-    """Exact diagonal of ``sum_{n,k} (J_n^T L_nk)^2`` for the layer's weight (and bias).
+def layer_diagonal(module: nn.Module, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
+    """Exact diagonal of ``sum_{n,k} (J_n^T L_nk)^2`` for the layer's own parameters.
 
     Args:
         module: The layer.
         a: Its recorded input.
-        g: Gradients w.r.t. its output, ``(k, *output.shape)``.
+        g: Gradients w.r.t. its output, ``(K, *output.shape)``.
 
     Returns:
-        ``[weight_diag]`` or ``[weight_diag, bias_diag]`` shaped like the parameters.
+        Per role (``"weight"``, ``"bias"``), a tensor shaped like the parameter.
     """
-    a_rows = _inputs_as_rows(module, a)
-    g_rows = _grads_as_rows(module, g)
+    if not is_kron_layer(module):
+        return {role: t.pow(2).sum((0, 1)) for role, t in _norm_example_grads(module, a, g).items()}
+    a_rows, g_rows = _input_rows(module, a), _grad_rows(module, g)
+    if isinstance(module, nn.Embedding):
+        return {"weight": _embedding_diagonal(module, a_rows, g_rows)}
+    out = {}
     if a_rows.shape[1] == 1:  # no weight sharing: the per-example gradient is an outer product
-        g_sq = g_rows[:, :, 0].pow(2)  # (k, B, out), squared once for the weight and the bias
-        weight = g_sq.sum(0).T @ a_rows[:, 0].pow(2)
-        out = [weight.reshape(module.weight.shape)]
+        g_sq = g_rows[:, :, 0].pow(2)  # (K, B, out), squared once for the weight and the bias
+        out["weight"] = (g_sq.sum(0).T @ a_rows[:, 0].pow(2)).reshape(module.weight.shape)
         if module.bias is not None:
-            out.append(g_sq.sum((0, 1)))
+            out["bias"] = g_sq.sum((0, 1))
         return out
-    # weight sharing: per-example gradients (B, out, in), one column of the factor at a time, so
-    # that at most B x out x in values are alive (not k x B x out x in)
+    # weight sharing: per-example gradients (B, out, in), one factor column at a time, so that at
+    # most B x out x in values are alive (not K x B x out x in); one block per conv group
+    groups = _groups(module)
     weight = None
-    for g_col in g_rows:  # (B, R, out); for Conv2d a transposed view of the contiguous (B, out, R)
-        square = torch.bmm(g_col.transpose(1, 2), a_rows).pow_(2).sum(0)
+    for g_col in g_rows:  # (B, R, out)
+        blocks = [
+            torch.bmm(gg.transpose(1, 2), aa).pow_(2).sum(0)
+            for gg, aa in zip(g_col.chunk(groups, dim=2), a_rows.chunk(groups, dim=2))
+        ]
+        square = torch.cat(blocks) if groups > 1 else blocks[0]
         weight = square if weight is None else weight.add_(square)
-    out = [weight.reshape(module.weight.shape)]
+    out["weight"] = weight.reshape(module.weight.shape)
     if module.bias is not None:
-        out.append(g_rows.sum(2).pow(2).sum((0, 1)))
+        out["bias"] = g_rows.sum(2).pow(2).sum((0, 1))
     return out
+
+
+# --- Kronecker factors ------------------------------------------------------------------------
+
+
+@dataclass
+class KronSums:
+    """One batch's Kronecker factor sums of one layer.
+
+    Attributes:
+        g: ``sum g g^T`` over examples, rows and factor columns, ``(out, out)``.
+        a: ``sum a a^T`` over examples and rows, one block per conv group ``(groups, d, d)``; for
+            an Embedding the token counts ``(vocabulary,)`` (its input factor is diagonal).
+        rows: Number of ``(example, row)`` pairs summed in ``a``.
+    """
+
+    g: Tensor
+    a: Tensor
+    rows: int
 
 
 def _gram(rows: Tensor) -> Tensor:
     """``sum_{n,r} x_nr x_nr^T`` of ``rows`` ``(n, R, d)``.
 
     A batched product summed over ``n`` when ``1 < R`` and ``d <= R`` (reads ``rows`` in place,
-    whatever its strides; the ``(n, d, d)`` intermediate is no larger than ``rows``), else one
-    ``(d, nR)`` product on the flattened rows (a copy only if ``rows`` is not contiguous).
+    whatever its strides), else one ``(d, nR)`` product on the flattened rows.
     """
     if 1 < rows.shape[1] and rows.shape[2] <= rows.shape[1]:
         return torch.bmm(rows.transpose(1, 2), rows).sum(0)
@@ -183,30 +236,18 @@ def _gram(rows: Tensor) -> Tensor:
     return flat.T @ flat
 
 
-def layer_kron(module: nn.Module, a: Tensor, g: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    """Kronecker factor sums of one layer for one batch (expand convention).
+def layer_kron(module: nn.Module, a: Tensor, g: Tensor) -> KronSums:
+    """Kronecker factor sums of one layer for one batch (expand convention)."""
+    a_rows = _input_rows(module, a)
+    g_rows = _grad_rows(module, g).flatten(0, 1)  # (K B, R, out)
+    rows = a_rows.shape[0] * a_rows.shape[1]
+    if isinstance(module, nn.Embedding):
+        counts = torch.bincount(a_rows.reshape(-1), minlength=module.num_embeddings).to(g_rows.dtype)
+        if module.padding_idx is not None:
+            counts[module.padding_idx] = 0
+        return KronSums(_gram(g_rows), counts, rows)
+    groups = _groups(module)
+    if groups == 1:
+        return KronSums(_gram(g_rows), _gram(a_rows).unsqueeze(0), rows)
+    return KronSums(_gram(g_rows), torch.stack([_gram(block) for block in a_rows.chunk(groups, dim=2)]), rows)
 
-    Returns:
-        ``G = sum g g^T`` (out x out), ``A = sum a a^T`` (in x in) and the number of rows in ``A``.
-    """
-    a_rows = _inputs_as_rows(module, a)  # (B, R, in)
-    g_rows = _grads_as_rows(module, g).flatten(0, 1)  # (k B, R, out)
-    count = torch.tensor(float(a_rows.shape[0] * a_rows.shape[1]), dtype=a_rows.dtype, device=a_rows.device)
-    return _gram(g_rows), _gram(a_rows), count
-
-
-def layer_gradient(module: nn.Module, a: Tensor, g: Tensor) -> List[Tensor]:
-    """Gradient of ``sum_n g_n . z_n`` w.r.t. the layer's weight (and bias) from its hooks alone.
-
-    Equals the autograd gradient only if the layer's parameters act through this one call: the
-    check that the hook backend sees every use of them.
-
-    Args:
-        module: The layer.
-        a: Its recorded input.
-        g: Gradient w.r.t. its output, shaped like the output.
-    """
-    a_rows = _inputs_as_rows(module, a)
-    g_rows = _grads_as_rows(module, g.unsqueeze(0))[0]
-    weight = torch.einsum("bro,bri->oi", g_rows, a_rows).reshape(module.weight.shape)
-    return [weight] if module.bias is None else [weight, g_rows.sum((0, 1))]

@@ -1,77 +1,175 @@
-"""The sum-reduced statistics one curvature pass produces (ready to be all-reduced across ranks)."""
+"""Declared, sum-reduced statistics: the structures' common base and the container of one pass.
+
+Every statistic is declared next to its definition with :meth:`Structure.add_state` (as
+torchmetrics' ``add_state(..., dist_reduce_fx="sum")``) and accumulated in float64, counts as
+integers, whatever the model's dtype. :meth:`CurvatureStatistics.reduce` sums all of them across
+processes in ONE flattened collective.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-STRUCTURES = ("full", "kron", "diag")
+from .options import CurvatureOptions
+
+__all__ = ["BatchCurvature", "CurvatureStatistics", "LayerPlan", "Structure"]
+
+SumFn = Callable[[Tensor], Tensor]
+GatherFn = Callable[[Tensor], List[Tensor]]
 
 
 @dataclass
-class KronLayer:
-    """Where one layer's Kronecker blocks sit in the prior's parameter list.
-
-    Attributes:
-        name: Module name, for messages.
-        weight: Index of the weight tensor in ``GaussianPrior.param_names``.
-        bias: Index of the bias tensor, or ``None``.
-    """
+class LayerPlan:
+    """A layer on the hook path: its module and the prior index of each own parameter by role."""
 
     name: str
-    weight: int
-    bias: Optional[int]
+    module: nn.Module
+    roles: Dict[str, int]
+
+
+@dataclass
+class BatchCurvature:
+    """What the evidence pass computed for one batch, for the structures to accumulate.
+
+    Attributes:
+        layers: Per hooked layer: its plan, recorded input ``a`` and output gradients ``g``
+            ``(K, *output.shape)`` (one slice per column of the loss-Hessian factor).
+        rows: Per-example rows ``L_nk^T J_n`` ``(B K, P_exact)`` of the parameters on the exact
+            path, in the plan's order (``None`` if there are none).
+    """
+
+    layers: List[Tuple[LayerPlan, Tensor, Tensor]]
+    rows: Optional[Tensor]
+
+
+class Structure:
+    """Curvature of one structure over some of the prior's parameter tensors.
+
+    Owns its whole life: declared statistics, accumulation from a batch, the decomposition cached
+    once per estimate, ``log_det`` and the posterior covariance. Parameters of different
+    structures are independent blocks of ``H``.
+
+    Args:
+        indices: Prior indices (positions in ``GaussianPrior.param_names``) of the tensors covered.
+        sizes: Number of scalars of every prior tensor (all of them, in prior order).
+    """
+
+    def __init__(self, indices: Sequence[int], sizes: Sequence[int]) -> None:
+        self.indices = list(indices)
+        self.sizes = list(sizes)
+        self._states: Dict[str, Tensor] = {}
+
+    # --- declared statistics ------------------------------------------------------------------
+
+    def add_state(self, name: str, default: Tensor) -> None:
+        """Declare a sum-reduced statistic (float64, or int64 for counts)."""
+        if default.dtype not in (torch.float64, torch.int64):
+            raise TypeError(f"State {name!r} must be float64 or int64, got {default.dtype}.")
+        self._states[name] = default
+
+    def state(self, name: str) -> Tensor:
+        return self._states[name]
+
+    def add(self, name: str, value: Tensor) -> None:
+        """Add one batch's contribution; it is summed in the state's dtype (float64 or int64)."""
+        target = self._states[name]
+        target += value.to(target.device, target.dtype)
+
+    def states(self) -> Dict[str, Tensor]:
+        return self._states
+
+    def reduce_extra(self, sum_fn: SumFn, gather_fn: GatherFn) -> None:
+        """Reductions beyond the flat sum (the full structure's rows); nothing by default."""
+
+    # --- the evidence ---------------------------------------------------------------------------
+
+    def accumulate(self, batch: BatchCurvature) -> None:
+        raise NotImplementedError
+
+    def prepare(self) -> None:
+        """Cache the decomposition every evaluation reuses (after the reduction)."""
+        raise NotImplementedError
+
+    def log_det(self, scale: Tensor, log_delta: List[Tensor]) -> Tensor:
+        """``log|s C_b + diag(delta_b)|`` of this structure's block.
+
+        Args:
+            scale: Curvature scale ``s`` (0-dim).
+            log_delta: Log prior precision of every prior tensor: 0-dim (one per tensor) or
+                ``(numel,)`` (a diagonal prior).
+        """
+        raise NotImplementedError
+
+    def covariance(self, jacobians: List[Tensor], scale: Tensor, delta: List[Tensor]) -> Tensor:
+        """``sum_t J_t H_b^-1 J_t^T`` over the covered tensors; ``jacobians[t]`` is ``(B, C, numel_t)``."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _guard(matrix: Tensor) -> bool:
+        """Whether ``matrix`` is finite (a decomposition of non-finite curvature would raise)."""
+        return bool(torch.isfinite(matrix).all())
 
 
 @dataclass
 class CurvatureStatistics:
     """Everything the evidence needs from the data, as sums over examples.
 
-    The curvature is taken at unit noise and temperature; the evidence rescales it. Every tensor in
-    ``sums`` is a plain sum over examples, so statistics from several data shards (processes)
-    combine by adding them; ``rows`` (the stacked ``L_n^T J_n`` of the full structure in its
-    low-rank form) combine by concatenation.
+    The curvature is taken at unit noise and temperature; the evidence rescales it.
 
     Attributes:
-        structure: ``"full"``, ``"kron"`` or ``"diag"``.
-        approx: ``"ggn"`` or ``"ef"``.
-        n_params: Number of scalar parameters ``P`` covered by the prior.
-        sums: ``n_data``, the likelihood's statistics (``lik.*``) and the curvature sums:
-            ``diag`` (P,); ``kron.{j}.G``, ``kron.{j}.A``, ``kron.{j}.count`` per layer ``j``;
-            ``gram`` (P, P) for the full structure.
-        rows: Full structure only, while fewer rows than parameters were seen: ``(R, P)``.
-        layers: Kronecker layout, one entry per layer.
+        options: The curvature options of the pass.
+        names: Prior parameter names.
+        structures: The structures covering the prior's tensors (disjoint).
+        likelihood: The likelihood's summed statistics (float64; counts int64), with ``n_data``.
+        slow: Modules on the exact per-example path, with the reason.
     """
 
-    structure: str
-    approx: str
-    n_params: int
-    sums: Dict[str, Tensor] = field(default_factory=dict)
-    rows: Optional[Tensor] = None
-    layers: List[KronLayer] = field(default_factory=list)
+    options: CurvatureOptions
+    names: List[str]
+    structures: List[Structure]
+    likelihood: Dict[str, Tensor] = field(default_factory=dict)
+    slow: Dict[str, str] = field(default_factory=dict)
 
-    def add(self, key: str, value: Tensor) -> None:
-        if key in self.sums:
-            self.sums[key] += value
-        else:
-            self.sums[key] = value.clone()
+    @property
+    def n_data(self) -> int:
+        """Number of data terms: examples, or kept positions of sequence outputs."""
+        return int(self.likelihood["n_data"]) if "n_data" in self.likelihood else 0
 
-    def add_rows(self, rows: Tensor) -> None:
-        """Accumulate full-structure rows; switch to the ``P x P`` Gram sum once rows outnumber ``P``."""
-        if "gram" in self.sums:
-            self.add("gram", rows.T @ rows)
-            return
-        self.rows = rows if self.rows is None else torch.cat([self.rows, rows])
-        if self.rows.shape[0] >= self.n_params:
-            self.to_gram()
+    def add_likelihood(self, stats: Dict[str, Tensor]) -> None:
+        for key, value in stats.items():
+            value = value.detach().cpu()
+            value = value.to(torch.int64 if not value.is_floating_point() else torch.float64)
+            self.likelihood[key] = self.likelihood[key] + value if key in self.likelihood else value
 
-    def to_gram(self) -> None:
-        """Replace the stored rows by their Gram matrix ``U^T U``."""
-        if self.rows is not None:
-            self.add("gram", self.rows.T @ self.rows)
-            self.rows = None
+    def reduce(self, sum_fn: SumFn, gather_fn: GatherFn) -> "CurvatureStatistics":
+        """Sum every declared statistic across processes in ONE collective (``sum_fn`` on a flat
+        float64 vector; counts travel exactly up to 2^53), then the structures' extra reductions.
 
-    def likelihood_stats(self) -> Dict[str, Tensor]:
-        return {k[len("lik."):]: v for k, v in self.sums.items() if k.startswith("lik.")}
+        Args:
+            sum_fn: All-reduce (sum) of a 1-D float64 tensor.
+            gather_fn: All-gather of a tensor with the same shape on every rank.
+
+        Returns:
+            ``self``, now holding the global sums.
+        """
+        entries = [(self.likelihood, k) for k in sorted(self.likelihood)]
+        entries += [(s.states(), k) for s in self.structures for k in s.states()]
+        flat = torch.cat([store[k].reshape(-1).to(torch.float64).cpu() for store, k in entries])
+        total = sum_fn(flat).cpu()
+        offset = 0
+        for store, k in entries:
+            old = store[k]
+            n = old.numel()
+            piece = total[offset : offset + n].reshape(old.shape)
+            store[k] = piece.round().to(torch.int64) if old.dtype == torch.int64 else piece.to(old.device)
+            offset += n
+        for structure in self.structures:
+            structure.reduce_extra(sum_fn, gather_fn)
+        return self
+
+    def prepare(self) -> None:
+        for structure in self.structures:
+            structure.prepare()

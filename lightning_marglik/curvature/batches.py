@@ -1,0 +1,89 @@
+"""How the evidence pass reads a batch: ``(inputs, targets)``, the device and dtype, the model call.
+
+``inputs`` is a tensor (``forward(inputs)``), a tuple or list (``forward(*inputs)``) or a dict
+(``forward(**inputs)``, e.g. ``input_ids`` and ``attention_mask``). Without a ``batch_fn`` a batch
+must be an ``(inputs, targets)`` pair.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["BatchFn", "Inputs", "batch_size", "call_model", "move", "split_batch"]
+
+Inputs = Union[Tensor, Tuple[Any, ...], Dict[str, Any]]
+BatchFn = Callable[[Any], Tuple[Inputs, Tensor]]
+
+
+def split_batch(batch: Any, batch_fn: Optional[BatchFn] = None) -> Tuple[Inputs, Tensor]:
+    """The ``(inputs, targets)`` of one batch.
+
+    Args:
+        batch: What the data loader yielded.
+        batch_fn: Maps a batch to ``(inputs, targets)``; ``None`` for ``(x, y)`` pairs.
+
+    Returns:
+        The model inputs and the target tensor.
+
+    Raises:
+        TypeError: If the batch (or what ``batch_fn`` returned) is not an ``(inputs, targets)``
+            pair with a tensor target.
+    """
+    pair = batch_fn(batch) if batch_fn is not None else batch
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not isinstance(pair[1], Tensor):
+        source = "`batch_fn`/`marglik_batch` returned" if batch_fn is not None else "The data loader yielded"
+        raise TypeError(
+            f"{source} {type(pair).__name__}, not an (inputs, targets) pair with a tensor target; define "
+            "`marglik_batch(self, batch)` on the LightningModule (or pass `batch_fn=`) returning (inputs, targets)."
+        )
+    inputs, target = pair
+    if isinstance(inputs, list):
+        inputs = tuple(inputs)
+    if not isinstance(inputs, (Tensor, tuple, dict)):
+        raise TypeError(f"Model inputs must be a tensor, a tuple or a dict of tensors, got {type(inputs).__name__}.")
+    return inputs, target
+
+
+def move(inputs: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """``inputs`` on ``device``, floating tensors in ``dtype`` (e.g. a float64 model), recursively."""
+    if isinstance(inputs, Tensor):
+        return inputs.to(device, dtype if inputs.is_floating_point() else None)
+    if isinstance(inputs, tuple):
+        return tuple(move(v, device, dtype) for v in inputs)
+    if isinstance(inputs, dict):
+        return {k: move(v, device, dtype) for k, v in inputs.items()}
+    return inputs
+
+
+def call_model(model: nn.Module, inputs: Inputs) -> Tensor:
+    """``model(inputs)``, ``model(*inputs)`` or ``model(**inputs)``; the output must be one tensor.
+
+    Raises:
+        TypeError: If ``forward`` returns something other than a tensor.
+    """
+    if isinstance(inputs, dict):
+        output = model(**inputs)
+    elif isinstance(inputs, tuple):
+        output = model(*inputs)
+    else:
+        output = model(inputs)
+    if not isinstance(output, Tensor):
+        raise TypeError(
+            f"forward returned {type(output).__name__}; the evidence pass needs forward to return the network "
+            "output tensor (logits or predictions): return only that tensor from forward and compute other "
+            "values elsewhere."
+        )
+    return output
+
+
+def batch_size(inputs: Inputs) -> int:
+    """Number of examples: the leading size of the first tensor in ``inputs``."""
+    if isinstance(inputs, Tensor):
+        return inputs.shape[0]
+    values = inputs.values() if isinstance(inputs, dict) else inputs
+    for value in values:
+        if isinstance(value, Tensor):
+            return value.shape[0]
+    raise TypeError("Model inputs contain no tensor.")

@@ -1,0 +1,151 @@
+"""Which path each parameter takes in the evidence pass, and the structures that cover them.
+
+Decided per module on the first batch, from the structure of the model alone:
+
+* the hook path (:mod:`.layers`) for a supported layer called exactly once per forward pass
+  whose parameters appear once in the autograd graph (no tied or functional reuse);
+* the exact path (:mod:`.functional`, per-example rows of just those parameters) for the rest:
+  other modules' parameters, modules called several times, parameters used outside their module.
+
+``kron`` gives hooked Linear/Conv/Embedding layers Kronecker blocks and every other parameter an
+exact diagonal block; ``diag`` the exact diagonal everywhere; ``full`` takes the exact path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Sequence, Tuple
+
+from torch import nn
+
+from ..hyperparameters import GaussianPrior
+from .layers import hook_reason, is_kron_layer
+from .options import CurvatureOptions
+from .statistics import LayerPlan, Structure
+from .structures import DiagStructure, FullStructure, KronStructure
+
+__all__ = ["Plan", "candidates", "check_model", "locate", "make_plan"]
+
+Owner = Tuple[str, nn.Module, str]
+
+
+@dataclass
+class Plan:
+    """The paths of the evidence pass and the structures that cover the prior's tensors.
+
+    Attributes:
+        layers: Layers on the hook path.
+        exact: Prior indices on the exact path.
+        slow: Module name -> why its parameters take the exact path.
+        structures: The structures, covering every prior tensor once.
+    """
+
+    layers: List[LayerPlan]
+    exact: List[int]
+    slow: Dict[str, str] = field(default_factory=dict)
+    structures: List[Structure] = field(default_factory=list)
+
+
+def locate(model: nn.Module, prior: GaussianPrior) -> Tuple[List[str], List[Owner]]:
+    """Names of the prior's parameters in ``model`` and, for each, its owning module and role.
+
+    Raises:
+        ValueError: If the prior covers parameters ``model`` does not have, or ``model`` has
+            trainable parameters the prior does not cover.
+    """
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = prior.params
+    missing = [n for n, p in zip(prior.param_names, params) if id(p) not in names]
+    if missing:
+        raise ValueError(f"The prior covers parameters {missing} that `model` does not use.")
+    covered = {id(p) for p in params}
+    uncovered = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered]
+    if uncovered:
+        raise ValueError(
+            f"Parameters {uncovered} require grad but the prior does not cover them: build the "
+            "GaussianPrior from the whole network, or set requires_grad=False on them."
+        )
+    owners: Dict[int, Owner] = {}
+    for mod_name, module in model.named_modules():
+        for role, p in module.named_parameters(recurse=False):
+            owners.setdefault(id(p), (mod_name, module, role))
+    return [names[id(p)] for p in params], [owners[id(p)] for p in params]
+
+
+def check_model(model: nn.Module, prior: GaussianPrior, options: CurvatureOptions) -> None:
+    """What can be checked without data: the prior covers the trainable parameters, a diagonal
+    prior is not combined with ``kron``, the ``full`` structure fits in memory.
+
+    Raises:
+        ValueError: Naming the problem and a fix.
+    """
+    locate(model, prior)
+    if options.structure == "kron":
+        prior.per_tensor(prior.log_precision)
+    if options.structure == "full":
+        FullStructure(range(len(prior.param_sizes)), prior.param_sizes, prior.structure, options.max_memory)
+
+
+def candidates(owners: Sequence[Owner], options: CurvatureOptions) -> Dict[str, nn.Module]:
+    """Modules that may take the hook path (to record on the first batch)."""
+    if options.structure == "full":
+        return {}
+    return {name: module for name, module, _ in owners if hook_reason(module) is None}
+
+
+def make_plan(
+    prior: GaussianPrior, owners: Sequence[Owner], options: CurvatureOptions, calls: Dict[str, int], uses: List[int]
+) -> Plan:
+    """Plan the pass from the first batch's call counts and graph uses.
+
+    Args:
+        prior: The prior (its tensor sizes and structure).
+        owners: Owning module and role of every prior tensor (:func:`locate`).
+        options: The curvature options.
+        calls: Forward calls of every module in the first batch's forward pass.
+        uses: Autograd edges into every prior tensor in that pass (:func:`.hooks.graph_uses`).
+
+    Raises:
+        ValueError: For a diagonal prior with ``kron``, or a ``full`` curvature above the memory limit.
+    """
+    sizes = prior.param_sizes
+    everything = list(range(len(sizes)))
+    if options.structure == "full":
+        full = FullStructure(everything, sizes, prior.structure, options.max_memory)
+        return Plan([], everything, {}, [full])
+    if options.structure == "kron":
+        prior.per_tensor(prior.log_precision)  # raises for a diagonal prior, with the explanation
+    reasons: Dict[str, str] = {}  # per module: a layer takes the hook path whole or not at all
+    for index, (name, module, role) in enumerate(owners):
+        reason = reasons.get(name) or hook_reason(module)
+        if reason is None and calls.get(name, 0) != 1:
+            count = calls.get(name, 0)
+            reason = (
+                "never called itself: its parameters are used by another module's code"
+                if count == 0
+                else f"called {count} times per forward pass (shared weights)"
+            )
+        if reason is None and uses[index] > 1:
+            reason = f"its {role} is also used outside its forward call (tied or functional weights)"
+        if reason is not None:
+            reasons[name] = reason
+    layers: Dict[str, LayerPlan] = {}
+    exact: List[int] = []
+    for index, (name, module, role) in enumerate(owners):
+        if name in reasons:
+            exact.append(index)
+        else:
+            layers.setdefault(name, LayerPlan(name, module, {})).roles[role] = index
+    slow = dict(reasons)
+    hooked = list(layers.values())
+    if options.structure == "diag":
+        return Plan(hooked, exact, slow, [DiagStructure(everything, sizes, hooked, exact)])
+    kron = [layer for layer in hooked if is_kron_layer(layer.module)]
+    kron_indices = sorted(i for layer in kron for i in layer.roles.values())
+    rest = [i for i in everything if i not in set(kron_indices)]
+    structures: List[Structure] = []
+    if kron:
+        structures.append(KronStructure(kron_indices, sizes, kron))
+    if rest:
+        diag_layers = [layer for layer in hooked if not is_kron_layer(layer.module)]
+        structures.append(DiagStructure(rest, sizes, diag_layers, exact))
+    return Plan(hooked, exact, slow, structures)

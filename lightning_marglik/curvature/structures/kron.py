@@ -1,0 +1,128 @@
+"""Kronecker-factored curvature per layer (paper Eq. 9, no damping), expand convention.
+
+A Linear/Conv weight block is ``kron(G, A)`` (``G`` output side, ``A`` input side, one pair per
+conv group), an Embedding weight block ``kron(A, G)`` with a diagonal ``A`` (token counts), a
+bias block ``G``. ``log|s kron(G, A) + delta I| = sum_ij log(s q_i w_j + delta)`` from the
+eigenvalues ``q``, ``w`` of the factors, cached once per estimate.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from ..layers import layer_kron
+from ..statistics import BatchCurvature, LayerPlan, Structure
+
+__all__ = ["KronStructure"]
+
+
+def _eigvalsh(matrix: Tensor) -> Tensor:
+    """Clamped eigenvalues; NaN where the curvature is not finite (the evidence reports it)."""
+    if not Structure._guard(matrix):
+        return torch.full(matrix.shape[:-1], float("nan"), dtype=matrix.dtype, device=matrix.device)
+    return torch.linalg.eigvalsh(matrix).clamp(min=0)
+
+
+def _eigh(matrix: Tensor) -> Tuple[Tensor, Tensor]:
+    values, vectors = torch.linalg.eigh(matrix)
+    return values.clamp(min=0), vectors
+
+
+class KronStructure(Structure):
+    """Kronecker blocks of hooked Linear, Conv1d, Conv2d and Embedding layers.
+
+    Args:
+        indices: Prior indices of the covered tensors (the layers' trainable weights and biases).
+        sizes: Sizes of all prior tensors.
+        layers: The layers, each with the prior index of its covered parameters by role.
+    """
+
+    def __init__(self, indices: Sequence[int], sizes: Sequence[int], layers: List[LayerPlan]) -> None:
+        super().__init__(indices, sizes)
+        self.layers = layers
+        for j, layer in enumerate(layers):
+            module = layer.module
+            if isinstance(module, nn.Embedding):
+                out, a = module.embedding_dim, torch.zeros(module.num_embeddings, dtype=torch.float64)
+            else:
+                groups = getattr(module, "groups", 1)
+                d = module.weight[0].numel()  # one group's patch: in / groups x kernel
+                out, a = module.weight.shape[0], torch.zeros(groups, d, d, dtype=torch.float64)
+            self.add_state(f"{j}.g", torch.zeros(out, out, dtype=torch.float64))
+            self.add_state(f"{j}.a", a)
+            self.add_state(f"{j}.rows", torch.zeros((), dtype=torch.int64))
+
+    def accumulate(self, batch: BatchCurvature) -> None:
+        position = {layer.name: j for j, layer in enumerate(self.layers)}
+        for layer, a, g in batch.layers:
+            j = position.get(layer.name)
+            if j is None:
+                continue
+            sums = layer_kron(layer.module, a, g)
+            self.add(f"{j}.g", sums.g)
+            self.add(f"{j}.a", sums.a)
+            self.add(f"{j}.rows", torch.tensor(sums.rows))
+
+    def _factors(self, j: int) -> Tuple[Tensor, Tensor]:
+        """``G`` and the input factor ``A`` (mean over rows) of layer ``j``."""
+        rows = max(int(self.state(f"{j}.rows")), 1)
+        return self.state(f"{j}.g"), self.state(f"{j}.a") / rows
+
+    def _group_blocks(self, j: int, g: Tensor) -> List[Tensor]:
+        """The output-side factor of every conv group: diagonal sub-blocks of ``G``."""
+        module = self.layers[j].module
+        groups = 1 if isinstance(module, nn.Embedding) else getattr(module, "groups", 1)
+        size = g.shape[0] // groups
+        return [g[k * size : (k + 1) * size, k * size : (k + 1) * size] for k in range(groups)]
+
+    def prepare(self) -> None:
+        self._weight: List[List[Tuple[Tensor, Tensor]]] = []
+        self._bias: List[Optional[Tensor]] = []
+        for j, layer in enumerate(self.layers):
+            g, a = self._factors(j)
+            if isinstance(layer.module, nn.Embedding):
+                pairs = [(_eigvalsh(g), a if Structure._guard(a) else a * float("nan"))]
+            else:
+                pairs = [(_eigvalsh(gk), _eigvalsh(ak)) for gk, ak in zip(self._group_blocks(j, g), a)]
+            self._weight.append(pairs if "weight" in layer.roles else [])
+            self._bias.append(_eigvalsh(g) if "bias" in layer.roles else None)
+
+    def log_det(self, scale: Tensor, log_delta: List[Tensor]) -> Tensor:
+        total = scale.new_zeros(())
+        for layer, pairs, q_bias in zip(self.layers, self._weight, self._bias):
+            if pairs:
+                delta = log_delta[layer.roles["weight"]].exp()
+                for q, w in pairs:
+                    total = total + torch.log(scale * torch.outer(q, w) + delta).sum()
+            if q_bias is not None:
+                total = total + torch.log(scale * q_bias + log_delta[layer.roles["bias"]].exp()).sum()
+        return total
+
+    def covariance(self, jacobians: List[Tensor], scale: Tensor, delta: List[Tensor]) -> Tensor:
+        b, c = jacobians[self.indices[0]].shape[:2]
+        cov = jacobians[self.indices[0]].new_zeros(b, c, c)
+        for j, layer in enumerate(self.layers):
+            g, a = self._factors(j)
+            if "weight" in layer.roles:
+                jac = jacobians[layer.roles["weight"]]
+                d_w = delta[layer.roles["weight"]]
+                if isinstance(layer.module, nn.Embedding):
+                    q, vec = _eigh(g)
+                    rotated = jac.reshape(b, c, a.shape[0], -1) @ vec
+                    variance = 1 / (scale * torch.outer(a, q) + d_w)
+                    cov += torch.einsum("bcij,ij,bdij->bcd", rotated, variance, rotated)
+                else:
+                    blocks = self._group_blocks(j, g)
+                    per_group = jac.reshape(b, c, len(blocks), -1, a.shape[-1])
+                    for k, (gk, ak) in enumerate(zip(blocks, a)):
+                        (q, vec_g), (w, vec_a) = _eigh(gk), _eigh(ak)
+                        rotated = vec_g.T @ per_group[:, :, k] @ vec_a
+                        variance = 1 / (scale * torch.outer(q, w) + d_w)
+                        cov += torch.einsum("bcij,ij,bdij->bcd", rotated, variance, rotated)
+            if "bias" in layer.roles:
+                q, vec = _eigh(g)
+                rotated = jacobians[layer.roles["bias"]] @ vec
+                cov += torch.einsum("bci,i,bdi->bcd", rotated, 1 / (scale * q + delta[layer.roles["bias"]]), rotated)
+        return cov

@@ -1,0 +1,204 @@
+"""The engine under real conditions: precision, reuse detection, divergence, memory, training tricks.
+
+Each test names the issue item it guards (issue 8: reliability; issue 13: training tricks).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_marglik import CategoricalLikelihood, GaussianLikelihood, GaussianPrior, LaplaceEvidence
+from tests.test_errors import FunctionalReuse
+from tests.reference import Problem, hyper, loader, reference_env, rel_err  # noqa: F401 (reference_env: autouse fixture)
+
+STRUCTURES = ["diag", "kron", "full"]
+
+
+def regression_net() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 12), nn.LayerNorm(12), nn.Tanh(), nn.Linear(12, 2))
+
+
+# --- issue 8.4: statistics in float64, counts as integers ----------------------------------------
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_float32_evidence_equals_float64_at_50k_examples(structure):
+    torch.manual_seed(0)
+    net64 = regression_net()
+    x = torch.randn(50_000, 4)
+    with torch.no_grad():
+        y = net64(x) + 0.1 * torch.randn(50_000, 2)
+    values = {}
+    for dtype in (torch.float64, torch.float32):
+        net = copy.deepcopy(net64).to(dtype)
+        data = DataLoader(TensorDataset(x.to(dtype), y.to(dtype)), batch_size=1000)
+        # sigma = 0.1: a sharply peaked likelihood where float32 sums lose digits
+        ev = LaplaceEvidence.fit(net, data, GaussianLikelihood(sigma=0.1), GaussianPrior(net), structure=structure)
+        assert ev.n_data == 50_000
+        values[dtype] = ev.log_marglik()
+    assert values[torch.float32].dtype == torch.float64
+    assert rel_err(values[torch.float32], values[torch.float64]) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_counts_every_example(dtype):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3)).to(dtype)
+    x, y = torch.randn(5000, 3).to(dtype), torch.randint(0, 3, (5000,))
+    ev = LaplaceEvidence.fit(net, DataLoader(TensorDataset(x, y), batch_size=500), CategoricalLikelihood(), GaussianPrior(net), "diag", "ef")
+    assert ev.n_data == 5000  # bf16 would count 4864, fp16 stops at 2048
+    assert torch.isfinite(ev.log_marglik())
+
+
+# --- issue 8.6: a weight used outside its layer is found from the graph, not from values ------
+
+
+def test_reuse_detection_does_not_depend_on_data_values():
+    """EF with a first batch whose residuals are exactly zero: a value-based check sees nothing there."""
+    torch.manual_seed(2)
+    model = FunctionalReuse()
+    x = torch.randn(16, 3)
+    with torch.no_grad():
+        y = model(x) + 0.5 * torch.randn(16, 2)
+        y[:8] = model(x[:8])  # zero residual on the first batch
+    prior, lik = hyper(model, "regression", "layerwise")
+    expected = Problem(model, prior.param_names, x, y, "regression").reference("diag", "ef").evaluate(prior, lik)
+    for order in (torch.arange(16), torch.arange(16).flip(0)):
+        ev = LaplaceEvidence.fit(model, loader(x[order], y[order], 8), lik, prior, structure="diag", approx="ef")
+        assert rel_err(ev.log_det(), expected["log_det"]) <= 1e-8
+        assert "fc1" in ev.slow and "outside its forward call" in ev.slow["fc1"]
+
+
+# --- issue 8.9: divergence gives a NaN estimate under every structure, never a LinAlgError ----
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_non_finite_curvature_gives_nan_not_an_error(structure):
+    net = regression_net()
+    x, y = torch.randn(20, 4), torch.randn(20, 2)
+    x[3, 1] = float("nan")
+    ev = LaplaceEvidence.fit(net, loader(x, y, 8), GaussianLikelihood(), GaussianPrior(net), structure=structure)
+    assert math.isnan(ev.log_marglik().item())
+    solution = ev.optimize(steps=5)
+    assert all(torch.equal(v, ev.hyperparameters()[k].double()) for k, v in solution.values.items())
+
+
+@pytest.mark.parametrize("n", [10, 80])  # fewer rows than parameters (determinant lemma), and more (Gram)
+@pytest.mark.parametrize("prior_structure", ["scalar", "layerwise", "diagonal"])
+def test_failed_factorisation_at_extreme_hyperparameters_is_nan(prior_structure, n):
+    """full: precisions of 1e-300 and a curvature scale of 1e300 break the factorisation: NaN, not a raise."""
+    net = regression_net()
+    x, y = torch.randn(n, 4), torch.randn(n, 2)
+    prior = GaussianPrior(net, precision=1e-300, structure=prior_structure)
+    ev = LaplaceEvidence.fit(net, loader(x, y, 8), GaussianLikelihood(sigma=1e-150), prior, structure="full")
+    assert (ev.structures[0].gram is None) == (2 * n < prior.n_params)
+    value = ev.log_marglik().item()  # never an exception
+    if prior_structure == "scalar" and ev.structures[0].gram is not None:
+        assert value < -1e300  # eigenvalues of the Gram matrix: no factorisation to fail
+    else:
+        assert not math.isfinite(value)
+
+
+# --- issue 8.11: the full structure refuses before allocating what it cannot hold ------------------
+
+
+def test_full_structure_refuses_above_its_memory_limit():
+    net = nn.Sequential(nn.Linear(1000, 2000), nn.Tanh(), nn.Linear(2000, 10)).float()  # P ~ 2M
+    data = [(torch.randn(4, 1000), torch.randint(0, 10, (4,)))]
+    with pytest.raises(ValueError, match=r"structure='full' needs about .* GiB for P=2,022,010 .*'kron' or 'diag'"):
+        LaplaceEvidence.fit(net, data, CategoricalLikelihood(), GaussianPrior(net), structure="full")
+
+
+# --- issue 10.3: the exact softmax GGN needs C - 1 columns -----------------------------------
+
+
+def test_exact_categorical_factor_has_c_minus_one_columns():
+    logits = 3 * torch.randn(7, 5)
+    factor = CategoricalLikelihood().hessian_sqrt(logits, torch.zeros(7, dtype=torch.long), "ggn", 0, None)
+    probs = logits.softmax(1)
+    assert factor.shape == (7, 5, 4)
+    lam = torch.diag_embed(probs) - probs.unsqueeze(2) * probs.unsqueeze(1)
+    assert (factor @ factor.transpose(1, 2) - lam).abs().max() < 1e-14
+
+
+# --- issue 13: torch.compile, activation checkpointing, parametrized weights ---------------------
+
+
+class Blocks(nn.Module):
+    def __init__(self, use_checkpoint: bool = False) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Tanh())
+        self.head = nn.Linear(8, 2)
+        self.use_checkpoint = use_checkpoint
+
+    def forward(self, x):
+        h = checkpoint(self.block, x, use_reentrant=False) if self.use_checkpoint else self.block(x)
+        return self.head(h)
+
+
+class Wrapped(nn.Module):
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _evidence(model, structure, data):
+    prior, lik = hyper(model, "regression", "layerwise")
+    return LaplaceEvidence.fit(model, data, lik, prior, structure=structure).log_marglik()
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_compiled_and_checkpointed_networks_give_the_plain_evidence(structure):
+    torch.manual_seed(0)
+    plain = Blocks()
+    x, y = torch.randn(20, 4), torch.randn(20, 2)
+    data = loader(x, y, 8)
+    checkpointed = Blocks(use_checkpoint=True)
+    checkpointed.load_state_dict(plain.state_dict())
+    inner = Blocks()
+    inner.load_state_dict(plain.state_dict())
+    compiled = Wrapped(torch.compile(inner, backend="eager"))
+    compiled(x)  # compiled once, as training would
+    expected = _evidence(Wrapped(plain), structure, data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no slow path, no "used outside its forward call"
+        for model in (Wrapped(checkpointed), compiled):
+            assert rel_err(_evidence(model, structure, data), expected) <= 1e-8
+
+
+class Scaled(nn.Module):
+    """A parametrization that is the identity up to a constant: the tensor it is computed from is the weight / 2."""
+
+    def forward(self, weight):
+        return 2 * weight
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_parametrized_weights_take_the_exact_path_with_a_warning(structure):
+    from torch.nn.utils import parametrize
+
+    torch.manual_seed(0)
+    x, y = torch.randn(20, 4), torch.randn(20, 2)
+    model = Blocks()
+    parametrize.register_parametrization(model.head, "weight", Scaled())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prior, lik = hyper(model, "regression", "layerwise")
+        ev = LaplaceEvidence.fit(model, loader(x, y, 8), lik, prior, structure=structure)
+    expected = Problem(model, prior.param_names, x, y, "regression")
+    if structure != "kron":
+        assert rel_err(ev.log_marglik(), expected.reference(structure, "ggn").evaluate(prior, lik)["log_marglik"]) <= 1e-8
+    messages = " ".join(str(w.message) for w in caught)
+    if structure != "full":
+        assert "head.parametrizations.weight" in messages and "parametrized weight" in messages
+    assert torch.isfinite(ev.log_marglik())
