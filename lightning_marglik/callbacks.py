@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from .curvature import CurvatureOptions, check_model, collect_statistics, eval_mode
 from .curvature.batches import call_model, move, split_batch
 from .distributed import evidence_loader, reduce_statistics, run_on_all_ranks
-from .evidence import LaplaceEvidence
+from .evidence import SOLVERS, LaplaceEvidence
 from .hyperparameters import GaussianPrior, Likelihood
 
 __all__ = ["MargLikCallback", "MargLikCheckpoint", "MargLikConfigurationError", "MargLikEarlyStopping"]
@@ -94,6 +94,9 @@ class MargLikCallback(Callback):
             ``DataLoader``, or the name of a method of the LightningModule or DataModule that
             returns one (usable from YAML). Default: the trainer's training data.
         seed: Seed of the Monte-Carlo samples (the estimate of epoch ``e`` uses ``seed + e``).
+        solver: Hyperparameter steps per estimate: ``"adam"`` (``steps`` Adam steps at ``lr``, the
+            paper's) or ``"newton"`` (Newton with a line search until converged, at most
+            ``steps`` evaluations; see :mod:`lightning_marglik.solvers`).
 
     Raises:
         ValueError: On an invalid argument (the message names it).
@@ -127,6 +130,7 @@ class MargLikCallback(Callback):
         mc_samples: int = 0,
         dataloader: Union[DataLoader, str, None] = None,
         seed: int = 0,
+        solver: str = "adam",
     ) -> None:
         super().__init__()
         self.options = CurvatureOptions(structure, approx, mc_samples)
@@ -143,6 +147,9 @@ class MargLikCallback(Callback):
             raise ValueError(f"`dataloader` must be a DataLoader or a method name, got {type(dataloader).__name__}.")
         self.dataloader = dataloader
         self.seed = _positive_int(seed, "seed", 0)
+        if solver not in SOLVERS:
+            raise ValueError(f"`solver` must be one of {SOLVERS}, got {solver!r}.")
+        self.solver = solver
         self.prior: Optional[GaussianPrior] = None
         self.likelihood: Optional[Likelihood] = None
         self.evidence: Optional[LaplaceEvidence] = None
@@ -310,7 +317,9 @@ class MargLikCallback(Callback):
             rank_zero_warn("The evidence is not finite at the current weights; hyperparameters left unchanged.")
             marglik = math.nan
         else:
-            solution = evidence.optimize(self.steps, self.lr, state=self._optimizer_state)
+            solution = evidence.optimize(
+                self.steps, self.lr, state=self._optimizer_state, solver=self.solver, max_evaluations=max(self.steps, 1)
+            )
             self._optimizer_state = solution.state
             self._optimizer_signature = self._learnable_signature()
             # rank 0's values everywhere: bit-identical hyperparameters on every rank

@@ -232,3 +232,41 @@ def test_float64_training_with_float32_data():
     model, _ = _fit([cb], max_epochs=2, precision="64-true", data=data)
     assert model.net[0].weight.dtype == torch.float64 and model.prior.log_precision.dtype == torch.float64
     assert math.isfinite(cb.last_marglik)
+
+
+def test_large_lr_never_ends_below_the_start_and_warns():
+    """Issue 8.2: the best point of the steps is kept; a diverging lr is named with a safer one."""
+    _fit([cb0 := MargLikCallback(structure="kron", steps=0)], max_epochs=1)
+    with pytest.warns(UserWarning, match=r"lr=10.*lr=1 is safer"):
+        _fit([cb := MargLikCallback(structure="kron", steps=100, lr=10.0)], max_epochs=1)
+    assert cb.history[0]["marglik"] >= cb0.history[0]["marglik"]
+
+
+def test_newton_solver_converges_where_adam_needs_many_steps():
+    _fit([adam := MargLikCallback(structure="kron", steps=2000, lr=0.05)], max_epochs=1)
+    _fit([newton := MargLikCallback(structure="kron", solver="newton", steps=20)], max_epochs=1)
+    assert newton.history[0]["marglik"] == pytest.approx(adam.history[0]["marglik"], abs=1e-4)
+    with pytest.raises(ValueError, match="solver.*'lbfgs'"):
+        MargLikCallback(solver="lbfgs")
+
+
+class CompiledRegressor(Regressor):
+    """The network trained through torch.compile (the evidence pass runs it eagerly)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.compile(self.net, backend="eager")
+        self.prior = type(self.prior)(self.net)
+
+
+def test_compiled_network_in_a_trainer_with_kron():
+    """Issue 13: torch.compile'd network, structure='kron': no refusal, the plain network's evidence."""
+    model, _ = _fit([cb := MargLikCallback(structure="kron", steps=20)], max_epochs=2, model=CompiledRegressor())
+    plain = Regressor()
+    plain.net.load_state_dict(model.net._orig_mod.state_dict())
+    plain.prior.load_state_dict(model.prior.state_dict())
+    plain.likelihood.load_state_dict(model.likelihood.state_dict())
+    ev = LaplaceEvidence.fit(plain, loader(regression_data()), plain.likelihood, plain.prior, "kron")
+    compiled = LaplaceEvidence.fit(model, loader(regression_data()), model.likelihood, model.prior, "kron")
+    assert compiled.log_marglik().item() == pytest.approx(ev.log_marglik().item(), rel=1e-10)
+    assert math.isfinite(cb.history[-1]["marglik"])
