@@ -97,6 +97,8 @@ class MargLikCallback(Callback):
         solver: Hyperparameter steps per estimate: ``"adam"`` (``steps`` Adam steps at ``lr``, the
             paper's) or ``"newton"`` (Newton with a line search until converged, at most
             ``steps`` evaluations; see :mod:`lightning_marglik.solvers`).
+        backend: Curvature backend: ``"hooks"`` (ours, any network) or ``"backpack"`` (optional
+            extra ``lightning_marglik[backpack]``; Sequential networks of Linear/Conv2d layers).
 
     Raises:
         ValueError: On an invalid argument (the message names it).
@@ -131,9 +133,10 @@ class MargLikCallback(Callback):
         dataloader: Union[DataLoader, str, None] = None,
         seed: int = 0,
         solver: str = "adam",
+        backend: str = "hooks",
     ) -> None:
         super().__init__()
-        self.options = CurvatureOptions(structure, approx, mc_samples)
+        self.options = CurvatureOptions(structure, approx, mc_samples, backend=backend)
         self.structure = structure
         self.approx = approx
         self.frequency = _positive_int(frequency, "frequency", 1)

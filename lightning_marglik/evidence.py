@@ -77,6 +77,7 @@ class LaplaceEvidence:
         generator: Optional[torch.Generator] = None,
         batch_fn: Optional[BatchFn] = None,
         max_memory: int = CurvatureOptions.max_memory,
+        backend: str = "hooks",
     ) -> "LaplaceEvidence":
         """One pass over ``dataloader`` at the model's current weights.
 
@@ -91,6 +92,7 @@ class LaplaceEvidence:
             generator: Random generator for the Monte-Carlo samples.
             batch_fn: Maps a batch to ``(inputs, targets)``; inputs a tensor, tuple or dict.
             max_memory: Bytes the ``full`` structure may allocate for its ``P x P`` matrices.
+            backend: ``"hooks"`` or ``"backpack"`` (optional extra, see :mod:`.curvature.backpack`).
 
         Returns:
             The evidence object.
@@ -99,7 +101,7 @@ class LaplaceEvidence:
             ValueError: On bad options, a model the structure cannot handle, or bad targets.
             TypeError: On batches that are not ``(inputs, targets)`` pairs.
         """
-        options = CurvatureOptions(structure, approx, mc_samples, max_memory)
+        options = CurvatureOptions(structure, approx, mc_samples, max_memory, backend)
         stats = collect_statistics(model, dataloader, likelihood, prior, generator=generator, batch_fn=batch_fn, options=options)
         return cls(stats, likelihood, prior)
 

@@ -18,12 +18,13 @@ from ..hyperparameters import GaussianPrior, Likelihood
 from .batches import BatchFn, move, split_batch
 from .functional import jacobian_rows
 from .hooks import Recorder, graph_uses
-from .options import APPROXIMATIONS, STRUCTURES, CurvatureOptions
+from .options import APPROXIMATIONS, BACKENDS, STRUCTURES, CurvatureOptions
 from .plan import Plan, candidates, check_model, locate, make_plan
 from .statistics import BatchCurvature, CurvatureStatistics, LayerPlan, Structure
 
 __all__ = [
     "APPROXIMATIONS",
+    "BACKENDS",
     "STRUCTURES",
     "CurvatureOptions",
     "CurvatureStatistics",
@@ -103,6 +104,10 @@ def collect_statistics(
             return a tensor.
     """
     options = options or CurvatureOptions(structure, approx, mc_samples)
+    if options.backend == "backpack":
+        from .backpack import backpack_statistics
+
+        return backpack_statistics(model, dataloader, likelihood, prior, options, batch_fn, on_batch)
     names, owners = locate(model, prior)
     params = prior.params
     device, dtype = params[0].device, params[0].dtype

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["APPROXIMATIONS", "STRUCTURES", "CurvatureOptions"]
+__all__ = ["APPROXIMATIONS", "BACKENDS", "STRUCTURES", "CurvatureOptions"]
 
 STRUCTURES = ("full", "kron", "diag")
 APPROXIMATIONS = ("ggn", "ef")
+BACKENDS = ("hooks", "backpack")
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,8 @@ class CurvatureOptions:
         mc_samples: Monte-Carlo samples per example for the GGN; 0 for the exact GGN.
         max_memory: Largest size in bytes the ``full`` structure may allocate for its ``P x P``
             matrices (the Gram matrix and its factorisation).
+        backend: ``"hooks"`` (ours: any network) or ``"backpack"`` (optional extra; Sequential
+            networks of Linear/Conv2d layers, see :mod:`.backpack`).
 
     Raises:
         ValueError: Naming the bad option and the accepted values.
@@ -33,6 +36,7 @@ class CurvatureOptions:
     approx: str = "ggn"
     mc_samples: int = 0
     max_memory: int = 4 * 2**30
+    backend: str = "hooks"
 
     def __post_init__(self) -> None:
         if self.structure not in STRUCTURES:
@@ -43,5 +47,7 @@ class CurvatureOptions:
             raise ValueError(f"`mc_samples` must be an int >= 0 (0 = exact GGN), got {self.mc_samples!r}.")
         if self.mc_samples and self.approx != "ggn":
             raise ValueError(f"`mc_samples` applies to approx='ggn' only, got approx={self.approx!r}.")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"`backend` must be one of {BACKENDS}, got {self.backend!r}.")
         if isinstance(self.max_memory, bool) or not isinstance(self.max_memory, int) or self.max_memory <= 0:
             raise ValueError(f"`max_memory` must be a positive number of bytes, got {self.max_memory!r}.")
