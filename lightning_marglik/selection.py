@@ -9,6 +9,9 @@ From Python::
 From the command line, over a YAML file (``class_path``/``init_args`` as in LightningCLI)::
 
     marglik-select candidates.yaml            # or: python -m lightning_marglik.selection ...
+    marglik-select candidates.yaml --trainer.max_epochs=5 --callback.structure=kron --seed=1
+    marglik-select candidates.yaml --quick    # 1 epoch of 2 batches per candidate: a smoke test
+    marglik-select candidates.yaml --print_config     # the configuration after all overrides
 
     seed: 0
     output_dir: selection
@@ -20,26 +23,32 @@ From the command line, over a YAML file (``class_path``/``init_args`` as in Ligh
       cnn: {class_path: mypackage.CNN, init_args: {channels: 16}}
 
 A candidate class whose ``__init__`` takes ``n_data`` gets the training set size when the YAML
-does not set it.
+does not set it. A YAML file imports the modules it names (as LightningCLI's do): use only
+files from a trusted source. ``data`` must name a ``LightningDataModule`` subclass and every
+candidate a ``LightningModule`` subclass; anything else is refused before it is called.
+
+Results are written after every candidate; a re-run with the same settings reuses the
+candidates that finished (``--rerun`` trains them all again).
 """
 from __future__ import annotations
 
-import argparse
+import contextlib
 import csv
 import importlib
 import inspect
 import json
+import logging
 import math
 import os
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import pytorch_lightning as pl
 import torch
 import torchmetrics
-import yaml
 from torch import Tensor
 from torch.utils.data import DataLoader
 
@@ -47,14 +56,42 @@ from .callbacks import MargLikCallback, find_hyperparameters
 from .hyperparameters import CategoricalLikelihood
 from .predictive import predict_classification
 
-__all__ = ["CandidateResult", "NegativeLogLikelihood", "default_metrics", "select_models", "main"]
+__all__ = [
+    "CandidateResult",
+    "NegativeLogLikelihood",
+    "default_metrics",
+    "select_models",
+    "select_from_config",
+    "instantiate",
+    "quiet_lightning",
+    "run_command_line",
+    "main",
+]
 
 PREDICTIVES = ("map", "probit")
+RESULTS_JSON = "results.json"
+# Small models on a shared CPU: with other jobs on the 2 cores (load 3-5), `marglik-select
+# configs/digits_selection.yaml --trainer.max_epochs=5` took 4 s of training with 1 thread and 83-109 s
+# with 2; the toy regression example (300 epochs) 3.0-4.3 s against 25-51 s (README, "Threads").
+DEFAULT_THREADS = 1
+# What `--quick` means: one epoch of two batches and one cheap estimate per candidate. The
+# evidence pass still sees the whole training set, so a quick run exercises everything.
+QUICK_OVERRIDES = (
+    "--trainer.max_epochs=1",
+    "--trainer.limit_train_batches=2",
+    "--callback.frequency=1",
+    "--callback.steps=5",
+)
 
 
 @dataclass
 class CandidateResult:
-    """One trained candidate: its evidence, size, cost and test metrics."""
+    """One trained candidate: its evidence, size, cost and test metrics.
+
+    ``settings`` describe how it was trained (trainer, callback, seed, predictive and, from a
+    YAML, its ``class_path``/``init_args`` and the data); a re-run reuses the result only if they
+    are unchanged.
+    """
 
     name: str
     marglik: float  # log evidence per datum (higher is better)
@@ -63,10 +100,18 @@ class CandidateResult:
     epochs: int
     hyperparameters: Dict[str, float] = field(default_factory=dict)
     metrics: Dict[str, float] = field(default_factory=dict)
+    settings: Dict[str, Any] = field(default_factory=dict)
 
 
 class NegativeLogLikelihood(torchmetrics.Metric):
-    """Mean negative log-likelihood of integer labels under predicted class probabilities."""
+    """Mean negative log-likelihood of integer labels under predicted class probabilities.
+
+    Example:
+        >>> metric = NegativeLogLikelihood()
+        >>> metric.update(torch.tensor([[0.5, 0.5], [0.25, 0.75]]), torch.tensor([0, 1]))
+        >>> round(metric.compute().item(), 4)  # -(log 0.5 + log 0.75) / 2
+        0.4904
+    """
 
     higher_is_better = False
     full_state_update = False
@@ -86,7 +131,12 @@ class NegativeLogLikelihood(torchmetrics.Metric):
 
 
 def default_metrics(n_classes: int) -> Dict[str, torchmetrics.Metric]:
-    """Accuracy, NLL and expected calibration error (15 bins) for ``n_classes`` classes."""
+    """Accuracy, NLL and expected calibration error (15 bins) for ``n_classes`` classes.
+
+    Example:
+        >>> sorted(default_metrics(3))
+        ['accuracy', 'ece', 'nll']
+    """
     return {
         "accuracy": torchmetrics.classification.MulticlassAccuracy(n_classes, average="micro"),
         "nll": NegativeLogLikelihood(),
@@ -121,6 +171,34 @@ def _test_metrics(
             metric.reset()
 
 
+@contextlib.contextmanager
+def quiet_lightning() -> Iterator[None]:
+    """Keep Lightning's per-``Trainer`` banners and small-data warnings out of the output.
+
+    Every candidate gets a fresh ``Trainer``, and each would print its accelerator banner, a tip
+    and warnings about data loader workers and logging intervals; inside this context only
+    Lightning's warnings and errors reach the log.
+
+    Example:
+        >>> with quiet_lightning():
+        ...     trainer = pl.Trainer(max_epochs=1, logger=False, accelerator="cpu")
+    """
+    loggers = [logging.getLogger(name) for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+            warnings.filterwarnings("ignore", message=".*number of training batches.*")
+            # Lightning 2.6 on torch >= 2.10 warns about its own use of torch's pytree at every step
+            warnings.filterwarnings("ignore", message=".*isinstance.treespec, LeafSpec.*")
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
 def select_models(
     candidates: Mapping[str, Callable[[], pl.LightningModule]],
     train_dataloader: Optional[DataLoader] = None,
@@ -133,8 +211,14 @@ def select_models(
     output_dir: Optional[str] = None,
     seed: int = 0,
     verbose: bool = True,
+    resume: bool = False,
+    settings: Optional[Mapping[str, Any]] = None,
 ) -> List[CandidateResult]:
     """Train every candidate with ``MargLikCallback`` and rank them by their final evidence.
+
+    With ``output_dir``, ``results.json`` and ``results.csv`` are rewritten after every candidate
+    (ranked so far), so a killed run loses at most the candidate in training; ``evidence.png``
+    follows at the end.
 
     Args:
         candidates: Name to a factory returning a fresh LightningModule (with prior and likelihood).
@@ -149,7 +233,12 @@ def select_models(
             Laplace predictive of the evidence's posterior) for the test metrics.
         output_dir: Where to write ``results.csv``, ``results.json`` and ``evidence.png``.
         seed: Seed set before each candidate (``pl.seed_everything``).
-        verbose: Print one line per candidate.
+        verbose: Print one line per candidate with the elapsed time and an estimate of the rest.
+        resume: Reuse a candidate's result from ``output_dir/results.json`` when it was trained
+            with the same settings (the data are compared only as far as ``settings`` describe them).
+        settings: JSON-able description of each candidate (name to e.g. its class and arguments),
+            stored with its result and compared on ``resume``; the trainer, callback, seed and
+            predictive are always part of it.
 
     Returns:
         The results, best evidence first.
@@ -166,24 +255,41 @@ def select_models(
     if test_dataloader is None and datamodule is not None and _has_test_data(datamodule):
         datamodule.setup("test")
         test_dataloader = datamodule.test_dataloader()
-    results = []
+    wanted = {
+        name: _jsonable({"candidate": (settings or {}).get(name), "trainer": trainer or {}, "callback": callback or {},
+                         "seed": seed, "predictive": predictive})
+        for name in candidates
+    }
+    stored = load_results(output_dir) if resume and output_dir else {}
+    reusable = {name for name in candidates if name in stored and stored[name].settings == wanted[name]}
+    results: List[CandidateResult] = []
+    directions: Dict[str, bool] = {}
+    start, trained, training_seconds = time.perf_counter(), 0, 0.0
     for index, (name, factory) in enumerate(candidates.items(), 1):
+        if name in reusable:
+            results.append(stored[name])
+            if verbose:
+                print(f"[{index}/{len(candidates)}] {name}: marglik={stored[name].marglik:.4f} "
+                      f"(finished in an earlier run with the same settings: reused)", flush=True)
+            continue
+        candidate_start = time.perf_counter()
         pl.seed_everything(seed, verbose=False)
         module = factory()
         cb = MargLikCallback(**(callback or {}))
         kwargs = dict(logger=False, enable_checkpointing=False, enable_model_summary=False, accelerator="cpu")
         kwargs.update(trainer or {})
         fit_trainer = pl.Trainer(callbacks=[cb], **kwargs)
-        start = time.perf_counter()
+        fit_start = time.perf_counter()
         fit_trainer.fit(module, train_dataloaders=train_dataloader, datamodule=datamodule)
-        seconds = time.perf_counter() - start
-        prior, likelihood = find_hyperparameters(module)
+        seconds = time.perf_counter() - fit_start
+        prior, _ = find_hyperparameters(module)
         scores: Dict[str, float] = {}
         if test_dataloader is not None:
             n_classes = _n_classes(module, test_dataloader)
             chosen = metrics() if metrics else (default_metrics(n_classes) if n_classes else {})
+            directions.update({k: bool(m.higher_is_better) for k, m in chosen.items() if m.higher_is_better is not None})
             scores = _test_metrics(module, cb, test_dataloader, chosen, predictive) if chosen else {}
-        result = CandidateResult(
+        results.append(CandidateResult(
             name=name,
             marglik=cb.final_marglik,
             n_params=prior.n_params,
@@ -191,16 +297,39 @@ def select_models(
             epochs=fit_trainer.current_epoch,
             hyperparameters={k: v for k, v in cb.logged_values(cb.final_marglik).items() if k != "marglik"},
             metrics=scores,
-        )
-        results.append(result)
+            settings=wanted[name],
+        ))
+        if output_dir:  # after every candidate: a killed run keeps what finished
+            save_results(_ranked(results), output_dir, plot=False)
+        trained += 1
+        training_seconds += time.perf_counter() - candidate_start
         if verbose:
+            to_train = sum(1 for other in list(candidates)[index:] if other not in reusable)
             shown = " ".join(f"{k}={v:.4f}" for k, v in scores.items())
-            print(f"[{index}/{len(candidates)}] {name}: marglik={result.marglik:.4f} params={result.n_params} "
-                  f"time={seconds:.1f}s {shown}", flush=True)
-    ranked = sorted(results, key=lambda r: -r.marglik if math.isfinite(r.marglik) else math.inf)
+            print(f"[{index}/{len(candidates)}] {name}: marglik={results[-1].marglik:.4f} params={prior.n_params} "
+                  f"time={seconds:.1f}s {shown} | elapsed {_clock(time.perf_counter() - start)}, "
+                  f"about {_clock(training_seconds / trained * to_train)} left", flush=True)
+    ranked = _ranked(results)
     if output_dir:
-        save_results(ranked, output_dir)
+        save_results(ranked, output_dir, higher_is_better=directions)
     return ranked
+
+
+def _ranked(results: Sequence[CandidateResult]) -> List[CandidateResult]:
+    return sorted(results, key=lambda r: -r.marglik if math.isfinite(r.marglik) else math.inf)
+
+
+def _clock(seconds: float) -> str:
+    """``1:05`` or ``2:03:07`` for a duration in seconds."""
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` as it reads back from JSON; objects without a JSON form become their ``repr``
+    (which never compares equal across runs for e.g. a DataLoader, so such a run is redone)."""
+    return json.loads(json.dumps(value, default=repr, sort_keys=True))
 
 
 def _has_test_data(datamodule: pl.LightningDataModule) -> bool:
@@ -217,19 +346,57 @@ def _n_classes(module: pl.LightningModule, loader: DataLoader) -> int:
         return int(module.eval()(x[:1]).shape[1])
 
 
-def save_results(results: Sequence[CandidateResult], output_dir: str) -> None:
-    """Write ``results.csv``, ``results.json`` and, with matplotlib, ``evidence.png``."""
+def load_results(output_dir: str) -> Dict[str, CandidateResult]:
+    """The results stored in ``output_dir/results.json`` by name (empty if there are none)."""
+    path = os.path.join(output_dir, RESULTS_JSON)
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        stored = json.load(f)
+    known = set(CandidateResult.__dataclass_fields__)
+    return {row["name"]: CandidateResult(**{k: v for k, v in row.items() if k in known}) for row in stored}
+
+
+def save_results(
+    results: Sequence[CandidateResult],
+    output_dir: str,
+    plot: bool = True,
+    higher_is_better: Optional[Mapping[str, bool]] = None,
+) -> None:
+    """Write ``results.json``, ``results.csv`` and, with ``plot`` and matplotlib, ``evidence.png``.
+
+    The files are replaced atomically, so a run killed while writing leaves the previous ones.
+
+    Args:
+        results: The results, best first.
+        output_dir: Directory (created if missing).
+        plot: Whether to draw ``evidence.png`` (evidence against the first test metric).
+        higher_is_better: Direction of each metric, for the plot's axis label.
+    """
     os.makedirs(output_dir, exist_ok=True)
-    rows = [{**{k: v for k, v in asdict(r).items() if k not in ("metrics", "hyperparameters")}, **r.metrics} for r in results]
-    with open(os.path.join(output_dir, "results.json"), "w") as f:
-        json.dump([asdict(r) for r in results], f, indent=2)
-    with open(os.path.join(output_dir, "results.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+    rows = [{**{k: v for k, v in asdict(r).items() if k not in ("metrics", "hyperparameters", "settings")}, **r.metrics}
+            for r in results]
+    _write_atomic(os.path.join(output_dir, RESULTS_JSON), lambda f: json.dump([asdict(r) for r in results], f, indent=2))
+
+    def write_csv(f: Any) -> None:
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for row in rows for k in row)))
         writer.writeheader()
         writer.writerows(rows)
-    metric_names = list(results[0].metrics)
-    if not metric_names:
-        return
+
+    _write_atomic(os.path.join(output_dir, "results.csv"), write_csv)
+    if plot and results[0].metrics:
+        _plot_evidence(results, os.path.join(output_dir, "evidence.png"), higher_is_better or {})
+
+
+def _write_atomic(path: str, write: Callable[[Any], None]) -> None:
+    partial = path + ".partial"
+    with open(partial, "w", newline="") as f:
+        write(f)
+    os.replace(partial, path)
+
+
+def _plot_evidence(results: Sequence[CandidateResult], path: str, higher_is_better: Mapping[str, bool]) -> None:
+    """Evidence against the first test metric; marker size by parameter count, colour by class."""
     try:
         import matplotlib
 
@@ -237,45 +404,194 @@ def save_results(results: Sequence[CandidateResult], output_dir: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:  # plotting is an extra: pip install lightning_marglik[examples]
         return
-    metric = metric_names[0]
-    fig, ax = plt.subplots(figsize=(5, 4))
-    sizes = [20 + 200 * r.n_params / max(q.n_params for q in results) for r in results]
-    ax.scatter([r.marglik for r in results], [r.metrics[metric] for r in results], s=sizes, alpha=0.7)
-    for r in results:
-        ax.annotate(r.name, (r.marglik, r.metrics[metric]), fontsize=7)
-    ax.set_xlabel("log marginal likelihood / N")
-    ax.set_ylabel(f"test {metric}")
-    ax.set_title("Model selection by the evidence (size: #params)")
+    metric = next(iter(results[0].metrics))
+    shown = [r for r in results if metric in r.metrics and math.isfinite(r.marglik)]
+    if not shown:
+        return
+    biggest = max(r.n_params for r in shown)
+    kinds = [str((r.settings.get("candidate") or {}).get("class_path", "")).rpartition(".")[2] for r in shown]
+    sizes = [20 + 200 * r.n_params / biggest for r in shown]
+    fig, ax = plt.subplots(figsize=(6.4, 4.8))
+    for i, kind in enumerate(dict.fromkeys(kinds)):
+        group = [(r, size) for r, k, size in zip(shown, kinds, sizes) if k == kind]
+        ax.scatter([r.marglik for r, _ in group], [r.metrics[metric] for r, _ in group], s=[s for _, s in group],
+                   color=f"C{i}", alpha=0.7, label=kind or None)
+    if any(kinds):
+        ax.legend(fontsize=8, title="class", title_fontsize=8)
+    direction = {True: " (higher is better)", False: " (lower is better)"}.get(higher_is_better.get(metric), "")
+    ax.set_xlabel("log evidence / N, training data only (higher is better)")
+    ax.set_ylabel(f"test {metric}{direction}")
+    ax.set_title("Model selection by the evidence (marker size: #params)")
+    ax.margins(0.15)
     fig.tight_layout()
-    fig.savefig(os.path.join(output_dir, "evidence.png"), dpi=120)
+    label_points(ax, [(r.marglik, r.metrics[metric]) for r in shown], [r.name for r in shown], sizes)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def label_points(ax: Any, points: Sequence[Tuple[float, float]], labels: Sequence[str], sizes: Sequence[float]) -> None:
+    """Label scatter points so that no label covers another label or a marker.
+
+    Greedy: each label tries offsets in 8 directions at growing distances and takes the first
+    free place (or, if there is none, the least covered one); labels away from their point get a
+    thin leader line.
+
+    Args:
+        ax: A matplotlib ``Axes`` with the points already drawn and its limits set.
+        points: Data coordinates of the points.
+        labels: One label per point.
+        sizes: Marker areas in points² (``scatter``'s ``s``).
+    """
+    from matplotlib.text import Text
+    from matplotlib.transforms import Bbox
+
+    fig = ax.figure
+    fig.canvas.draw()  # settles the axis limits, so that data map to their final pixels
+    renderer = fig.canvas.get_renderer()
+    pixels = fig.dpi / 72.0
+    radii = [math.sqrt(s) / 2 for s in sizes]  # marker radius in points
+    markers = [Bbox.from_bounds(x - r * pixels, y - r * pixels, 2 * r * pixels, 2 * r * pixels)
+               for (x, y), r in zip(ax.transData.transform(points), radii)]
+    frame = ax.get_window_extent(renderer)
+    legend = ax.get_legend()
+    placed: List[Any] = [legend.get_window_extent(renderer)] if legend is not None else []
+
+    def cost(box: Any) -> float:
+        # Covering another label is worst, then leaving the axes, then covering a marker.
+        return (100 * sum(_overlap(box, other) for other in placed)
+                + 3 * (box.width * box.height - _overlap(box, frame))
+                + sum(_overlap(box, other) for other in markers))
+
+    directions = [(1, 1), (1, -1), (-1, 1), (-1, -1), (1, 0), (-1, 0), (0, 1), (0, -1)]
+    order = sorted(range(len(points)), key=lambda i: (points[i][1], points[i][0]), reverse=True)
+    for i in order:
+        best: Optional[Tuple[float, Any, Any]] = None
+        for distance in (3, 10, 18, 28, 40, 55):
+            for dx, dy in directions:
+                offset = (dx * (distance + radii[i]), dy * (distance + radii[i]))
+                text = ax.annotate(
+                    labels[i], points[i], xytext=offset, textcoords="offset points", fontsize=7,
+                    ha={1: "left", -1: "right", 0: "center"}[dx], va={1: "bottom", -1: "top", 0: "center"}[dy],
+                    arrowprops=dict(arrowstyle="-", lw=0.5, color="0.5", shrinkB=radii[i]) if distance > 3 else None,
+                )
+                text.update_positions(renderer)
+                box = Text.get_window_extent(text, renderer).expanded(1.05, 1.2)  # the text, not its leader line
+                score = cost(box)
+                if best is None or score < best[0]:
+                    if best is not None:
+                        best[1].remove()
+                    best = (score, text, box)
+                else:
+                    text.remove()
+                if score == 0:
+                    break
+            if best is not None and best[0] == 0:
+                break
+        assert best is not None
+        placed.append(best[2])
+
+
+def _overlap(a: Any, b: Any) -> float:
+    width = min(a.x1, b.x1) - max(a.x0, b.x0)
+    height = min(a.y1, b.y1) - max(a.y0, b.y0)
+    return width * height if width > 0 and height > 0 else 0.0
 
 
 # --- command line ---------------------------------------------------------------------------
 
 
-def instantiate(spec: Mapping[str, Any], **defaults: Any) -> Any:
-    """Build ``class_path(**init_args)``; ``defaults`` fill constructor arguments the spec leaves out.
+def resolve_class(class_path: str, expected: type) -> type:
+    """Import ``class_path`` and check that it is a subclass of ``expected`` (nothing is called).
+
+    Example:
+        >>> resolve_class("os.system", pl.LightningModule)
+        Traceback (most recent call last):
+        ...
+        ValueError: class_path 'os.system' is a builtin_function_or_method, not a subclass of pytorch_lightning.LightningModule: refused.
 
     Raises:
-        ValueError: If ``spec`` has no ``class_path``.
+        ValueError: If it cannot be imported or is not such a class (the message names both).
     """
-    if "class_path" not in spec:
-        raise ValueError(f"Expected a mapping with `class_path` (and `init_args`), got {dict(spec)!r}.")
-    module_name, _, attr = spec["class_path"].rpartition(".")
-    cls = getattr(importlib.import_module(module_name), attr)
+    wanted = f"{expected.__module__.split('.')[0]}.{expected.__qualname__}"
+    module_name, _, attr = str(class_path).rpartition(".")
+    if not module_name:
+        raise ValueError(f"class_path {class_path!r} must be a dotted path module.Class of a {wanted} subclass.")
+    try:
+        found = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"class_path {class_path!r} (expected a {wanted} subclass) cannot be imported: {error}") from error
+    if not (inspect.isclass(found) and issubclass(found, expected)):
+        kind = f"class {found.__module__}.{found.__qualname__}" if inspect.isclass(found) else type(found).__name__
+        raise ValueError(f"class_path {class_path!r} is a {kind}, not a subclass of {wanted}: refused.")
+    return found
+
+
+def instantiate(spec: Mapping[str, Any], expected: type, **defaults: Any) -> Any:
+    """Build ``class_path(**init_args)`` after checking that ``class_path`` is a subclass of ``expected``.
+
+    ``defaults`` fill constructor arguments that the spec leaves out and the class accepts.
+
+    Raises:
+        ValueError: If ``spec`` has no ``class_path`` or it is not an ``expected`` subclass.
+    """
+    if not isinstance(spec, Mapping) or "class_path" not in spec:
+        raise ValueError(f"Expected a mapping with `class_path` (and `init_args`), got {spec!r}.")
+    cls = resolve_class(spec["class_path"], expected)
     kwargs = dict(spec.get("init_args") or {})
     accepted = inspect.signature(cls).parameters
     kwargs.update({k: v for k, v in defaults.items() if k in accepted and k not in kwargs})
     return cls(**kwargs)
 
 
-def select_from_config(config: Mapping[str, Any]) -> List[CandidateResult]:
-    """Run :func:`select_models` from a parsed YAML configuration (see the module docstring)."""
-    datamodule = instantiate(config["data"])
+def check_config(config: Mapping[str, Any]) -> None:
+    """Check a selection configuration without training anything.
+
+    Every ``class_path`` must resolve to the expected kind of class, the trainer keys must be
+    ``pl.Trainer`` arguments and the callback arguments must be valid.
+
+    Raises:
+        ValueError: On the first problem found (the message names the key or class_path).
+    """
+    for key in ("data", "candidates"):
+        if not config.get(key):
+            raise ValueError(f"The configuration needs a `{key}` section (see `marglik-select --help`).")
+    resolve_class(_class_path(config["data"], "data"), pl.LightningDataModule)
+    for name, spec in config["candidates"].items():
+        resolve_class(_class_path(spec, f"candidates.{name}"), pl.LightningModule)
+    unknown = set(config.get("trainer") or {}) - set(inspect.signature(pl.Trainer).parameters)
+    if unknown:
+        raise ValueError(f"`trainer` has keys that are not pl.Trainer arguments: {sorted(unknown)}.")
+    MargLikCallback(**(config.get("callback") or {}))  # raises ValueError naming a bad argument
+
+
+def _class_path(spec: Any, where: str) -> str:
+    if not isinstance(spec, Mapping) or "class_path" not in spec:
+        raise ValueError(f"`{where}` must be a mapping with `class_path` (and `init_args`), got {spec!r}.")
+    return spec["class_path"]
+
+
+def select_from_config(config: Mapping[str, Any], resume: bool = False, verbose: bool = True) -> List[CandidateResult]:
+    """Run :func:`select_models` from a parsed YAML configuration (see the module docstring).
+
+    Every ``class_path`` is checked (:func:`check_config`) before any of them is called.
+
+    Args:
+        config: ``data``, ``candidates`` and optionally ``trainer``, ``callback``, ``seed``,
+            ``predictive``, ``output_dir``.
+        resume: Reuse results in ``output_dir`` of candidates trained with the same settings.
+        verbose: Print one line per candidate.
+
+    Raises:
+        ValueError: On an invalid configuration, e.g. a ``class_path`` of the wrong kind.
+    """
+    check_config(config)
+    datamodule = instantiate(config["data"], pl.LightningDataModule)
     datamodule.setup("fit")
     n_data = len(datamodule.train_dataloader().dataset)
-    candidates = {name: (lambda spec=spec: instantiate(spec, n_data=n_data)) for name, spec in config["candidates"].items()}
+    candidates = {
+        name: (lambda spec=spec: instantiate(spec, pl.LightningModule, n_data=n_data))
+        for name, spec in config["candidates"].items()
+    }
     return select_models(
         candidates,
         datamodule=datamodule,
@@ -284,26 +600,100 @@ def select_from_config(config: Mapping[str, Any]) -> List[CandidateResult]:
         predictive=config.get("predictive", "map"),
         output_dir=config.get("output_dir"),
         seed=config.get("seed", 0),
+        verbose=verbose,
+        resume=resume,
+        settings={name: {**spec, "data": config["data"]} for name, spec in config["candidates"].items()},
     )
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    """``marglik-select CONFIG.yaml [--output-dir DIR]``: rank the configured candidates by evidence."""
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("config", help="YAML file with data, candidates, trainer and callback sections")
-    parser.add_argument("--output-dir", help="overrides `output_dir` of the YAML")
-    args = parser.parse_args(argv)
+def build_parser() -> Any:
+    """The ``marglik-select`` parser (jsonargparse, as LightningCLI): YAML plus dotted overrides."""
+    from typing import Literal
+
+    from jsonargparse import ActionConfigFile, ActionYesNo, ArgumentParser
+
+    parser = ArgumentParser(
+        prog="marglik-select",
+        usage="marglik-select CONFIG.yaml [--trainer.KEY=VALUE] [--callback.KEY=VALUE] [--data.KEY=VALUE] "
+              "[--seed=N] [--output_dir=DIR] [--quick] [--rerun] [--threads=N]",
+        description="Train every candidate of CONFIG.yaml with MargLikCallback and rank them by their "
+                    "Laplace evidence (log marginal likelihood / N; higher is better).",
+        epilog="The YAML imports the modules it names (as LightningCLI's): use only files from a trusted source.",
+    )
+    parser.add_argument("--config", action=ActionConfigFile, help="The YAML file (also the first positional argument).")
+    parser.add_argument("--seed", type=int, default=0, help="Seed set before every candidate.")
+    parser.add_argument("--output_dir", "--output-dir", type=Optional[str], default=None,
+                        help="Where results.json, results.csv and evidence.png go.")
+    parser.add_argument("--predictive", type=Literal["map", "probit"], default="map",
+                        help="Predictive of the test metrics (never used to select).")
+    parser.add_argument("--trainer", type=Dict[str, Any], default={},
+                        help="pl.Trainer arguments, e.g. --trainer.max_epochs=5.")
+    parser.add_class_arguments(MargLikCallback, "callback")
+    parser.add_subclass_arguments(pl.LightningDataModule, "data", required=True)
+    parser.add_argument("--candidates", type=Dict[str, Dict[str, Any]], required=True,
+                        help="Name to {class_path: a LightningModule subclass, init_args: {...}}.")
+    parser.add_argument("--quick", action=ActionYesNo(yes_prefix="", no_prefix=None), default=False,
+                        help="Smoke test: " + " ".join(QUICK_OVERRIDES) + " (later overrides win); "
+                             "writes to OUTPUT_DIR/quick and trains every candidate again.")
+    parser.add_argument("--rerun", action=ActionYesNo(yes_prefix="", no_prefix=None), default=False,
+                        help="Train every candidate again instead of reusing finished ones from results.json.")
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                        help="torch.set_num_threads: 1 is fastest for small models on a shared CPU.")
+    return parser
+
+
+def run_command_line(argv: Optional[Sequence[str]] = None) -> Tuple[List[CandidateResult], Dict[str, Any]]:
+    """What ``marglik-select`` does, for a script: returns the results and the configuration used.
+
+    Args:
+        argv: Command-line arguments (default ``sys.argv[1:]``): ``CONFIG.yaml`` and overrides.
+
+    Returns:
+        The results (best evidence first) and the configuration after all overrides (as given to
+        :func:`select_from_config`).
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and not args[0].startswith("-"):
+        args = ["--config", args[0], *args[1:]]
+    if "--quick" in args:  # right after the YAML, so that the user's own overrides win
+        at = 2 if args[:1] == ["--config"] else 0
+        args[at:at] = QUICK_OVERRIDES
     sys.path.insert(0, os.getcwd())  # class paths of the user's own modules, as with `python -m`
-    with open(args.config) as f:
-        config = yaml.safe_load(f)
-    if args.output_dir:
-        config["output_dir"] = args.output_dir
-    results = select_from_config(config)
+    parser = build_parser()
+    cfg = parser.parse_args(args)
+    torch.set_num_threads(cfg.threads)
+    config = {
+        "seed": cfg.seed,
+        "output_dir": cfg.output_dir,
+        "predictive": cfg.predictive,
+        "trainer": dict(cfg.trainer),
+        "callback": cfg.callback.as_dict(),
+        "data": cfg.data.as_dict(),
+        "candidates": cfg.candidates,
+    }
+    if cfg.quick and config["output_dir"]:
+        config["output_dir"] = os.path.join(config["output_dir"], "quick")  # never mixed with real results
+    try:
+        check_config(config)
+    except ValueError as error:
+        parser.error(str(error))
+    with quiet_lightning():
+        if cfg.quick:  # it trains on 2 batches on purpose; the evidence still covers all the data
+            warnings.filterwarnings("ignore", message=".*limit_train_batches.*")
+        results = select_from_config(config, resume=not (cfg.rerun or cfg.quick))
     width = max(len(r.name) for r in results)
     print(f"{'rank':>4}  {'candidate':<{width}}  {'marglik':>9}  {'params':>8}  metrics")
     for rank, r in enumerate(results, 1):
         shown = " ".join(f"{k}={v:.4f}" for k, v in r.metrics.items())
         print(f"{rank:>4}  {r.name:<{width}}  {r.marglik:>9.4f}  {r.n_params:>8}  {shown}")
+    if config["output_dir"]:
+        print(f"results in {config['output_dir']}/ (results.csv, results.json, evidence.png)")
+    return results, config
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """``marglik-select CONFIG.yaml [overrides]``: rank the configured candidates by evidence."""
+    run_command_line(argv)
 
 
 if __name__ == "__main__":

@@ -291,7 +291,7 @@ class _AscentStep:
     (saddle-free Newton: a direction of positive curvature is climbed as much as its curvature
     says, not descended), both floored relative to the largest curvature. Then ``A`` is negative
     definite, so ``d(mu)`` ascends for every ``mu >= 0`` (Levenberg damping: large ``mu`` tends to
-    the gradient direction ``g / mu``).
+    the gradient direction ``g / mu``). ``newton`` is the undamped step ``d(0)``.
     """
 
     def __init__(self, grad: Tensor, rows: Tensor, diagonal: Tensor, dense: Tensor) -> None:
@@ -305,6 +305,7 @@ class _AscentStep:
         self.c = c
         eigenvalues, vectors = torch.linalg.eigh(b - (c / self.d) @ c.T)
         self.s = (vectors * -eigenvalues.abs().clamp(min=floor)) @ vectors.T
+        self.newton = self(0.0)
 
     def __call__(self, mu: float) -> Tensor:
         g_s, g_l = self.grad[self.dense], self.grad[self.rest]
@@ -319,9 +320,8 @@ class _AscentStep:
 
     def within(self, radius: float) -> Tensor:
         """The least damped step whose largest component is at most ``radius`` (bisection on log mu)."""
-        step = self(0.0)
-        if step.abs().max() <= radius:
-            return step
+        if self.newton.abs().max() <= radius:
+            return self.newton
         # ||d(mu)||_inf <= ||d(mu)||_2 <= ||g||_2 / mu: ``high`` is always inside the radius
         low, high = 0.0, self.grad.norm().item() / radius
         best = self(high)
@@ -405,7 +405,7 @@ def newton(
             diverged = True
             break
         ascent = _AscentStep(grad, rows, diagonal, dense)
-        predicted = 0.5 * float(grad @ ascent(0.0))  # increase a full modified-Newton step predicts
+        predicted = 0.5 * float(grad @ ascent.newton)  # increase a full modified-Newton step predicts
         if predicted <= max(tol, _noise(value)):
             converged = True
             break

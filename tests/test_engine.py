@@ -132,14 +132,14 @@ def test_exact_categorical_factor_has_c_minus_one_columns():
 
 
 class Blocks(nn.Module):
-    def __init__(self, use_checkpoint: bool = False) -> None:
+    def __init__(self, use_checkpoint: bool = False, reentrant: bool = False) -> None:
         super().__init__()
         self.block = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Tanh())
         self.head = nn.Linear(8, 2)
-        self.use_checkpoint = use_checkpoint
+        self.use_checkpoint, self.reentrant = use_checkpoint, reentrant
 
     def forward(self, x):
-        h = checkpoint(self.block, x, use_reentrant=False) if self.use_checkpoint else self.block(x)
+        h = checkpoint(self.block, x, use_reentrant=self.reentrant) if self.use_checkpoint else self.block(x)
         return self.head(h)
 
 
@@ -174,6 +174,16 @@ def test_compiled_and_checkpointed_networks_give_the_plain_evidence(structure):
         warnings.simplefilter("error")  # no slow path, no "used outside its forward call"
         for model in (Wrapped(checkpointed), compiled):
             assert rel_err(_evidence(model, structure, data), expected) <= 1e-8
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_reentrant_checkpointing_is_refused_with_the_fix(structure):
+    """use_reentrant=True runs the block without gradients: zeros would be silently wrong, so refuse."""
+    model = Blocks(use_checkpoint=True, reentrant=True)
+    x, y = torch.randn(12, 4), torch.randn(12, 2)
+    with pytest.raises(ValueError, match=r"use_reentrant=False"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own note that no input requires grad
+        _evidence(model, structure, loader(x, y, 6))
 
 
 class Scaled(nn.Module):

@@ -121,7 +121,8 @@ def collect_statistics(
             inputs, target = move(inputs, device, dtype), target.to(device)
             output = recorder.forward(inputs)
             if plan is None:
-                plan = make_plan(prior, owners, options, dict(recorder.counts), graph_uses(output, params))
+                in_graph = {name: out.requires_grad for name, out in recorder.outputs.items()}
+                plan = make_plan(prior, owners, options, dict(recorder.counts), graph_uses(output, params), in_graph)
                 stats = CurvatureStatistics(options, names, plan.structures, slow=plan.slow)
                 recorder.keep = {layer.name: layer.module for layer in plan.layers}
                 recorder.strict = True

@@ -64,9 +64,11 @@ def jacobian_rows(model: nn.Module, names: List[str], params: List[Tensor], inpu
     try:
         rows = vmap(single_rows, in_dims=(None, dims, 0))(detached, inputs, factor)
     except RuntimeError as error:
-        if "saved tensor hooks" not in str(error):
+        # activation checkpointing: saved-tensor hooks (use_reentrant=False) or an autograd.Function
+        # without setup_context (use_reentrant=True) cannot run inside torch.func transforms
+        if "saved tensor hooks" not in str(error) and "setup_context" not in str(error):
             raise
-        return _rows_by_autograd(model, params, inputs, dims, factor)  # activation checkpointing
+        return _rows_by_autograd(model, params, inputs, dims, factor)
     k = factor.shape[2]
     return torch.cat([r.reshape(b, k, -1) for r in rows], dim=2).reshape(b * k, -1)
 
@@ -85,8 +87,8 @@ def _example(inputs: Any, dims: Any, n: int) -> Any:
 def _rows_by_autograd(model: nn.Module, params: List[Tensor], inputs: Inputs, dims: Any, factor: Tensor) -> Tensor:
     """The same rows with plain autograd, one example at a time.
 
-    torch.func cannot run a forward that uses saved-tensor hooks (``torch.utils.checkpoint``);
-    plain autograd can, at the cost of a forward per example and a backward per factor column.
+    torch.func cannot run a forward that uses ``torch.utils.checkpoint``; plain autograd can, at
+    the cost of a forward per example and a backward per factor column.
     """
     rows = []
     for n in range(factor.shape[0]):
@@ -95,7 +97,12 @@ def _rows_by_autograd(model: nn.Module, params: List[Tensor], inputs: Inputs, di
             grads = torch.autograd.grad(
                 output, params, grad_outputs=factor[n, :, j], retain_graph=j < factor.shape[2] - 1, allow_unused=True
             )
-            rows.append(torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads)]))
+            if any(g is None for g in grads):  # zeros would be a silently wrong curvature
+                raise ValueError(
+                    "Some trainable parameters get no gradient through torch.autograd.grad (reentrant activation "
+                    "checkpointing supports only .backward()); use torch.utils.checkpoint(..., use_reentrant=False)."
+                )
+            rows.append(torch.cat([g.reshape(-1) for g in grads]))
     return torch.stack(rows)
 
 

@@ -93,7 +93,12 @@ def candidates(owners: Sequence[Owner], options: CurvatureOptions) -> Dict[str, 
 
 
 def make_plan(
-    prior: GaussianPrior, owners: Sequence[Owner], options: CurvatureOptions, calls: Dict[str, int], uses: List[int]
+    prior: GaussianPrior,
+    owners: Sequence[Owner],
+    options: CurvatureOptions,
+    calls: Dict[str, int],
+    uses: List[int],
+    in_graph: Dict[str, bool],
 ) -> Plan:
     """Plan the pass from the first batch's call counts and graph uses.
 
@@ -103,9 +108,11 @@ def make_plan(
         options: The curvature options.
         calls: Forward calls of every module in the first batch's forward pass.
         uses: Autograd edges into every prior tensor in that pass (:func:`.hooks.graph_uses`).
+        in_graph: Whether each recorded layer's output is part of the autograd graph.
 
     Raises:
-        ValueError: For a diagonal prior with ``kron``, or a ``full`` curvature above the memory limit.
+        ValueError: For a diagonal prior with ``kron``, a ``full`` curvature above the memory limit,
+            or a trainable layer run outside the autograd graph (reentrant activation checkpointing).
     """
     sizes = prior.param_sizes
     everything = list(range(len(sizes)))
@@ -123,6 +130,13 @@ def make_plan(
                 "never called itself: its parameters are used by another module's code"
                 if count == 0
                 else f"called {count} times per forward pass (shared weights)"
+            )
+        if reason is None and not in_graph.get(name, True):
+            raise ValueError(
+                f"The output of module '{name}' is not in the autograd graph of the forward pass: its curvature "
+                "cannot be computed. Activation checkpointing with use_reentrant=True runs the forward without "
+                "gradients (and supports only .backward()); use torch.utils.checkpoint(..., use_reentrant=False), "
+                "PyTorch's recommended mode, or no torch.no_grad() around trainable layers in forward."
             )
         if reason is None and uses[index] > 1:
             reason = f"its {role} is also used outside its forward call (tied or functional weights)"
