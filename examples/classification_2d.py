@@ -13,33 +13,53 @@ generalization gap (train minus test accuracy, and test minus train NLL, on a fr
 
 Usage::
 
-    python examples/classification_2d.py               # full run, about a minute on CPU
-    python examples/classification_2d.py --quick       # smoke test: 3 epochs, no plot
+    python examples/classification_2d.py               # full run, about a minute on one CPU thread
+    python examples/classification_2d.py --quick       # smoke test: 3 epochs
     python examples/classification_2d.py --data.noise=0.2 --model.width=100   # any config override
-    python examples/classification_2d.py fit --config configs/classification_2d.yaml   # one plain fit
+    python examples/classification_2d.py --results     # rewrite examples/results/classification_2d.png
 
-Script options: ``--config PATH``, ``--plot PATH``, ``--no-plot``, ``--quick``; the rest are
-LightningCLI overrides of the config. Writes ``examples/results/classification_2d.png``.
+Writes ``outputs/classification_2d.png`` (``--output-dir``/``--results`` for elsewhere).
 """
 from __future__ import annotations
 
-import os
-from typing import Any, Dict, List, Optional, Sequence
+if __name__ == "__main__":  # the imports below take 5-20 s: say what is happening
+    print("classification_2d: importing PyTorch, Lightning and scikit-learn ...", flush=True)
 
-import torch
+import os  # noqa: E402
+import time  # noqa: E402
+from typing import Any, Dict, List, Optional, Sequence  # noqa: E402
 
-try:
-    from .common import (CONFIGS, RESULTS, MLPClassifier, MoonsData, classification_metrics, fit,
-                         markdown_table, script_main)
-except ImportError:  # run as a script: examples/ is on sys.path
-    from common import (CONFIGS, RESULTS, MLPClassifier, MoonsData, classification_metrics, fit,
-                        markdown_table, script_main)
+import torch  # noqa: E402
+
+from common import CONFIGS, MLPClassifier, TensorData, accuracy_and_nll, configured, markdown_table, parse, parser  # noqa: E402
+from lightning_marglik import MargLikCallback  # noqa: E402
+from lightning_marglik.selection import quiet_lightning  # noqa: E402
 
 CONFIG = os.path.join(CONFIGS, "classification_2d.yaml")
-PLOT = os.path.join(RESULTS, "classification_2d.png")
 WEAK_PRECISION = 1e-4
 QUICK = ["--trainer.max_epochs=3", "--trainer.callbacks.init_args.frequency=1", "--trainer.callbacks.init_args.steps=5"]
 
+
+class MoonsData(TensorData):
+    """``sklearn.datasets.make_moons`` (generated, offline), standardized with the training statistics.
+
+    Args:
+        n_train, n_test: Sizes of the training and the (independent) test set.
+        noise: ``make_moons`` noise.
+        seed: Seed; the test set uses ``seed + 1``.
+        batch_size: Batch size (<= 0: full batch).
+    """
+
+    def __init__(self, n_train: int = 60, n_test: int = 2000, noise: float = 0.3, seed: int = 0, batch_size: int = 0):
+        super().__init__(batch_size)
+        from sklearn.datasets import make_moons
+
+        x_tr, y_tr = make_moons(n_train, noise=noise, random_state=seed)
+        x_te, y_te = make_moons(n_test, noise=noise, random_state=seed + 1)
+        mean, std = x_tr.mean(0), x_tr.std(0)
+        as_tensors = lambda x, y: (torch.tensor((x - mean) / std, dtype=torch.float32), torch.tensor(y))  # noqa: E731
+        self.x_train, self.y_train = as_tensors(x_tr, y_tr)
+        self.x_test, self.y_test = as_tensors(x_te, y_te)
 
 def variants(weak_precision: float = WEAK_PRECISION) -> Dict[str, List[str]]:
     """Config overrides of the two compared models (same architecture, same data, same training)."""
@@ -66,10 +86,14 @@ def run(
     rows: List[Dict[str, Any]] = []
     fits = {}
     for name, extra in variants(weak_precision).items():
-        result = fit(MLPClassifier, MoonsData, config, [*overrides, *extra])
-        model, data, callback = result["model"], result["data"], result["callback"]
-        train = classification_metrics(model, data.x_train, data.y_train)
-        test = classification_metrics(model, data.x_test, data.y_test)
+        cli = configured(MLPClassifier, MoonsData, config, [*overrides, *extra])
+        model, data = cli.model, cli.datamodule
+        callback = next(c for c in cli.trainer.callbacks if isinstance(c, MargLikCallback))
+        start = time.perf_counter()
+        cli.trainer.fit(model, datamodule=data)
+        seconds = time.perf_counter() - start
+        train = accuracy_and_nll(model, data.x_train, data.y_train)
+        test = accuracy_and_nll(model, data.x_test, data.y_test)
         rows.append({
             "model": name,
             "marglik": callback.final_marglik,
@@ -80,12 +104,12 @@ def run(
             "test_nll": test["nll"],
             "nll_gap": test["nll"] - train["nll"],
             "prior_precision": [round(v, 4) for v in model.prior.precision.tolist()],
-            "seconds": result["seconds"],
+            "seconds": seconds,
         })
         fits[name] = (model, data)
         if verbose:
             print(f"{name}: marglik {callback.final_marglik:.4f}  train acc {train['acc']:.3f}  test acc "
-                  f"{test['acc']:.3f}  ({result['seconds']:.1f} s)", flush=True)
+                  f"{test['acc']:.3f}  ({seconds:.1f} s)", flush=True)
     marglik = {r["model"]: r["marglik"] for r in rows}
     gap = {r["model"]: r["acc_gap"] for r in rows}
     nll_gap = {r["model"]: r["nll_gap"] for r in rows}
@@ -146,7 +170,12 @@ def make_plot(fits: Dict[str, Any], rows: List[Dict[str, Any]], path: str) -> No
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-    return script_main(argv, MLPClassifier, MoonsData, CONFIG, PLOT, run, QUICK)
+    args, overrides = parse(parser(__doc__, CONFIG), argv, QUICK)
+    start = time.perf_counter()
+    with quiet_lightning():
+        out = run(args.config, overrides, plot=os.path.join(args.output_dir, "classification_2d.png"))
+    print(f"total {time.perf_counter() - start:.1f} s")
+    return out
 
 
 if __name__ == "__main__":

@@ -26,9 +26,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_marglik import CategoricalLikelihood, GaussianPrior, map_loss
 
 try:
-    from .common import _TensorData
+    from .common import TensorData
 except ImportError:  # imported with examples/ on sys.path
-    from common import _TensorData
+    from common import TensorData
 
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU}
 
@@ -124,7 +124,7 @@ class DigitCNN(_Classifier):
         self.save_hyperparameters()
 
 
-class _ImageData(_TensorData):
+class _ImageData(TensorData):
     def evidence_dataloader(self) -> DataLoader:
         """Training data in order, in large batches (for ``MargLikCallback(dataloader=...)``)."""
         return DataLoader(TensorDataset(self.x_train, self.y_train), batch_size=512)

@@ -8,47 +8,93 @@ computed with ``LaplaceEvidence.fit(...).log_marglik()``; the grid optimum is th
 
 Usage::
 
-    python examples/prior_selection.py                 # full run, a few minutes on CPU
-    python examples/prior_selection.py --quick         # smoke test: 3 epochs, 3 grid points, no plot
+    python examples/prior_selection.py                 # full run, a few minutes on one CPU thread
+    python examples/prior_selection.py --quick         # smoke test: 3 epochs, 3 grid points
     python examples/prior_selection.py --trainer.max_epochs=100   # any config override
-    python examples/prior_selection.py fit --config configs/prior_selection.yaml   # one plain fit
+    python examples/prior_selection.py --results       # rewrite examples/results/prior_selection.png
 
 From Python (e.g. a test)::
 
     from prior_selection import run     # with examples/ on sys.path
-    out = run(overrides=["--trainer.max_epochs=3"], inits=(1e-3, 1.0), grid=(0.1, 1.0), plot=None)
+    out = run(overrides=["--trainer.max_epochs=3"], inits=(1e-3, 1.0), grid=(0.1, 1.0))
     out["final_log_prior_precision"], out["grid_optimum"]
 
-Script options: ``--config PATH``, ``--plot PATH``, ``--no-plot``, ``--quick``; the rest are
-LightningCLI overrides of the config. Writes ``examples/results/prior_selection.png``.
+Writes ``outputs/prior_selection.png`` (``--output-dir``/``--results`` for elsewhere).
 """
 from __future__ import annotations
 
-import math
-import os
-from typing import Any, Dict, List, Optional, Sequence
+if __name__ == "__main__":  # the imports below take 5-20 s: say what is happening
+    print("prior_selection: importing PyTorch, Lightning and scikit-learn ...", flush=True)
 
-import numpy as np
+import math  # noqa: E402
+import os  # noqa: E402
+import time  # noqa: E402
+from typing import Any, Dict, List, Optional, Sequence  # noqa: E402
 
-try:
-    from .common import (CONFIGS, RESULTS, BreastCancerData, HyperparameterTrace, MLPClassifier,
-                         classification_metrics, evidence_per_datum, fit, markdown_table, script_main)
-except ImportError:  # run as a script: examples/ is on sys.path
-    from common import (CONFIGS, RESULTS, BreastCancerData, HyperparameterTrace, MLPClassifier,
-                        classification_metrics, evidence_per_datum, fit, markdown_table, script_main)
+import numpy as np  # noqa: E402
+import pytorch_lightning as pl  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from common import CONFIGS, MLPClassifier, TensorData, accuracy_and_nll, configured, markdown_table, parse, parser  # noqa: E402
+from lightning_marglik import LaplaceEvidence, MargLikCallback  # noqa: E402
+from lightning_marglik.selection import quiet_lightning  # noqa: E402
 
 CONFIG = os.path.join(CONFIGS, "prior_selection.yaml")
-PLOT = os.path.join(RESULTS, "prior_selection.png")
 INITS = (1e-3, 1.0, 1e2)
 GRID = tuple(float(v) for v in np.logspace(-3, 3, 13))
 QUICK = ["--trainer.max_epochs=3", "--trainer.callbacks.init_args.frequency=1", "--trainer.callbacks.init_args.steps=5"]
 QUICK_GRID = (1e-2, 1.0, 1e2)
 
 
-def _structure(result: Dict[str, Any]) -> "tuple[str, str]":
-    callback = result["callback"]
-    return (callback.structure, callback.approx) if callback is not None else ("kron", "ggn")
+class BreastCancerData(TensorData):
+    """``sklearn.datasets.load_breast_cancer`` (bundled with scikit-learn: offline), 30 features, 2 classes.
 
+    Args:
+        test_fraction: Share of the 569 examples held out (stratified split).
+        seed: Seed of the split.
+        batch_size: Batch size (<= 0: full batch).
+    """
+
+    def __init__(self, test_fraction: float = 0.3, seed: int = 0, batch_size: int = 0) -> None:
+        super().__init__(batch_size)
+        from sklearn.datasets import load_breast_cancer
+        from sklearn.model_selection import train_test_split
+
+        x, y = load_breast_cancer(return_X_y=True)
+        x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=test_fraction, random_state=seed, stratify=y)
+        mean, std = x_tr.mean(0), x_tr.std(0)
+        self.x_train = torch.tensor((x_tr - mean) / std, dtype=torch.float32)
+        self.x_test = torch.tensor((x_te - mean) / std, dtype=torch.float32)
+        self.y_train, self.y_test = torch.tensor(y_tr), torch.tensor(y_te)
+
+
+class HyperparameterTrace(pl.Callback):
+    """Record ``log delta`` before the first epoch and after every epoch.
+
+    Put it after ``MargLikCallback`` in ``trainer.callbacks``: it then sees the values the
+    evidence steps of the epoch just wrote. ``rows``: ``[(epoch, log delta), ...]``.
+    """
+
+    def __init__(self) -> None:
+        self.rows: List[Any] = []
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.rows.append((0, pl_module.prior.log_precision[0].item()))
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.rows.append((trainer.current_epoch + 1, pl_module.prior.log_precision[0].item()))
+
+
+def train(config: str, overrides: Sequence[str], trace: Optional[pl.Callback] = None) -> Dict[str, Any]:
+    """Train the configured network; return it with its data, callback and seconds."""
+    cli = configured(MLPClassifier, BreastCancerData, config, overrides)
+    if trace is not None:
+        cli.trainer.callbacks.append(trace)
+    start = time.perf_counter()
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    callback = next(c for c in cli.trainer.callbacks if isinstance(c, MargLikCallback))
+    return {"model": cli.model, "data": cli.datamodule, "callback": callback, "seconds": time.perf_counter() - start}
 
 def run(
     config: str = CONFIG,
@@ -70,18 +116,17 @@ def run(
     traces: Dict[float, List[Any]] = {}
     for init in inits:
         trace = HyperparameterTrace()
-        result = fit(MLPClassifier, BreastCancerData, config,
-                     [*overrides, f"--model.prior_precision={init}", "--model.learn_prior=true"], [trace])
+        result = train(config, [*overrides, f"--model.prior_precision={init}", "--model.learn_prior=true"], trace)
         model, data, callback = result["model"], result["data"], result["callback"]
-        traces[init] = [(r["epoch"], r["log_prior_precision"][0]) for r in trace.rows]
-        test = classification_metrics(model, data.x_test, data.y_test)
-        train = classification_metrics(model, data.x_train, data.y_train)
+        traces[init] = trace.rows
+        test = accuracy_and_nll(model, data.x_test, data.y_test)
+        on_train = accuracy_and_nll(model, data.x_train, data.y_train)
         online.append({
             "delta_init": init,
             "final_log_delta": model.prior.log_precision.item(),
             "final_delta": model.prior.precision.item(),
             "marglik": callback.final_marglik,
-            "train_acc": train["acc"],
+            "train_acc": on_train["acc"],
             "test_acc": test["acc"],
             "test_nll": test["nll"],
             "seconds": result["seconds"],
@@ -93,21 +138,24 @@ def run(
 
     rows: List[Dict[str, Any]] = []
     for delta in grid:
-        result = fit(MLPClassifier, BreastCancerData, config, [
+        result = train(config, [
             *overrides, f"--model.prior_precision={delta}", "--model.learn_prior=false",
             "--trainer.callbacks.init_args.frequency=1000000",  # only the final estimate (nothing to learn)
         ])
-        model, data = result["model"], result["data"]
-        structure, approx = _structure(result)
-        marglik = evidence_per_datum(model, data, structure, approx)  # LaplaceEvidence.fit(...).log_marglik() / N
-        test = classification_metrics(model, data.x_test, data.y_test)
-        train = classification_metrics(model, data.x_train, data.y_train)
+        model, data, callback = result["model"], result["data"], result["callback"]
+        # The evidence of the trained network at the fixed delta, straight from the engine:
+        loader = DataLoader(TensorDataset(data.x_train, data.y_train), batch_size=256)
+        evidence = LaplaceEvidence.fit(model.net, loader, model.likelihood, model.prior, structure=callback.structure,
+                                       approx=callback.approx)
+        marglik = evidence.log_marglik().item() / evidence.n_data
+        test = accuracy_and_nll(model, data.x_test, data.y_test)
+        on_train = accuracy_and_nll(model, data.x_train, data.y_train)
         rows.append({
             "delta": delta,
             "log_delta": math.log(delta),
             "marglik": marglik,
-            "callback_marglik": result["callback"].final_marglik if result["callback"] is not None else math.nan,
-            "train_acc": train["acc"],
+            "callback_marglik": callback.final_marglik,
+            "train_acc": on_train["acc"],
             "test_acc": test["acc"],
             "test_nll": test["nll"],
             "seconds": result["seconds"],
@@ -179,7 +227,13 @@ def make_plot(out: Dict[str, Any], path: str) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-    return script_main(argv, MLPClassifier, BreastCancerData, CONFIG, PLOT, run, QUICK, grid=QUICK_GRID)
+    args, overrides = parse(parser(__doc__, CONFIG), argv, QUICK)
+    start = time.perf_counter()
+    with quiet_lightning():
+        out = run(args.config, overrides, grid=QUICK_GRID if args.quick else GRID,
+                  plot=os.path.join(args.output_dir, "prior_selection.png"))
+    print(f"total {time.perf_counter() - start:.1f} s")
+    return out
 
 
 if __name__ == "__main__":

@@ -1,85 +1,75 @@
 """Paper Fig. 1: the evidence compares a 1- and a 3-hidden-layer MLP on 1-D regression with a gap.
 
-Both networks (50 tanh units per layer) are trained with ``MargLikCallback``, which learns a
-layerwise prior precision and the observation noise ``sigma`` online (Algorithm 1). After
-training, their final log evidence per datum (``callback.final_marglik``) is compared: higher is
-better. The plot shows each fit with the linearized-Laplace epistemic band (dense GGN posterior
-computed here with ``torch.func.jacrev``; fine for these tiny networks) and the predictive band
-that adds the learned noise.
+Both networks (50 tanh units per layer) are trained with ``MargLikCallback`` (configured in
+``configs/toy_regression.yaml``), which learns a layerwise prior precision and the observation
+noise ``sigma`` online (Algorithm 1). Their final log evidence per datum
+(``callback.final_marglik``) is compared: higher is better. The plot shows each fit with the
+linearized-Laplace predictive of the last estimate's posterior (``predict_regression``): the
+epistemic band and the band that adds the learned noise.
 
 Usage::
 
-    python examples/toy_regression.py                  # full run, ~1-2 min on CPU
-    python examples/toy_regression.py --quick          # smoke test: 3 epochs, no plot
+    python examples/toy_regression.py                  # both depths: ~1 min on one CPU thread
+    python examples/toy_regression.py --quick          # smoke test: 3 epochs
     python examples/toy_regression.py --trainer.max_epochs=500 --model.width=20   # any config override
-    python examples/toy_regression.py fit --config configs/toy_regression.yaml    # one plain LightningCLI fit
+    python examples/toy_regression.py --results        # rewrite examples/results/toy_regression.png
 
-Script options: ``--config PATH``, ``--plot PATH``, ``--no-plot``, ``--quick``; the rest are
-LightningCLI overrides of the config. Writes ``examples/results/toy_regression.png``.
+Writes ``outputs/toy_regression.png`` (``--output-dir``/``--results`` for elsewhere).
 """
 from __future__ import annotations
 
-import math
-import os
-from typing import Any, Dict, List, Optional, Sequence
+if __name__ == "__main__":  # the imports below take 5-20 s: say what is happening
+    print("toy_regression: importing PyTorch and Lightning ...", flush=True)
 
-import torch
-from torch.func import functional_call, jacrev
+import math  # noqa: E402
+import os  # noqa: E402
+import time  # noqa: E402
+from typing import Any, Dict, List, Optional, Sequence, Tuple  # noqa: E402
 
-try:
-    from .common import CONFIGS, RESULTS, MLPRegressor, ToyRegressionData, fit, markdown_table, script_main
-except ImportError:  # run as a script: examples/ is on sys.path
-    from common import CONFIGS, RESULTS, MLPRegressor, ToyRegressionData, fit, markdown_table, script_main
+import torch  # noqa: E402
+
+from common import CONFIGS, MLPRegressor, TensorData, configured, markdown_table, parse, parser  # noqa: E402
+from lightning_marglik import MargLikCallback, predict_regression  # noqa: E402
+from lightning_marglik.selection import quiet_lightning  # noqa: E402
 
 CONFIG = os.path.join(CONFIGS, "toy_regression.yaml")
-PLOT = os.path.join(RESULTS, "toy_regression.png")
 QUICK = ["--trainer.max_epochs=3", "--trainer.callbacks.init_args.frequency=1", "--trainer.callbacks.init_args.steps=5"]
 
 
-def jacobian(model: MLPRegressor, x: torch.Tensor) -> torch.Tensor:
-    """``(len(x), P)`` Jacobian of the (single) output, columns in the prior's parameter order."""
-    net, names = model.net, model.prior.param_names
-    params = {n: p.detach() for n, p in net.named_parameters()}
+class ToyRegressionData(TensorData):
+    """1-D regression with a gap: ``x`` uniform on ``[-x_max, -gap] U [gap, x_max]``, ``y = sin(3x) + noise``.
 
-    def f(p: Dict[str, torch.Tensor]) -> torch.Tensor:
-        return functional_call(net, p, (x,)).squeeze(1)
-
-    jac = jacrev(f)(params)
-    return torch.cat([jac[n].reshape(len(x), -1) for n in names], dim=1)
-
-
-@torch.no_grad()
-def linearized_laplace(model: MLPRegressor, x_train: torch.Tensor, x_test: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
-    """Mean and epistemic variance of ``f(x_test)`` under the linearized Laplace posterior.
-
-    Posterior precision ``H = J^T J / sigma^2 + diag(delta)`` (the exact GGN, as ``structure="full"``),
-    inverted by Woodbury through the ``N x N`` matrix ``sigma^2 I + J D^-1 J^T``.
+    Args:
+        n_train, n_test: Training points (alternating sides of the gap) and test points (fresh draw).
+        gap, x_max: Half-widths of the gap around 0 and of the input range.
+        noise: Standard deviation of the observation noise.
+        seed: Seed of the data.
+        batch_size: Batch size (<= 0: full batch).
     """
-    model.eval()
-    with torch.enable_grad():
-        j_train = jacobian(model, x_train).double()
-        j_test = jacobian(model, x_test).double()
-    prior_var = model.prior.per_parameter(model.prior.log_precision).double().neg().exp()  # 1 / delta_p
-    sigma2 = model.likelihood.sigma.double() ** 2
-    kernel = (j_train * prior_var) @ j_train.T + sigma2 * torch.eye(len(x_train), dtype=torch.float64)
-    cross = (j_train * prior_var) @ j_test.T  # (N, M)
-    chol = torch.linalg.cholesky(kernel)
-    reduction = torch.cholesky_solve(cross, chol)
-    var = ((j_test * prior_var) * j_test).sum(1) - (cross * reduction).sum(0)
-    return model(x_test).squeeze(1), var.clamp(min=0).float()
+
+    def __init__(self, n_train: int = 100, n_test: int = 500, gap: float = 0.3, x_max: float = 1.0,
+                 noise: float = 0.1, seed: int = 0, batch_size: int = 0) -> None:
+        super().__init__(batch_size)
+        if not 0 <= gap < x_max:
+            raise ValueError(f"need 0 <= gap < x_max, got gap={gap}, x_max={x_max}")
+        g = torch.Generator().manual_seed(seed)
+        self.noise, self.gap, self.x_max = noise, gap, x_max
+        self.x_train, self.y_train = self.sample(n_train, g)
+        self.x_test, self.y_test = self.sample(n_test, g)
+
+    @staticmethod
+    def function(x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(3 * x)
+
+    def sample(self, n: int, g: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
+        side = torch.where(torch.arange(n) % 2 == 0, -1.0, 1.0)
+        x, _ = torch.sort(side * (self.gap + (self.x_max - self.gap) * torch.rand(n, generator=g)))
+        y = self.function(x) + self.noise * torch.randn(n, generator=g)
+        return x.unsqueeze(1), y.unsqueeze(1)
 
 
-def gaussian_nll(y: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> float:
-    return (0.5 * torch.log(2 * math.pi * var) + 0.5 * (y - mean) ** 2 / var).mean().item()
-
-
-def run(
-    config: str = CONFIG,
-    overrides: Sequence[str] = (),
-    depths: Sequence[int] = (1, 3),
-    plot: Optional[str] = None,
-    verbose: bool = True,
-) -> Dict[str, Any]:
+def run(config: str = CONFIG, overrides: Sequence[str] = (), depths: Sequence[int] = (1, 3),
+        plot: Optional[str] = None, verbose: bool = True) -> Dict[str, Any]:
     """Train one network per depth and compare their evidence.
 
     Returns:
@@ -89,40 +79,46 @@ def run(
     rows: List[Dict[str, Any]] = []
     fits = {}
     for depth in depths:
-        result = fit(MLPRegressor, ToyRegressionData, config, [*overrides, f"--model.depth={depth}"])
-        model, data, callback = result["model"], result["data"], result["callback"]
-        mean, var_f = linearized_laplace(model, data.x_train, data.x_test)
-        sigma = model.likelihood.sigma.item()
-        y_test = data.y_test.squeeze(1)
-        x_gap = torch.linspace(-data.gap, data.gap, 101).unsqueeze(1)  # inside the gap
+        cli = configured(MLPRegressor, ToyRegressionData, config, [*overrides, f"--model.depth={depth}"])
+        model, data, trainer = cli.model, cli.datamodule, cli.trainer
+        callback = next(c for c in trainer.callbacks if isinstance(c, MargLikCallback))
+        if verbose:
+            print(f"depth {depth}: training {trainer.max_epochs} epochs, {callback.structure}-{callback.approx} "
+                  f"evidence every {callback.frequency} ...", flush=True)
+        start = time.perf_counter()
+        trainer.fit(model, datamodule=data)
+        seconds = time.perf_counter() - start
+        # The linearized-Laplace predictive of the last estimate's posterior (paper Eq. 11).
+        test = predict_regression(callback.evidence, model.net, data.x_test)
+        x_gap = torch.linspace(-data.gap, data.gap, 101).unsqueeze(1)
         with torch.no_grad():
             train_rmse = (model(data.x_train) - data.y_train).pow(2).mean().sqrt().item()
-            gap_rmse = (model(x_gap) - ToyRegressionData.function(x_gap)).pow(2).mean().sqrt().item()
+            gap_rmse = (model(x_gap) - data.function(x_gap)).pow(2).mean().sqrt().item()
+        nll = 0.5 * torch.log(2 * math.pi * test.variance) + 0.5 * (data.y_test - test.mean) ** 2 / test.variance
         rows.append({
             "depth": depth,
             "params": model.prior.n_params,
             "marglik": callback.final_marglik,
-            "sigma": sigma,
+            "sigma": model.likelihood.sigma.item(),
             "prior_precision": [round(v, 3) for v in model.prior.precision.tolist()],
             "train_rmse": train_rmse,
-            "test_rmse": (mean - y_test).pow(2).mean().sqrt().item(),
-            "test_nll": gaussian_nll(y_test, mean, var_f + sigma**2),
+            "test_rmse": (test.mean - data.y_test).pow(2).mean().sqrt().item(),
+            "test_nll": nll.mean().item(),
             "gap_rmse": gap_rmse,
-            "epochs": result["trainer"].current_epoch,
-            "seconds": result["seconds"],
+            "epochs": trainer.current_epoch,
+            "seconds": seconds,
         })
-        fits[depth] = (model, data)
+        fits[depth] = (model, data, callback)
         if verbose:
-            print(f"depth {depth}: marglik {callback.final_marglik:.4f}  sigma {sigma:.4f}  "
-                  f"({result['seconds']:.1f} s)", flush=True)
+            print(f"depth {depth}: marglik {callback.final_marglik:.4f}  sigma {rows[-1]['sigma']:.4f}  "
+                  f"({seconds:.1f} s)", flush=True)
     marglik = {r["depth"]: r["marglik"] for r in rows}
     best = max(marglik, key=lambda d: marglik[d])
     if verbose:
         print(markdown_table(rows, ["depth", "params", "marglik", "sigma", "train_rmse", "test_rmse", "test_nll",
                                     "gap_rmse", "epochs", "seconds"]))
-        print("prior precisions (layerwise: weight, bias per layer):")
         for r in rows:
-            print(f"  depth {r['depth']}: {r['prior_precision']}")
+            print(f"  depth {r['depth']} prior precisions (weight, bias per layer): {r['prior_precision']}")
         print(f"evidence prefers depth {best}")
     if plot:
         make_plot(fits, rows, plot)
@@ -140,21 +136,19 @@ def make_plot(fits: Dict[int, Any], rows: List[Dict[str, Any]], path: str) -> No
     x_max = 2 * next(iter(fits.values()))[1].x_max
     x = torch.linspace(-x_max, x_max, 400).unsqueeze(1)
     fig, axes = plt.subplots(1, len(fits), figsize=(5.2 * len(fits), 4), sharey=True, squeeze=False)
-    for ax, (depth, (model, data)), row in zip(axes[0], fits.items(), rows):
-        mean, var_f = linearized_laplace(model, data.x_train, x)
-        sigma = model.likelihood.sigma.item()
-        sd_f, sd_y = var_f.sqrt(), (var_f + sigma**2).sqrt()
-        xs, m = x.squeeze(1).numpy(), mean.detach().numpy()
-        ax.fill_between(xs, m - 2 * sd_y.numpy(), m + 2 * sd_y.numpy(), color="C0", alpha=0.15,
+    for ax, (depth, (model, data, callback)), row in zip(axes[0], fits.items(), rows):
+        pred = predict_regression(callback.evidence, model.net, x)
+        xs, m = x.squeeze(1).numpy(), pred.mean.squeeze(1).numpy()
+        sd_f, sd_y = pred.model_variance.sqrt().squeeze(1).numpy(), pred.variance.sqrt().squeeze(1).numpy()
+        ax.fill_between(xs, m - 2 * sd_y, m + 2 * sd_y, color="C0", alpha=0.15,
                         label=r"predictive $\pm 2\sqrt{\mathrm{var}_f+\sigma^2}$")
-        ax.fill_between(xs, m - 2 * sd_f.numpy(), m + 2 * sd_f.numpy(), color="C0", alpha=0.35,
-                        label=r"epistemic $\pm 2\,\mathrm{sd}_f$")
+        ax.fill_between(xs, m - 2 * sd_f, m + 2 * sd_f, color="C0", alpha=0.35, label=r"epistemic $\pm 2\,\mathrm{sd}_f$")
         ax.axvspan(-data.gap, data.gap, color="0.9", zorder=0, label="gap (no training data)")
         ax.plot(xs, m, color="C0", lw=2, label="MAP fit")
-        ax.plot(xs, ToyRegressionData.function(x).squeeze(1).numpy(), "k--", lw=1, label=r"$\sin(3x)$")
+        ax.plot(xs, data.function(x).squeeze(1).numpy(), "k--", lw=1, label=r"$\sin(3x)$")
         ax.scatter(data.x_train.squeeze(1), data.y_train.squeeze(1), s=10, color="k", zorder=3, label="training data")
         ax.set_title(f"{depth} hidden layer{'s' if depth > 1 else ''}: log evidence/N = {row['marglik']:.3f}\n"
-                     f"learned $\\sigma$ = {sigma:.3f} (true {data.noise:g})")
+                     f"learned $\\sigma$ = {row['sigma']:.3f} (true {data.noise:g})")
         ax.set_xlabel("x")
         ax.set_ylim(-3, 3)
     axes[0][0].set_ylabel("y")
@@ -166,7 +160,12 @@ def make_plot(fits: Dict[int, Any], rows: List[Dict[str, Any]], path: str) -> No
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-    return script_main(argv, MLPRegressor, ToyRegressionData, CONFIG, PLOT, run, QUICK)
+    args, overrides = parse(parser(__doc__, CONFIG), argv, QUICK)
+    start = time.perf_counter()
+    with quiet_lightning():
+        out = run(args.config, overrides, plot=os.path.join(args.output_dir, "toy_regression.png"))
+    print(f"total {time.perf_counter() - start:.1f} s")
+    return out
 
 
 if __name__ == "__main__":

@@ -19,32 +19,30 @@ the MAP predictive (softmax of the network) and the Bayesian one (linearized Lap
 
 Usage::
 
-    python examples/uci_classification.py               # full run, a few minutes on CPU
+    python examples/uci_classification.py               # full run, a few minutes on one CPU thread
     python examples/uci_classification.py --quick       # smoke test, seconds
     python examples/uci_classification.py --trainer.max_epochs=500    # any config override
-    python examples/uci_classification.py fit --config configs/uci_classification.yaml   # one plain fit
+    python examples/uci_classification.py --methods=kron-ggn,full-ggn --results   # rewrite examples/results/
 
-Writes ``examples/results/uci_classification.{md,png}``.
+Writes ``outputs/uci_classification.{md,png}`` (``--output-dir``/``--results`` for elsewhere).
 """
 from __future__ import annotations
 
-import os
-import sys
-import time
-from typing import Any, Dict, List, Optional, Sequence
+if __name__ == "__main__":  # the imports below take 5-20 s: say what is happening
+    print("uci_classification: importing PyTorch, Lightning and scikit-learn ...", flush=True)
 
-import numpy as np
-import torch
-from torch.utils.data import DataLoader, TensorDataset
+import os  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from typing import Any, Dict, List, Optional, Sequence  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from common import CONFIGS, RESULTS, MLPClassifier, _TensorData, build, fit, markdown_table, quiet, split_args  # noqa: E402
-
-from lightning_marglik import LaplaceEvidence, map_loss, predict_classification  # noqa: E402
-from lightning_marglik.selection import default_metrics  # noqa: E402
+from common import CONFIGS, MLPClassifier, TensorData, configured, markdown_table, parse, parser  # noqa: E402
+from lightning_marglik import LaplaceEvidence, MargLikCallback, map_loss, predict_classification  # noqa: E402
+from lightning_marglik.selection import default_metrics, quiet_lightning  # noqa: E402
 
 CONFIG = os.path.join(CONFIGS, "uci_classification.yaml")
 SHAPES = {"breast_cancer": (30, 2), "digits": (64, 10)}
@@ -64,7 +62,7 @@ SEEDS = (0, 1, 2)
 QUICK = ["--trainer.max_epochs=3", "--trainer.callbacks.init_args.frequency=1", "--trainer.callbacks.init_args.steps=5"]
 
 
-class UCIData(_TensorData):
+class UCIData(TensorData):
     """A scikit-learn classification set, 70/15/15 stratified split, standardized with train statistics.
 
     Args:
@@ -131,11 +129,13 @@ def run_seed(dataset: str, seed: int, methods: Sequence[str], grid: Sequence[flo
         if method == "full-ggn" and dataset not in FULL_ON:
             continue
         structure, approx = METHODS[method]
-        result = fit(MLPClassifier, UCIData, config, [*base, f"--trainer.callbacks.init_args.structure={structure}",
-                                                      f"--trainer.callbacks.init_args.approx={approx}"])
-        model, cb = result["model"], result["callback"]
-        model._data = result["data"]
-        add(f"marglik {method}", model, cb.evidence, result["seconds"], {"marglik": cb.final_marglik})
+        cli = configured(MLPClassifier, UCIData, config, [*base, f"--trainer.callbacks.init_args.structure={structure}",
+                                                          f"--trainer.callbacks.init_args.approx={approx}"])
+        model, cb = cli.model, next(c for c in cli.trainer.callbacks if isinstance(c, MargLikCallback))
+        start = time.perf_counter()
+        cli.trainer.fit(model, datamodule=cli.datamodule)
+        model._data = cli.datamodule
+        add(f"marglik {method}", model, cb.evidence, time.perf_counter() - start, {"marglik": cb.final_marglik})
 
     if grid:
         start = time.perf_counter()
@@ -244,8 +244,7 @@ def plot(summary: List[Dict[str, Any]], rows: List[Dict[str, Any]], path: str) -
 
 def run(config: str = CONFIG, overrides: Sequence[str] = (), datasets: Sequence[str] = ("breast_cancer", "digits"),
         seeds: Sequence[int] = SEEDS, methods: Sequence[str] = DEFAULT_METHODS, grid: Sequence[float] = GRID,
-        results: Optional[str] = RESULTS, command: str = "python examples/uci_classification.py") -> Dict[str, Any]:
-    quiet()
+        results: Optional[str] = None, command: str = "python examples/uci_classification.py") -> Dict[str, Any]:
     start = time.perf_counter()
     rows: List[Dict[str, Any]] = []
     for dataset in datasets:
@@ -284,24 +283,18 @@ def run(config: str = CONFIG, overrides: Sequence[str] = (), datasets: Sequence[
     return {"rows": rows, "summary": summary, "seconds": seconds}
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] == "fit":  # one plain LightningCLI fit
-        quiet()
-        build(MLPClassifier, UCIData, CONFIG, args, run=True)
-        return
-    methods = DEFAULT_METHODS
-    for a in list(args):
-        if a.startswith("--methods="):
-            methods = tuple(a.split("=", 1)[1].split(","))
-            args.remove(a)
-    quick, config, overrides = split_args(args)
-    if quick:
-        run(config or CONFIG, [*QUICK, *overrides], datasets=("breast_cancer",), seeds=(0,),
-            methods=("kron-ggn", "diag-ef"), grid=GRID[::5], results=None)
-        return
-    command = "python examples/uci_classification.py" + (" " + " ".join(args) if args else "")
-    run(config or CONFIG, overrides, methods=methods, command=command)
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    options = parser(__doc__, CONFIG)
+    options.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                         help=f"comma-separated, of {', '.join(METHODS)} (default: %(default)s)")
+    args, overrides = parse(options, argv, QUICK)
+    methods = tuple(args.methods.split(","))
+    command = "python examples/uci_classification.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    with quiet_lightning():
+        if args.quick:
+            return run(args.config, overrides, datasets=("breast_cancer",), seeds=(0,), methods=("kron-ggn", "diag-ef"),
+                       grid=GRID[::5], results=args.output_dir, command=command)
+        return run(args.config, overrides, methods=methods, results=args.output_dir, command=command)
 
 
 if __name__ == "__main__":

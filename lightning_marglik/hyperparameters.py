@@ -357,8 +357,11 @@ class CategoricalLikelihood(Likelihood):
 
     Example:
         >>> lik = CategoricalLikelihood()
-        >>> lik.nll(torch.zeros(2, 4), torch.tensor([0, 3])).tolist() == [math.log(4)] * 2
+        >>> torch.allclose(lik.nll(torch.zeros(2, 4), torch.tensor([0, 3])), torch.tensor(math.log(4)))
         True
+        >>> tokens = CategoricalLikelihood(ignore_index=-100)  # (batch, positions, classes) logits
+        >>> tokens.count(torch.zeros(2, 3, 4), torch.tensor([[0, 1, -100], [2, -100, -100]]))
+        3
     """
 
     def __init__(self, temperature: float = 1.0, learn_temperature: bool = False, ignore_index: int = -100) -> None:

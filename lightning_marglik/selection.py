@@ -62,7 +62,12 @@ __all__ = [
     "default_metrics",
     "select_models",
     "select_from_config",
+    "check_config",
+    "resolve_class",
     "instantiate",
+    "load_results",
+    "save_results",
+    "label_points",
     "quiet_lightning",
     "run_command_line",
     "main",
@@ -418,7 +423,9 @@ def _plot_evidence(results: Sequence[CandidateResult], path: str, higher_is_bett
                    color=f"C{i}", alpha=0.7, label=kind or None)
     if any(kinds):
         ax.legend(fontsize=8, title="class", title_fontsize=8)
-    direction = {True: " (higher is better)", False: " (lower is better)"}.get(higher_is_better.get(metric), "")
+    known = {name: m.higher_is_better for name, m in default_metrics(2).items()}  # e.g. all candidates reused
+    better = higher_is_better.get(metric, known.get(metric))
+    direction = {True: " (higher is better)", False: " (lower is better)"}.get(better, "")
     ax.set_xlabel("log evidence / N, training data only (higher is better)")
     ax.set_ylabel(f"test {metric}{direction}")
     ax.set_title("Model selection by the evidence (marker size: #params)")
@@ -656,7 +663,7 @@ def run_command_line(argv: Optional[Sequence[str]] = None) -> Tuple[List[Candida
     if args and not args[0].startswith("-"):
         args = ["--config", args[0], *args[1:]]
     if "--quick" in args:  # right after the YAML, so that the user's own overrides win
-        at = 2 if args[:1] == ["--config"] else 0
+        at = 2 if args[:1] == ["--config"] else 1 if args[:1] and args[0].startswith("--config=") else 0
         args[at:at] = QUICK_OVERRIDES
     sys.path.insert(0, os.getcwd())  # class paths of the user's own modules, as with `python -m`
     parser = build_parser()

