@@ -87,16 +87,17 @@ class MargLikCallback(Callback):
         approx: ``"ggn"`` or ``"ef"``.
         frequency: Estimate every ``frequency`` epochs (``F``).
         burnin: Epochs before the first estimate (``B``).
-        steps: Adam steps per estimate (``K``).
-        lr: Adam learning rate on the log hyperparameters (``gamma``).
+        steps: Adam steps per estimate (``K``), or the Newton solver's evaluation budget.
+        lr: Adam learning rate on the log hyperparameters (``gamma``; ``solver="adam"`` only).
         mc_samples: Monte-Carlo samples per example for the GGN (0: exact).
         dataloader: Data for the evidence pass (e.g. the training set without augmentation): a
             ``DataLoader``, or the name of a method of the LightningModule or DataModule that
             returns one (usable from YAML). Default: the trainer's training data.
         seed: Seed of the Monte-Carlo samples (the estimate of epoch ``e`` uses ``seed + e``).
-        solver: Hyperparameter steps per estimate: ``"adam"`` (``steps`` Adam steps at ``lr``, the
-            paper's) or ``"newton"`` (Newton with a line search until converged, at most
-            ``steps`` evaluations; see :mod:`lightning_marglik.solvers`).
+        solver: Hyperparameter steps per estimate: ``"newton"`` (Newton with a line search until
+            converged, at most ``steps`` evaluations; see :mod:`lightning_marglik.solvers`) or
+            ``"adam"`` (``steps`` Adam steps at ``lr``, the paper's Algorithm 1; its moments carry
+            over between estimates).
         backend: Curvature backend: ``"hooks"`` (ours, any network) or ``"backpack"`` (optional
             extra ``lightning_marglik[backpack]``; Sequential networks of Linear/Conv2d layers).
 
@@ -132,7 +133,7 @@ class MargLikCallback(Callback):
         mc_samples: int = 0,
         dataloader: Union[DataLoader, str, None] = None,
         seed: int = 0,
-        solver: str = "adam",
+        solver: str = "newton",
         backend: str = "hooks",
     ) -> None:
         super().__init__()

@@ -203,7 +203,7 @@ class LaplaceEvidence:
         steps: int = 100,
         lr: float = 0.1,
         state: Optional[dict] = None,
-        solver: str = "adam",
+        solver: str = "newton",
         tol: float = 1e-6,
         max_evaluations: int = 20,
     ) -> solvers.Solution:
@@ -218,7 +218,7 @@ class LaplaceEvidence:
             lr: Adam learning rate ``gamma`` in log space (``solver="adam"``).
             state: Adam state from an earlier call (``Solution.state``), to continue its moment
                 estimates across estimations as one optimizer would.
-            solver: ``"adam"`` (the paper's K steps) or ``"newton"`` (converged, see :mod:`.solvers`).
+            solver: ``"newton"`` (converged, see :mod:`.solvers`) or ``"adam"`` (the paper's K steps).
             tol: Newton's tolerance (predicted increase of a full step, nats).
             max_evaluations: Newton's evaluation budget.
 

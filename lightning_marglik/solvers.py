@@ -206,7 +206,9 @@ def adam(
         return _failed_start(initial, state or {})
 
     lost = best.item() - trace[-1]
-    oscillated = lost > max(OSCILLATION_SHARE * (best.item() - trace[0]), _noise(best))
+    # a loss of a billionth of the value is Adam's jitter at the optimum, not a too-large lr
+    floor = max(_noise(best), 1e-9 * max(1.0, abs(best.item())))
+    oscillated = lost > max(OSCILLATION_SHARE * (best.item() - trace[0]), floor)
     diverged = not finite or oscillated
     if diverged:
         what = "reached a non-finite objective" if not finite else f"ended {lost:.4g} below its best value"

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_marglik import CategoricalLikelihood, GaussianLikelihood, GaussianPrior, LaplaceEvidence
 from tests.test_errors import FunctionalReuse
-from tests.reference import Problem, hyper, loader, reference_env, rel_err  # noqa: F401 (reference_env: autouse fixture)
+from tests.reference import Problem, graph_problem, hyper, loader, reference_env, rel_err  # noqa: F401 (reference_env: autouse fixture)
 
 STRUCTURES = ["diag", "kron", "full"]
 
@@ -212,3 +212,69 @@ def test_parametrized_weights_take_the_exact_path_with_a_warning(structure):
     if structure != "full":
         assert "head.parametrizations.weight" in messages and "parametrized weight" in messages
     assert torch.isfinite(ev.log_marglik())
+
+
+# --- found by the examples: the exact path next to hooked layers, broadcast embeddings ------------
+
+
+class GainBetweenLayers(nn.Module):
+    """A raw parameter on the exact path between two hooked layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(3, 5), nn.Linear(5, 2)
+        self.gain = nn.Parameter(torch.ones(5) + 0.1 * torch.randn(5))
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)) * self.gain)
+
+
+@pytest.mark.parametrize("solver", ["adam", "newton"])
+@pytest.mark.parametrize("structure", ["diag", "kron"])
+def test_exact_path_statistics_carry_no_graph_into_the_steps(structure, solver):
+    torch.manual_seed(0)
+    model = GainBetweenLayers()
+    x, y = torch.randn(16, 3), torch.randn(16, 2)
+    prior, lik = hyper(model, "regression", learn=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the slow-path note for `gain`
+        ev = LaplaceEvidence.fit(model, loader(x, y, 8), lik, prior, structure=structure)
+    assert not any(t.requires_grad for s in ev.structures for t in s.states().values())
+    solution = ev.optimize(steps=3, solver=solver)  # used to backpropagate into the network
+    assert solution.value >= ev.log_marglik()
+
+
+class PositionalTokens(nn.Module):
+    """Token plus positional embedding; the positions are ``arange(T)`` broadcast over the batch
+    (``broadcast=True``) or an explicit ``(B, T)`` index (the same function)."""
+
+    def __init__(self, broadcast: bool) -> None:
+        super().__init__()
+        self.tokens, self.positions, self.head = nn.Embedding(7, 4), nn.Embedding(5, 4), nn.Linear(4, 3)
+        self.broadcast = broadcast
+
+    def forward(self, ids):
+        steps = torch.arange(ids.shape[1])
+        positions = self.positions(steps if self.broadcast else steps.expand_as(ids))
+        return self.head(torch.tanh(self.tokens(ids) + positions).mean(1))
+
+
+@pytest.mark.parametrize("structure", ["diag", "kron"])
+def test_embedding_broadcast_over_the_batch_takes_the_exact_path(structure):
+    torch.manual_seed(0)
+    explicit = PositionalTokens(broadcast=False)
+    broadcast = PositionalTokens(broadcast=True)
+    broadcast.load_state_dict(explicit.state_dict())
+    ids, y = torch.randint(0, 7, (20, 5)), torch.randint(0, 3, (20,))
+    reference = graph_problem(explicit, ids, y, "classification")
+    values = []
+    for model in (explicit, broadcast):
+        prior, lik = hyper(model, "classification")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ev = LaplaceEvidence.fit(model, loader(ids, y, 8), lik, prior, structure=structure)
+        values.append(ev.log_marglik())
+    assert "does not lead with the batch dimension" in " ".join(str(w.message) for w in caught)
+    if structure == "diag":  # exact either way: the same evidence
+        expected = reference.reference("diag", "ggn").evaluate(*hyper(explicit, "classification"))["log_marglik"]
+        assert rel_err(values[0], expected) <= 1e-8 and rel_err(values[1], expected) <= 1e-8

@@ -49,7 +49,7 @@ def test_trace_is_monotone(structure, approx, precision, lr):
     prior, lik = GaussianPrior(model, precision=precision), GaussianLikelihood()
     ev = LaplaceEvidence.fit(model, loader(x, y), lik, prior, structure=structure, approx=approx)
     start = ev.log_marglik().item()
-    solution = ev.optimize(steps=200, lr=lr)
+    solution = ev.optimize(steps=200, lr=lr, solver="adam")
     trace = torch.tensor(solution.trace)
     assert len(trace) == 201
     assert trace[0].item() == pytest.approx(start, rel=1e-14)
@@ -72,8 +72,8 @@ def test_converges_to_a_stationary_point(structure, solver):
         prior, lik = GaussianPrior(model, precision=precision), GaussianLikelihood()
         ev = LaplaceEvidence.fit(model, loader(x, y), lik, prior, structure=structure)
         if solver == "adam":
-            ev.set_hyperparameters(ev.optimize(steps=250, lr=0.05).values)
-            ev.set_hyperparameters(ev.optimize(steps=150, lr=0.05).values)  # a fresh Adam: forgets early gradients
+            ev.set_hyperparameters(ev.optimize(steps=250, lr=0.05, solver="adam").values)
+            ev.set_hyperparameters(ev.optimize(steps=150, lr=0.05, solver="adam").values)  # a fresh Adam: forgets early gradients
         else:
             solution = ev.optimize(solver="newton")
             assert solution.converged and solution.evaluations <= 20
@@ -152,11 +152,11 @@ def test_nothing_learnable_and_zero_steps():
     ev = LaplaceEvidence.fit(model, loader(x, y), lik, prior, structure="diag")
     value = ev.log_marglik().item()
     before = [prior.log_precision.clone(), lik.log_sigma.clone(), lik.log_temperature.clone()]
-    out = ev.optimize(steps=10, lr=0.1)
+    out = ev.optimize(steps=10, lr=0.1, solver="adam")
     assert out.value.item() == pytest.approx(value, rel=1e-14) and out.values == {}
     assert out.trace == [pytest.approx(value, rel=1e-14)]
     prior.learn = True
-    out = ev.optimize(steps=0, lr=0.1)
+    out = ev.optimize(steps=0, lr=0.1, solver="adam")
     assert torch.equal(out.values["log_precision"], before[0]) and len(out.trace) == 1
 
 
@@ -167,4 +167,4 @@ def test_bad_optimize_arguments(kwargs):
     model, x, y = toy_regression()
     ev = LaplaceEvidence.fit(model, loader(x, y), GaussianLikelihood(), GaussianPrior(model), structure="diag")
     with pytest.raises(ValueError):
-        ev.optimize(**{"steps": 5, "lr": 0.1, **kwargs})
+        ev.optimize(**{"steps": 5, "lr": 0.1, "solver": "adam", **kwargs})

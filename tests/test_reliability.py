@@ -166,7 +166,7 @@ def test_checkpoint_keeps_the_last_finite_estimate(tmp_path):
 
 
 def test_second_fit_with_the_same_callbacks_starts_afresh():
-    cb, es = _quick(steps=20), MargLikEarlyStopping(patience=3)
+    cb, es = _quick(steps=20, solver="adam"), MargLikEarlyStopping(patience=3)
     _fit([cb, es], 3)
     first_best = cb.best_marglik
     other = Regressor(hidden=8)
@@ -180,7 +180,7 @@ def test_second_fit_with_the_same_callbacks_starts_afresh():
 
 def test_resume_restores_history_and_best(tmp_path):
     def run(max_epochs, ckpt_path=None):
-        cb = _quick(steps=20)
+        cb = _quick(steps=20, solver="adam")
         _fit([cb, MargLikCheckpoint(dirpath=tmp_path, save_last=True)], max_epochs, ckpt_path=ckpt_path)
         return cb
 
@@ -200,10 +200,10 @@ def test_load_state_dict_tolerates_missing_keys():
 
 
 def test_changed_learnable_hyperparameters_restart_the_adam_state(tmp_path):
-    _fit([_quick(steps=10), MargLikCheckpoint(dirpath=tmp_path, save_last=True)], 2)
+    _fit([_quick(steps=10, solver="adam"), MargLikCheckpoint(dirpath=tmp_path, save_last=True)], 2)
     model = Regressor()
     model.likelihood = GaussianLikelihood(learn_temperature=True)
-    cb = _quick(steps=10)
+    cb = _quick(steps=10, solver="adam")
     resume = dict(model=model, ckpt_path=tmp_path / "last.ckpt")
     with pytest.warns(UserWarning, match=r"learnable hyperparameters changed.*log_temperature.*starts afresh"):
         _fit([cb, MargLikCheckpoint(dirpath=tmp_path, save_last=True)], 3, **resume)

@@ -3,7 +3,8 @@ real Laplace evidence of a tiny float64 MLP.
 
 Synthetic: a coupled concave quadratic (Newton exact in one step), Rosenbrock in plain and log
 coordinates, an objective whose Cholesky fails beyond a threshold, one that is nan in a region,
-a float32 one. Real: every structure x prior structure x likelihood, Newton against 1,000 Adam steps.
+a float32 one. Real: every structure x prior structure (regression, plus one classification case),
+Newton against 1,000 Adam steps; Adam at lr=10; the diagonal-Hessian path for large dimensions.
 Property: from any start in [-20, 20]^d both solvers return a finite point no worse than the start.
 """
 from __future__ import annotations
@@ -270,7 +271,7 @@ def test_state_for_other_tensors_is_refused():
                  steps=2).state
     with pytest.raises(ValueError, match=r"shape \(3,\) for 'log_precision'.*\(4,\)"):
         adam(lambda v: -v["log_precision"].pow(2).sum(), initial, steps=1, state=other)
-    # a plain torch Adam (no parameter names, as LaplaceEvidence.optimize saves) is checked by shape
+    # a plain torch Adam's state (no parameter names, e.g. saved before the solvers existed) is checked by shape
     plain = torch.optim.Adam([torch.zeros(3, requires_grad=True), torch.zeros((), requires_grad=True)])
     plain.param_groups[0]["params"][0].grad = torch.ones(3)
     plain.param_groups[0]["params"][1].grad = torch.ones(())
@@ -282,7 +283,7 @@ def test_state_for_other_tensors_is_refused():
 
 
 def test_state_of_a_plain_adam_with_matching_shapes_is_continued():
-    """A state without parameter names (as ``LaplaceEvidence.optimize`` saved it) continues by position."""
+    """A state without parameter names (a plain ``torch.optim.Adam``'s) continues by position."""
     leaves = [torch.zeros(2, requires_grad=True), torch.zeros((), requires_grad=True)]
     plain = torch.optim.Adam(leaves, lr=0.02)
     for _ in range(50):

@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from ..hyperparameters import GaussianPrior, Likelihood
-from .batches import BatchFn, move, split_batch
+from .batches import BatchFn, batch_size, move, split_batch
 from .functional import jacobian_rows
 from .hooks import Recorder, graph_uses
 from .options import APPROXIMATIONS, BACKENDS, STRUCTURES, CurvatureOptions
-from .plan import Plan, candidates, check_model, locate, make_plan
+from .plan import LayerLayout, Plan, candidates, check_model, locate, make_plan
 from .statistics import BatchCurvature, CurvatureStatistics, LayerPlan, Structure
 
 __all__ = [
@@ -121,8 +121,11 @@ def collect_statistics(
             inputs, target = move(inputs, device, dtype), target.to(device)
             output = recorder.forward(inputs)
             if plan is None:
-                in_graph = {name: out.requires_grad for name, out in recorder.outputs.items()}
-                plan = make_plan(prior, owners, options, dict(recorder.counts), graph_uses(output, params), in_graph)
+                layouts = {
+                    name: LayerLayout(out.requires_grad, recorder.inputs[name].shape[:1] == out.shape[:1] == (batch_size(inputs),))
+                    for name, out in recorder.outputs.items()
+                }
+                plan = make_plan(prior, owners, options, dict(recorder.counts), graph_uses(output, params), layouts)
                 stats = CurvatureStatistics(options, names, plan.structures, slow=plan.slow)
                 recorder.keep = {layer.name: layer.module for layer in plan.layers}
                 recorder.strict = True
@@ -134,7 +137,9 @@ def collect_statistics(
             rows = None
             if plan.exact:
                 exact_names = [names[i] for i in plan.exact]
-                rows = jacobian_rows(model, exact_names, [params[i] for i in plan.exact], inputs, factor).to(compute)
+                with torch.no_grad():  # the rest of the network enters as constants: no graph to keep
+                    rows = jacobian_rows(model, exact_names, [params[i] for i in plan.exact], inputs, factor)
+                rows = rows.detach().to(compute)
             layers = [
                 (layer, _cast(recorder.inputs[layer.name], compute), grads[layer.name].to(compute))
                 for layer in plan.layers

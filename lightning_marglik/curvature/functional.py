@@ -91,18 +91,19 @@ def _rows_by_autograd(model: nn.Module, params: List[Tensor], inputs: Inputs, di
     the cost of a forward per example and a backward per factor column.
     """
     rows = []
-    for n in range(factor.shape[0]):
-        output = call_model(model, _example(inputs, dims, n)).reshape(-1)
-        for j in range(factor.shape[2]):
-            grads = torch.autograd.grad(
-                output, params, grad_outputs=factor[n, :, j], retain_graph=j < factor.shape[2] - 1, allow_unused=True
-            )
-            if any(g is None for g in grads):  # zeros would be a silently wrong curvature
-                raise ValueError(
-                    "Some trainable parameters get no gradient through torch.autograd.grad (reentrant activation "
-                    "checkpointing supports only .backward()); use torch.utils.checkpoint(..., use_reentrant=False)."
+    with torch.enable_grad():
+        for n in range(factor.shape[0]):
+            output = call_model(model, _example(inputs, dims, n)).reshape(-1)
+            for j in range(factor.shape[2]):
+                grads = torch.autograd.grad(
+                    output, params, grad_outputs=factor[n, :, j], retain_graph=j < factor.shape[2] - 1, allow_unused=True
                 )
-            rows.append(torch.cat([g.reshape(-1) for g in grads]))
+                if any(g is None for g in grads):  # zeros would be a silently wrong curvature
+                    raise ValueError(
+                        "Some trainable parameters get no gradient through torch.autograd.grad (reentrant activation "
+                        "checkpointing supports only .backward()); use torch.utils.checkpoint(..., use_reentrant=False)."
+                    )
+                rows.append(torch.cat([g.reshape(-1) for g in grads]))
     return torch.stack(rows)
 
 

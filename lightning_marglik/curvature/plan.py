@@ -13,7 +13,7 @@ exact diagonal block; ``diag`` the exact diagonal everywhere; ``full`` takes the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Sequence, Tuple
 
 from torch import nn
 
@@ -23,9 +23,23 @@ from .options import CurvatureOptions
 from .statistics import LayerPlan, Structure
 from .structures import DiagStructure, FullStructure, KronStructure
 
-__all__ = ["Plan", "candidates", "check_model", "locate", "make_plan"]
+__all__ = ["LayerLayout", "Plan", "candidates", "check_model", "locate", "make_plan"]
 
 Owner = Tuple[str, nn.Module, str]
+
+
+class LayerLayout(NamedTuple):
+    """What the first batch showed of a recorded layer's call.
+
+    Attributes:
+        in_graph: Its output is part of the autograd graph of the forward pass.
+        batch_first: Its input and output lead with the batch dimension (else its rows cannot be
+            told apart by example: a positional embedding of ``arange(T)`` broadcast over the batch,
+            a sequence-first layout).
+    """
+
+    in_graph: bool
+    batch_first: bool
 
 
 @dataclass
@@ -98,7 +112,7 @@ def make_plan(
     options: CurvatureOptions,
     calls: Dict[str, int],
     uses: List[int],
-    in_graph: Dict[str, bool],
+    layouts: Dict[str, LayerLayout],
 ) -> Plan:
     """Plan the pass from the first batch's call counts and graph uses.
 
@@ -108,7 +122,7 @@ def make_plan(
         options: The curvature options.
         calls: Forward calls of every module in the first batch's forward pass.
         uses: Autograd edges into every prior tensor in that pass (:func:`.hooks.graph_uses`).
-        in_graph: Whether each recorded layer's output is part of the autograd graph.
+        layouts: What the first batch showed of each recorded layer's call.
 
     Raises:
         ValueError: For a diagonal prior with ``kron``, a ``full`` curvature above the memory limit,
@@ -131,12 +145,19 @@ def make_plan(
                 if count == 0
                 else f"called {count} times per forward pass (shared weights)"
             )
-        if reason is None and not in_graph.get(name, True):
+        layout = layouts.get(name, LayerLayout(True, True))
+        if reason is None and not layout.in_graph:
             raise ValueError(
                 f"The output of module '{name}' is not in the autograd graph of the forward pass: its curvature "
                 "cannot be computed. Activation checkpointing with use_reentrant=True runs the forward without "
                 "gradients (and supports only .backward()); use torch.utils.checkpoint(..., use_reentrant=False), "
                 "PyTorch's recommended mode, or no torch.no_grad() around trainable layers in forward."
+            )
+        if reason is None and not layout.batch_first:
+            reason = (
+                "its input or output does not lead with the batch dimension (e.g. a positional embedding of "
+                "arange(T) broadcast over the batch, or a sequence-first layout), so its rows cannot be told apart "
+                "by example"
             )
         if reason is None and uses[index] > 1:
             reason = f"its {role} is also used outside its forward call (tied or functional weights)"
