@@ -15,6 +15,7 @@ Conventions (one everywhere: MAP loss, evidence, docs):
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Dict, List, Optional
 
 import torch
@@ -162,6 +163,13 @@ class Likelihood(nn.Module):
         super().__init__()
         self.register_buffer("log_temperature", _log_buffer(temperature, "temperature"))
         self.learn_temperature = bool(learn_temperature)
+        if self.learn_temperature:
+            warnings.warn(
+                "learn_temperature=True: p(y|f)^(1/T) is not normalized in y, so the evidence can grow towards "
+                "T -> infinity with the prior precision -> 0 (measured: no finite optimum on classification "
+                "problems). Fix T (e.g. from the augmentation factor) unless you check the learned value.",
+                stacklevel=3,
+            )
 
     @property
     def temperature(self) -> Tensor:
@@ -256,7 +264,8 @@ class GaussianLikelihood(Likelihood):
         sigma: Initial observation noise standard deviation.
         temperature: Likelihood temperature ``T`` (``p^(1/T)``; ``T < 1`` up-weights the data).
         learn_sigma: Whether the marginal likelihood optimizes ``sigma``.
-        learn_temperature: Whether the marginal likelihood optimizes ``T``.
+        learn_temperature: Whether the marginal likelihood optimizes ``T`` (warns: the tempered
+            evidence may have no finite optimum in ``T``; see the README).
 
     Raises:
         ValueError: On a non-positive or non-finite ``sigma`` or ``temperature``.
@@ -349,7 +358,8 @@ class CategoricalLikelihood(Likelihood):
 
     Args:
         temperature: Likelihood temperature ``T`` (``p^(1/T)``; ``T < 1`` up-weights the data).
-        learn_temperature: Whether the marginal likelihood optimizes ``T``.
+        learn_temperature: Whether the marginal likelihood optimizes ``T`` (warns: the tempered
+            evidence may have no finite optimum in ``T``; see the README).
         ignore_index: Label of positions that are not data (padding), as in ``F.cross_entropy``.
 
     Raises:

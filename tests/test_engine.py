@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_marglik import CategoricalLikelihood, GaussianLikelihood, GaussianPrior, LaplaceEvidence
 from tests.test_errors import FunctionalReuse
-from tests.reference import Problem, graph_problem, hyper, loader, reference_env, rel_err  # noqa: F401 (reference_env: autouse fixture)
+from tests.reference import Problem, graph_problem, hyper, loader, reference_env, rel_err, setup  # noqa: F401 (reference_env: autouse fixture)
 
 STRUCTURES = ["diag", "kron", "full"]
 
@@ -278,3 +278,17 @@ def test_embedding_broadcast_over_the_batch_takes_the_exact_path(structure):
     if structure == "diag":  # exact either way: the same evidence
         expected = reference.reference("diag", "ggn").evaluate(*hyper(explicit, "classification"))["log_marglik"]
         assert rel_err(values[0], expected) <= 1e-8 and rel_err(values[1], expected) <= 1e-8
+
+
+def test_learned_temperature_has_no_finite_optimum_and_warns():
+    """The tempered likelihood is not normalized: the best evidence at a fixed T keeps rising with T."""
+    model, x, y, _ = setup("mlp_small", "classification")
+    best = []
+    for log_t in (0.0, 5.0, 10.0):
+        prior = GaussianPrior(model, structure="scalar")
+        lik = CategoricalLikelihood(temperature=math.exp(log_t))
+        ev = LaplaceEvidence.fit(model, loader(x, y), lik, prior, structure="kron")
+        best.append(ev.optimize(solver="newton").value.item())
+    assert best[0] < best[1] < best[2] < 0
+    with pytest.warns(UserWarning, match="no finite optimum"):
+        CategoricalLikelihood(learn_temperature=True)
