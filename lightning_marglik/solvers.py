@@ -178,7 +178,7 @@ def adam(
         return _nothing_to_optimize(objective)
 
     leaves = {n: t.detach().clone().requires_grad_(True) for n, t in initial.items()}
-    optimizer = torch.optim.Adam(list(leaves.items()), lr=lr)
+    optimizer = torch.optim.Adam(list(leaves.items()), lr=lr, fused=True)  # one kernel; no device probing per step
     if state:
         optimizer.load_state_dict(state)
         for group in optimizer.param_groups:

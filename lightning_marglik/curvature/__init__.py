@@ -126,7 +126,7 @@ def collect_statistics(
                     for name, out in recorder.outputs.items()
                 }
                 plan = make_plan(prior, owners, options, dict(recorder.counts), graph_uses(output, params), layouts)
-                stats = CurvatureStatistics(options, names, plan.structures, slow=plan.slow)
+                stats = CurvatureStatistics(options, names, [s.to(device) for s in plan.structures], slow=plan.slow)
                 recorder.keep = {layer.name: layer.module for layer in plan.layers}
                 recorder.strict = True
                 _warn_slow(plan, options)

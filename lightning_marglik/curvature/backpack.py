@@ -104,8 +104,8 @@ def backpack_statistics(
         structure = DiagStructure(everything, sizes, [], [])
     else:
         structure = KronStructure(everything, sizes, list(layers.values()))
-    stats = CurvatureStatistics(options, names, [structure])
     device, dtype = prior.params[0].device, prior.params[0].dtype
+    stats = CurvatureStatistics(options, names, [structure.to(device)])
     for batch_index, batch in enumerate(dataloader):
         inputs, target = split_batch(batch, batch_fn)
         inputs, target = move(inputs, device, dtype), target.to(device)

@@ -95,6 +95,9 @@ class Recorder:
             for i, g in enumerate(grads):
                 if g is None:
                     continue
+                if k == 1:  # EF and one Monte-Carlo sample: no copy
+                    stacked[i] = g.unsqueeze(0)
+                    continue
                 if stacked[i] is None:
                     stacked[i] = g.new_zeros((k,) + g.shape)
                 stacked[i][j] = g

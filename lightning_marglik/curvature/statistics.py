@@ -81,6 +81,11 @@ class Structure:
     def states(self) -> Dict[str, Tensor]:
         return self._states
 
+    def to(self, device: torch.device) -> "Structure":
+        """Move the declared statistics to ``device`` (where the parameters live)."""
+        self._states = {name: value.to(device) for name, value in self._states.items()}
+        return self
+
     def reduce_extra(self, sum_fn: SumFn, gather_fn: GatherFn) -> None:
         """Reductions beyond the flat sum (the full structure's rows); nothing by default."""
 

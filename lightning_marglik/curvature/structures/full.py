@@ -78,7 +78,7 @@ class FullStructure(Structure):
             self.rows = None
 
     def _device(self) -> torch.device:
-        return self.rows.device if self.rows is not None else torch.device("cpu")
+        return self.state("n_rows").device  # moved with the declared states to the parameters' device
 
     def reduce_extra(self, sum_fn: SumFn, gather_fn: GatherFn) -> None:
         """Sum the Gram matrices, or gather the rows while the global count stays below ``P``.
@@ -90,7 +90,7 @@ class FullStructure(Structure):
             assert self.gram is not None
             self.gram = sum_fn(self.gram.reshape(-1)).reshape(self.n_params, self.n_params)
             return
-        local = self.rows if self.rows is not None else torch.zeros(0, self.n_params, dtype=torch.float64)
+        local = self.rows if self.rows is not None else torch.zeros(0, self.n_params, dtype=torch.float64, device=self._device())
         lengths = [int(n) for n in gather_fn(torch.tensor([local.shape[0]], device=local.device))]
         if len(lengths) == 1:
             return
@@ -110,7 +110,7 @@ class FullStructure(Structure):
     def prepare(self) -> None:
         self._finite = True
         if self.gram is None:
-            rows = self.rows if self.rows is not None else torch.zeros(0, self.n_params, dtype=torch.float64)
+            rows = self.rows if self.rows is not None else torch.zeros(0, self.n_params, dtype=torch.float64, device=self._device())
             self._finite = Structure._guard(rows)
             self.rows = rows
             if self.prior_structure != "diagonal" and self._finite:

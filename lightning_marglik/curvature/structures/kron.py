@@ -82,12 +82,16 @@ class KronStructure(Structure):
         self._bias: List[Optional[Tensor]] = []
         for j, layer in enumerate(self.layers):
             g, a = self._factors(j)
+            blocks = self._group_blocks(j, g)
+            q_full = _eigvalsh(g)
             if isinstance(layer.module, nn.Embedding):
-                pairs = [(_eigvalsh(g), a if Structure._guard(a) else a * float("nan"))]
+                pairs = [(q_full, a if Structure._guard(a) else a * float("nan"))]
+            elif len(blocks) == 1:  # one group: the weight's output factor is G itself
+                pairs = [(q_full, _eigvalsh(a[0]))]
             else:
-                pairs = [(_eigvalsh(gk), _eigvalsh(ak)) for gk, ak in zip(self._group_blocks(j, g), a)]
+                pairs = [(_eigvalsh(gk), _eigvalsh(ak)) for gk, ak in zip(blocks, a)]
             self._weight.append(pairs if "weight" in layer.roles else [])
-            self._bias.append(_eigvalsh(g) if "bias" in layer.roles else None)
+            self._bias.append(q_full if "bias" in layer.roles else None)
 
     def log_det(self, scale: Tensor, log_delta: List[Tensor]) -> Tensor:
         total = scale.new_zeros(())

@@ -1,0 +1,75 @@
+"""Shared helpers of the benchmark scripts: timing, machine description, and result files that
+carry their own raw data (so a script can be run model by model and still write one table).
+
+A results file ends with an HTML comment ``<!-- benchmark-data {json} -->`` holding the raw
+measurements of every part measured so far; a run of some parts replaces those parts and keeps
+the others (each part records its own date, command and load).
+"""
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import os
+import platform
+import re
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any, Callable, Dict, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+_DATA = re.compile(r"<!-- benchmark-data (\{.*\}) -->", re.S)
+
+
+def timed(fn: Callable[[], Any]) -> Tuple[float, float, Any]:
+    """(CPU seconds of this process, wall seconds, result) of ``fn()``."""
+    gc.collect()  # cheap once start-up objects are frozen (see ``freeze_startup``)
+    c0, w0 = time.process_time(), time.perf_counter()
+    result = fn()
+    return time.process_time() - c0, time.perf_counter() - w0, result
+
+
+def freeze_startup() -> None:
+    """Freeze what exists now (Lightning's large object graphs) so a collection inside a timed
+    section stays cheap (a full collection would otherwise take ~0.5 s)."""
+    gc.collect()
+    gc.freeze()
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown"
+
+
+def package_version(name: str) -> str:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def now() -> str:
+    return f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
+
+
+def load_avg() -> float:
+    return os.getloadavg()[0]
+
+
+def read_data(path: Path) -> Dict[str, Any]:
+    """The raw data embedded in a results file (empty if none)."""
+    if not path.exists():
+        return {}
+    found = _DATA.search(path.read_text())
+    return json.loads(found.group(1)) if found else {}
+
+
+def write_with_data(path: Path, text: str, data: Dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    blob = json.dumps(data, separators=(",", ":"), allow_nan=True)
+    path.write_text(text.rstrip() + "\n\n<!-- benchmark-data " + blob + " -->\n")
