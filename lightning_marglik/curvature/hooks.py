@@ -93,13 +93,16 @@ class Recorder:
                 output, outs, grad_outputs=factor[:, :, j].reshape(output.shape), retain_graph=j < k - 1, allow_unused=True
             )
             for i, g in enumerate(grads):
-                if g is None:
+                if g is None:  # the output does not depend on this layer for this column
+                    if stacked[i] is not None:
+                        stacked[i][j] = 0
                     continue
                 if k == 1:  # EF and one Monte-Carlo sample: no copy
                     stacked[i] = g.unsqueeze(0)
                     continue
-                if stacked[i] is None:
-                    stacked[i] = g.new_zeros((k,) + g.shape)
+                if stacked[i] is None:  # every earlier column was None: those slots are zeroed
+                    stacked[i] = g.new_empty((k,) + g.shape)
+                    stacked[i][:j] = 0
                 stacked[i][j] = g
         return {
             n: torch.zeros((k,) + o.shape, dtype=o.dtype, device=o.device) if g is None else g
