@@ -1,23 +1,35 @@
 """Model selection for PyTorch Lightning by the Laplace marginal likelihood (Immer et al., ICML 2021)."""
-from .callbacks import MargLikCallback, MargLikCheckpoint, MargLikEarlyStopping
-from .curvature import CurvatureStatistics, collect_statistics
+from .callbacks import MargLikCallback, MargLikCheckpoint, MargLikConfigurationError, MargLikEarlyStopping
+from .curvature import CurvatureOptions, CurvatureStatistics, collect_statistics
 from .evidence import LaplaceEvidence
 from .predictive import RegressionPrediction, linearized_outputs, predict_classification, predict_regression
 from .selection import CandidateResult, NegativeLogLikelihood, select_models
-from .hyperparameters import CategoricalLikelihood, GaussianLikelihood, GaussianPrior, Likelihood, map_loss
+from .hyperparameters import (
+    CategoricalLikelihood,
+    GaussianLikelihood,
+    GaussianPrior,
+    Likelihood,
+    assign_hyperparameters,
+    map_loss,
+)
+from .solvers import Solution
 
 __all__ = [
     "CandidateResult",
     "CategoricalLikelihood",
+    "CurvatureOptions",
     "CurvatureStatistics",
     "GaussianLikelihood",
     "GaussianPrior",
     "LaplaceEvidence",
     "MargLikCallback",
     "MargLikCheckpoint",
+    "MargLikConfigurationError",
     "MargLikEarlyStopping",
     "NegativeLogLikelihood",
     "Likelihood",
+    "Solution",
+    "assign_hyperparameters",
     "collect_statistics",
     "linearized_outputs",
     "map_loss",
