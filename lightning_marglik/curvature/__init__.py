@@ -121,8 +121,9 @@ def collect_statistics(
             inputs, target = move(inputs, device, dtype), target.to(device)
             output = recorder.forward(inputs)
             if plan is None:
+                leading = (batch_size(inputs),)
                 layouts = {
-                    name: LayerLayout(out.requires_grad, recorder.inputs[name].shape[:1] == out.shape[:1] == (batch_size(inputs),))
+                    name: LayerLayout(out.requires_grad, recorder.inputs[name].shape[:1] == out.shape[:1] == leading)
                     for name, out in recorder.outputs.items()
                 }
                 plan = make_plan(prior, owners, options, dict(recorder.counts), graph_uses(output, params), layouts)
