@@ -176,7 +176,7 @@ def run(depths: Sequence[int] = (1, 2, 3, 4), setting: Optional[Dict[str, Any]] 
         }
         rows.append(row)
         if verbose:
-            print(f"depth {depth}: P={row['params']} full {row['full_shared']:.3f}/{row['full_optimised']:.3f} "
+            print(f"depth {depth}: P={row['params']} evidence per datum: full {row['full_shared']:.3f}/{row['full_optimised']:.3f} "
                   f"kron {row['kron_shared']:.3f}/{row['kron_optimised']:.3f} diag {row['diag_shared']:.3f}/"
                   f"{row['diag_optimised']:.3f} (shared/optimised); cross-tensor {row['cross_tensor']:.3f}, "
                   f"kron factor {row['kron_factor']:.3f}; checks {row['check_full']:.2e} {row['check_diag']:.2e}; "
