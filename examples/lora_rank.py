@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import logging
 import os
 import sys
 import time
-import warnings
 from typing import Dict, List, Optional, Sequence
 
 import pytorch_lightning as pl
@@ -33,6 +31,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_marglik import CategoricalLikelihood, GaussianPrior, MargLikCallback, map_loss
+from lightning_marglik.selection import quiet_lightning
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NAME = "lora_rank"
@@ -285,13 +284,6 @@ def markdown(out: Dict, command: str, seconds: float) -> str:
     return "\n".join(lines)
 
 
-def quiet(threads: int) -> None:
-    for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", message=".*(does not have many workers|number of training batches|LeafSpec).*")
-    torch.set_num_threads(threads)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> Dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true",
@@ -301,9 +293,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     args = parser.parse_args(argv)
-    quiet(args.threads)
+    torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    out = run(args.quick, args.seeds, (0, 1, 4) if args.quick else RANKS)
+    with quiet_lightning():  # no per-Trainer banners
+        out = run(args.quick, args.seeds, (0, 1, 4) if args.quick else RANKS)
     seconds = time.perf_counter() - start
     for r in out["rows"]:
         print(f"{r['shift']:>11} seed {r['seed']} rank {r['rank']:>2}  marglik {r['marglik']:.4f}  "

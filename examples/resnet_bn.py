@@ -26,14 +26,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import logging
 import math
 import os
 import re
 import shutil
 import sys
 import time
-import warnings
 from typing import Dict, List, Optional, Sequence
 
 import pytorch_lightning as pl
@@ -45,6 +43,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_marglik import (
     CategoricalLikelihood, GaussianPrior, LaplaceEvidence, MargLikCallback, MargLikCheckpoint, map_loss,
 )
+from lightning_marglik.selection import quiet_lightning
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NAME = "resnet_bn"
@@ -337,13 +336,6 @@ def markdown(out: Dict, command: str, seconds: float) -> str:
     return "\n".join(lines)
 
 
-def quiet(threads: int) -> None:
-    for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", message=".*(does not have many workers|number of training batches|LeafSpec).*")
-    torch.set_num_threads(threads)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> Dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke test: 128 images, 2 epochs")
@@ -352,9 +344,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    quiet(args.threads)
+    torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    out = run(args.quick, args.seed, args.output_dir)
+    with quiet_lightning():  # no per-Trainer banners
+        out = run(args.quick, args.seed, args.output_dir)
     seconds = time.perf_counter() - start
     for r in out["rows"]:
         print(f"{r['run']:>10}  marglik {r['marglik']:.4f}  test acc {r['accuracy']:.4f}  NLL {r['nll']:.4f}  "

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import logging
 import math
 import os
 import shutil
@@ -45,6 +44,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_marglik import (
     CategoricalLikelihood, GaussianPrior, LaplaceEvidence, MargLikCallback, MargLikCheckpoint, map_loss,
 )
+from lightning_marglik.selection import quiet_lightning
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NAME = "transformer_tokens"
@@ -318,13 +318,6 @@ def findings(out: Dict) -> List[str]:
     return lines
 
 
-def quiet(threads: int) -> None:
-    for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", message=".*(does not have many workers|number of training batches|LeafSpec).*")
-    torch.set_num_threads(threads)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> Dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke test: 128 sequences, 2 epochs")
@@ -333,9 +326,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    quiet(args.threads)
+    torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    out = run(args.quick, args.seed, args.output_dir)
+    with quiet_lightning():  # no per-Trainer banners
+        out = run(args.quick, args.seed, args.output_dir)
     seconds = time.perf_counter() - start
     for r in out["rows"]:
         if r["error"]:
