@@ -26,7 +26,6 @@ the pass, the solve) and the top entries by cumulative time.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import inspect
 import io

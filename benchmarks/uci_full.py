@@ -319,7 +319,7 @@ def report(rows: List[Dict[str, Any]], quick: bool, date: str, loads: Tuple[floa
         f"- Similar results: largest difference of the final evidence per datum {max_ml:.2e}, of the test NLL "
         f"{max_nll:.2e}; the two evidences at the same weights and precisions agree to "
         f"{max(r['agreement'] for r in rows):.1e} (relative).",
-        f"- The library's solve returned its starting point (no iterate beat it) in "
+        "- The library's solve returned its starting point (no iterate beat it) in "
         + ", ".join(f"{r['kept_start']} of {r['estimates']}" for r in rows)
         + " estimates (per run, in table order); the minimal implementation always moves to the last Adam iterate. "
         "This and the best-of-iterates rule are where the two trajectories of the precisions part (see *Why*).",
