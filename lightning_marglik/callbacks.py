@@ -350,8 +350,11 @@ class MargLikCallback(Callback):
         """Names and shapes of the hyperparameters the Adam steps optimize, in the engine's order."""
         assert self.prior is not None and self.likelihood is not None
         buffers = {"log_precision": self.prior.log_precision, **self.likelihood.hyperparameters()}
-        names = (["log_precision"] if self.prior.learn else []) + self.likelihood.learnable()
-        return [(name, list(buffers[name].shape)) for name in names]
+        learned = self.prior.learned_groups()
+        shapes = {name: list(buffer.shape) for name, buffer in buffers.items()}
+        shapes["log_precision"] = [int(learned.sum())]
+        names = (["log_precision"] if learned.any() else []) + self.likelihood.learnable()
+        return [(name, shapes[name]) for name in names]
 
     @staticmethod
     def _batch_fn(pl_module: "pl.LightningModule") -> Optional[Callable[[Any], Any]]:

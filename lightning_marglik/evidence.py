@@ -7,6 +7,7 @@ float64 whatever the model's dtype. Knows nothing of Lightning.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Dict, Iterable, List, Optional
 
@@ -118,7 +119,24 @@ class LaplaceEvidence:
 
     def learnable(self) -> List[str]:
         """Names of the log hyperparameters the evidence optimizes."""
-        return (["log_precision"] if self.prior.learn else []) + self.likelihood.learnable()
+        learned = bool(self.prior.learned_groups().any())
+        return (["log_precision"] if learned else []) + self.likelihood.learnable()
+
+    def _learnable_values(self, current: Dict[str, Tensor]) -> Dict[str, Tensor]:
+        """The optimized variables: every learnable buffer, the prior's restricted to its learned groups."""
+        values = {n: current[n].clone() for n in self.learnable()}
+        if "log_precision" in values:
+            values["log_precision"] = values["log_precision"][self.prior.learned_groups()]
+        return values
+
+    def _with_fixed(self, current: Dict[str, Tensor], values: Dict[str, Tensor]) -> Dict[str, Tensor]:
+        """Every hyperparameter: ``values`` where learned, the current value where fixed (differentiable)."""
+        full = {**current, **values}
+        if "log_precision" in values:
+            full["log_precision"] = current["log_precision"].masked_scatter(
+                self.prior.learned_groups(), values["log_precision"]
+            )
+        return full
 
     def set_hyperparameters(self, values: Dict[str, Tensor]) -> None:
         """Write log hyperparameters (e.g. ``optimize(...).values``) into the prior and likelihood."""
@@ -233,21 +251,25 @@ class LaplaceEvidence:
         if solver not in SOLVERS:
             raise ValueError(f"`solver` must be one of {SOLVERS}, got {solver!r}.")
         current = {n: t.detach().to(torch.float64) for n, t in self.hyperparameters().items()}
-        learnable = {n: current[n].clone() for n in self.learnable()}
+        learnable = self._learnable_values(current)
 
         def objective(values: Dict[str, Tensor]) -> Tensor:
-            return self.log_marglik_at({**current, **values})
+            return self.log_marglik_at(self._with_fixed(current, values))
 
         if solver == "adam":
-            return solvers.adam(objective, learnable, steps=steps, lr=lr, state=state)
-        return solvers.newton(objective, learnable, tol=tol, max_evaluations=max_evaluations)
+            solution = solvers.adam(objective, learnable, steps=steps, lr=lr, state=state)
+        else:
+            solution = solvers.newton(objective, learnable, tol=tol, max_evaluations=max_evaluations)
+        full = self._with_fixed(current, solution.values)
+        return dataclasses.replace(solution, values={n: full[n].detach() for n in solution.values})
 
     def gradient(self) -> Dict[str, Tensor]:
-        """Gradient of the log marglik w.r.t. each learnable log hyperparameter (for diagnostics)."""
+        """Gradient of the log marglik w.r.t. each learnable log hyperparameter (for diagnostics;
+        the prior's learned groups only)."""
         current = {n: t.detach().to(torch.float64) for n, t in self.hyperparameters().items()}
-        leaves = {n: current[n].clone().requires_grad_(True) for n in self.learnable()}
+        leaves = {n: t.requires_grad_(True) for n, t in self._learnable_values(current).items()}
         if not leaves:
             return {}
-        value = self.log_marglik_at({**current, **leaves})
+        value = self.log_marglik_at(self._with_fixed(current, leaves))
         grads = torch.autograd.grad(value, list(leaves.values()))
         return dict(zip(leaves, grads))

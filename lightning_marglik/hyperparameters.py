@@ -14,9 +14,10 @@ Conventions (one everywhere: MAP loss, evidence, docs):
 """
 from __future__ import annotations
 
+import fnmatch
 import math
 import warnings
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -53,10 +54,14 @@ class GaussianPrior(nn.Module):
         structure: ``"scalar"`` (one precision), ``"layerwise"`` (one per parameter tensor: a
             layer's weight and bias are separate groups) or ``"diagonal"`` (one per scalar).
         learn: Whether the marginal likelihood optimizes the precision.
+        fixed: Names of parameters (``fnmatch`` patterns, e.g. ``"*.conv*.weight"``) whose
+            precision stays at ``precision`` while the others are learned, e.g. weights followed by
+            BatchNorm: their scale does not change the fit, so a learned precision grows without
+            bound (``examples/results/resnet_bn.md``).
 
     Raises:
-        ValueError: On an unknown structure, a non-positive precision or a model without
-            trainable parameters.
+        ValueError: On an unknown structure, a non-positive precision, a model without trainable
+            parameters, or a ``fixed`` pattern that matches no parameter or meets a scalar prior.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
@@ -68,7 +73,12 @@ class GaussianPrior(nn.Module):
     log_precision: Tensor
 
     def __init__(
-        self, model: nn.Module, precision: float = 1.0, structure: str = "layerwise", learn: bool = True
+        self,
+        model: nn.Module,
+        precision: float = 1.0,
+        structure: str = "layerwise",
+        learn: bool = True,
+        fixed: Sequence[str] = (),
     ) -> None:
         super().__init__()
         if structure not in PRIOR_STRUCTURES:
@@ -84,6 +94,24 @@ class GaussianPrior(nn.Module):
         n_groups = {"scalar": 1, "layerwise": len(named), "diagonal": sum(self.param_sizes)}[structure]
         log_prec = _log_buffer(precision, "precision").repeat(n_groups)
         self.register_buffer("log_precision", log_prec)
+        if isinstance(fixed, str):
+            fixed = [fixed]
+        unmatched = [pattern for pattern in fixed if not fnmatch.filter(self.param_names, pattern)]
+        if unmatched:
+            raise ValueError(f"`fixed` patterns {unmatched} match no trainable parameter of the model.")
+        if fixed and structure == "scalar":
+            raise ValueError("`fixed` needs one precision per group: use structure='layerwise' (or learn=False).")
+        self.fixed: List[str] = [n for n in self.param_names if any(fnmatch.fnmatchcase(n, p) for p in fixed)]
+
+    def learned_groups(self) -> Tensor:
+        """Boolean mask over ``log_precision``: which groups the evidence learns."""
+        if self.structure == "scalar":
+            return torch.full((1,), self.learn, device=self.log_precision.device)
+        learned = [self.learn and n not in self.fixed for n in self.param_names]
+        per_tensor = torch.tensor(learned, device=self.log_precision.device)
+        if self.structure == "layerwise":
+            return per_tensor
+        return per_tensor.repeat_interleave(torch.tensor(self.param_sizes, device=per_tensor.device))
 
     @property
     def params(self) -> List[Tensor]:
@@ -144,7 +172,7 @@ class GaussianPrior(nn.Module):
         return 0.5 * (self.precision.detach() * self.group_sq_norms()).sum()
 
     def extra_repr(self) -> str:
-        return f"structure={self.structure!r}, groups={self.log_precision.numel()}, learn={self.learn}"
+        return f"structure={self.structure!r}, groups={self.log_precision.numel()}, learn={self.learn}, fixed={self.fixed}"
 
 
 class Likelihood(nn.Module):

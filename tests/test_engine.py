@@ -292,3 +292,35 @@ def test_learned_temperature_has_no_finite_optimum_and_warns():
     assert best[0] < best[1] < best[2] < 0
     with pytest.warns(UserWarning, match="no finite optimum"):
         CategoricalLikelihood(learn_temperature=True)
+
+
+# --- fixed precision groups (the BatchNorm runaway of the ResNet example and the ranking study) -----
+
+
+@pytest.mark.parametrize("prior_structure", ["layerwise", "diagonal"])
+@pytest.mark.parametrize("solver", ["adam", "newton"])
+def test_fixed_groups_keep_their_precision_and_the_rest_is_optimized(prior_structure, solver):
+    model, x, y, _ = setup("mlp_deep", "classification")
+    lik = CategoricalLikelihood()
+    free = GaussianPrior(model, precision=0.5, structure=prior_structure)
+    fixed = GaussianPrior(model, precision=0.5, structure=prior_structure, fixed=["0.*", "4.bias"])
+    assert fixed.fixed == ["0.weight", "0.bias", "4.bias"]
+    mask = fixed.learned_groups()
+    assert int((~mask).sum()) == (3 if prior_structure == "layerwise" else 4 * 6 + 6 + 3)
+    ev_free = LaplaceEvidence.fit(model, loader(x, y), lik, free, "kron" if prior_structure == "layerwise" else "diag")
+    ev = LaplaceEvidence.fit(model, loader(x, y), lik, fixed, "kron" if prior_structure == "layerwise" else "diag")
+    # the gradient of the learned groups is the free prior's gradient there
+    assert torch.allclose(ev.gradient()["log_precision"], ev_free.gradient()["log_precision"][mask], rtol=1e-12)
+    solution = ev.optimize(steps=50, solver=solver)
+    ev.set_hyperparameters(solution.values)
+    assert torch.equal(fixed.log_precision[~mask], torch.full_like(fixed.log_precision[~mask], math.log(0.5)))
+    assert (fixed.log_precision[mask] != math.log(0.5)).all()
+    assert solution.value >= ev_free.log_marglik()  # the start was the same point
+
+
+def test_fixed_patterns_are_checked():
+    model, *_ = setup("mlp_deep", "classification")
+    with pytest.raises(ValueError, match=r"`fixed` patterns \['conv\*'\] match no trainable parameter"):
+        GaussianPrior(model, fixed=["conv*"])
+    with pytest.raises(ValueError, match="structure='layerwise'"):
+        GaussianPrior(model, structure="scalar", fixed=["0.weight"])

@@ -32,7 +32,10 @@ def test_resnet_bn_quick(outputs):
 
     out = resnet_bn.main(["--quick", "--output-dir", str(outputs / "resnet_bn")])
     rows = {r["run"]: r for r in out["rows"]}
-    assert list(rows) == ["marglik", "wd=0.0001", "wd=0.001", "wd=0.01", "marglik, no BN recal."]
+    assert list(rows) == ["marglik", "wd=0.0001", "wd=0.001", "wd=0.01", "marglik, no BN recal.", "marglik, BN-fed convs fixed"]
+    fixed = rows["marglik, BN-fed convs fixed"]["precisions"]
+    assert fixed["stem.0.weight"] == fixed["block2.shortcut.0.weight"] == pytest.approx(1.0)
+    assert fixed["head.weight"] != pytest.approx(1.0)
     for r in rows.values():
         assert math.isfinite(r["marglik"]) and math.isfinite(r["marglik_exact"]), r["run"]
         assert 0.0 <= r["accuracy"] <= 1.0 and math.isfinite(r["nll"])
