@@ -177,6 +177,18 @@ def parse(options: argparse.ArgumentParser, argv: Optional[Sequence[str]], quick
     return args, [*(quick if args.quick else ()), *overrides]
 
 
+def library_state() -> str:
+    """``HEAD <commit>`` and whether ``lightning_marglik/`` has uncommitted changes (read-only git calls)."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "lightning_marglik"], cwd=ROOT, capture_output=True,
+                               text=True).stdout.strip()
+    except OSError:
+        return "unknown"
+    return f"HEAD {head}" + (" with uncommitted changes in lightning_marglik/" if dirty else "")
+
 @torch.no_grad()
 def accuracy_and_nll(model: nn.Module, x: Tensor, y: Tensor) -> Dict[str, float]:
     """Accuracy and mean negative log-likelihood of a classifier's softmax."""

@@ -54,11 +54,9 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from lightning_marglik import (  # noqa: E402
     CategoricalLikelihood, GaussianPrior, LaplaceEvidence, MargLikCallback, MargLikEarlyStopping, map_loss,
 )
+from common import OUTPUTS, RESULTS, library_state  # noqa: E402
 from lightning_marglik.selection import quiet_lightning  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OUTPUTS = os.path.join(ROOT, "outputs")
-RESULTS = os.path.join(ROOT, "examples", "results")
 
 # --- the candidates -------------------------------------------------------------------------------
 
@@ -584,19 +582,6 @@ def make_figure(out: Dict[str, Any], path: str) -> None:
 
 def _ci(t: Sequence[float]) -> str:
     return f"{t[0]:.2f} [{t[1]:.2f}, {t[2]:.2f}]"
-
-
-def library_state() -> str:
-    """``HEAD <commit>`` and whether ``lightning_marglik/`` has uncommitted changes (read-only git calls)."""
-    import subprocess
-
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "lightning_marglik"], cwd=ROOT, capture_output=True,
-                               text=True).stdout.strip()
-    except OSError:
-        return "unknown"
-    return f"HEAD {head}" + (" with uncommitted changes in lightning_marglik/" if dirty else "")
 
 
 def write_markdown(out: Dict[str, Any], path: str, command: str, wall_minutes: float, recipe: Dict[str, Any],

@@ -44,11 +44,9 @@ from torch.func import functional_call, jacrev  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lightning_marglik import GaussianLikelihood, GaussianPrior, LaplaceEvidence, MargLikCallback, map_loss  # noqa: E402
+from common import OUTPUTS, RESULTS, library_state  # noqa: E402
 from lightning_marglik.selection import quiet_lightning  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OUTPUTS = os.path.join(ROOT, "outputs")
-RESULTS = os.path.join(ROOT, "examples", "results")
 STRUCTURES = ("full", "kron", "diag")
 SETTING = {"n_train": 100, "gap": 0.5, "x_max": 2.0, "noise": 0.1, "data_seed": 0, "width": 50, "epochs": 1000,
            "lr": 1e-2, "lr_min": 1e-3, "frequency": 100, "steps": 100, "hyper_lr": 0.1, "seed": 0}
@@ -182,19 +180,6 @@ def run(depths: Sequence[int] = (1, 2, 3, 4), setting: Optional[Dict[str, Any]] 
                   f"kron factor {row['kron_factor']:.3f}; checks {row['check_full']:.2e} {row['check_diag']:.2e}; "
                   f"{seconds:.0f} s", flush=True)
     return {"rows": rows, "setting": setting}
-
-
-def library_state() -> str:
-    """``HEAD <commit>`` and whether ``lightning_marglik/`` has uncommitted changes (read-only git calls)."""
-    import subprocess
-
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "lightning_marglik"], cwd=ROOT, capture_output=True,
-                               text=True).stdout.strip()
-    except OSError:
-        return "unknown"
-    return f"HEAD {head}" + (" with uncommitted changes in lightning_marglik/" if dirty else "")
 
 
 def write_markdown(out: Dict[str, Any], path: str, command: str, minutes: float) -> None:
