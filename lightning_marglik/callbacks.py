@@ -25,7 +25,7 @@ from .curvature import CurvatureOptions, check_model, collect_statistics, eval_m
 from .curvature.batches import call_model, move, split_batch
 from .distributed import evidence_loader, reduce_statistics, run_on_all_ranks
 from .evidence import SOLVERS, LaplaceEvidence
-from .hyperparameters import GaussianPrior, Likelihood
+from .hyperparameters import GaussianPrior, Likelihood, learnable_values
 
 __all__ = ["MargLikCallback", "MargLikCheckpoint", "MargLikConfigurationError", "MargLikEarlyStopping"]
 
@@ -349,12 +349,7 @@ class MargLikCallback(Callback):
     def _learnable_signature(self) -> List[Tuple[str, List[int]]]:
         """Names and shapes of the hyperparameters the Adam steps optimize, in the engine's order."""
         assert self.prior is not None and self.likelihood is not None
-        buffers = {"log_precision": self.prior.log_precision, **self.likelihood.hyperparameters()}
-        learned = self.prior.learned_groups()
-        shapes = {name: list(buffer.shape) for name, buffer in buffers.items()}
-        shapes["log_precision"] = [int(learned.sum())]
-        names = (["log_precision"] if learned.any() else []) + self.likelihood.learnable()
-        return [(name, shapes[name]) for name in names]
+        return [(name, list(value.shape)) for name, value in learnable_values(self.prior, self.likelihood).items()]
 
     @staticmethod
     def _batch_fn(pl_module: "pl.LightningModule") -> Optional[Callable[[Any], Any]]:

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from . import solvers
 from .curvature import CurvatureOptions, CurvatureStatistics, collect_statistics
 from .curvature.batches import BatchFn
-from .hyperparameters import GaussianPrior, Likelihood, assign_hyperparameters
+from .hyperparameters import GaussianPrior, Likelihood, assign_hyperparameters, learnable_values
 
 __all__ = ["LaplaceEvidence", "SOLVERS"]
 
@@ -119,15 +119,15 @@ class LaplaceEvidence:
 
     def learnable(self) -> List[str]:
         """Names of the log hyperparameters the evidence optimizes."""
-        learned = bool(self.prior.learned_groups().any())
-        return (["log_precision"] if learned else []) + self.likelihood.learnable()
+        return list(learnable_values(self.prior, self.likelihood))
 
-    def _learnable_values(self, current: Dict[str, Tensor]) -> Dict[str, Tensor]:
-        """The optimized variables: every learnable buffer, the prior's restricted to its learned groups."""
-        values = {n: current[n].clone() for n in self.learnable()}
-        if "log_precision" in values:
-            values["log_precision"] = values["log_precision"][self.prior.learned_groups()]
-        return values
+    def _current(self) -> Dict[str, Tensor]:
+        """The hyperparameter buffers as float64 constants."""
+        return {n: t.detach().to(torch.float64) for n, t in self.hyperparameters().items()}
+
+    def _learnable_values(self) -> Dict[str, Tensor]:
+        """The optimized variables as float64 copies (the prior's restricted to its learned groups)."""
+        return {n: t.to(torch.float64).clone() for n, t in learnable_values(self.prior, self.likelihood).items()}
 
     def _with_fixed(self, current: Dict[str, Tensor], values: Dict[str, Tensor]) -> Dict[str, Tensor]:
         """Every hyperparameter: ``values`` where learned, the current value where fixed (differentiable)."""
@@ -208,7 +208,7 @@ class LaplaceEvidence:
         Returns:
             Covariances ``(B, C, C)`` of the linearized outputs.
         """
-        values = {n: t.detach().to(torch.float64) for n, t in self.hyperparameters().items()}
+        values = self._current()
         scale = self._scale(values)
         delta = [d.exp() for d in self._log_delta(values["log_precision"])]
         blocks = list(torch.split(jacobians.to(torch.float64), self.prior.param_sizes, dim=2))
@@ -250,8 +250,8 @@ class LaplaceEvidence:
         """
         if solver not in SOLVERS:
             raise ValueError(f"`solver` must be one of {SOLVERS}, got {solver!r}.")
-        current = {n: t.detach().to(torch.float64) for n, t in self.hyperparameters().items()}
-        learnable = self._learnable_values(current)
+        current = self._current()
+        learnable = self._learnable_values()
 
         def objective(values: Dict[str, Tensor]) -> Tensor:
             return self.log_marglik_at(self._with_fixed(current, values))
@@ -266,8 +266,8 @@ class LaplaceEvidence:
     def gradient(self) -> Dict[str, Tensor]:
         """Gradient of the log marglik w.r.t. each learnable log hyperparameter (for diagnostics;
         the prior's learned groups only)."""
-        current = {n: t.detach().to(torch.float64) for n, t in self.hyperparameters().items()}
-        leaves = {n: t.requires_grad_(True) for n, t in self._learnable_values(current).items()}
+        current = self._current()
+        leaves = {n: t.requires_grad_(True) for n, t in self._learnable_values().items()}
         if not leaves:
             return {}
         value = self.log_marglik_at(self._with_fixed(current, leaves))

@@ -28,6 +28,7 @@ __all__ = [
     "CategoricalLikelihood",
     "Likelihood",
     "assign_hyperparameters",
+    "learnable_values",
     "map_loss",
 ]
 
@@ -78,7 +79,7 @@ class GaussianPrior(nn.Module):
         precision: float = 1.0,
         structure: str = "layerwise",
         learn: bool = True,
-        fixed: Sequence[str] = (),
+        fixed: Optional[Sequence[str]] = None,
     ) -> None:
         super().__init__()
         if structure not in PRIOR_STRUCTURES:
@@ -94,8 +95,9 @@ class GaussianPrior(nn.Module):
         n_groups = {"scalar": 1, "layerwise": len(named), "diagonal": sum(self.param_sizes)}[structure]
         log_prec = _log_buffer(precision, "precision").repeat(n_groups)
         self.register_buffer("log_precision", log_prec)
-        if isinstance(fixed, str):
-            fixed = [fixed]
+        fixed = [fixed] if isinstance(fixed, str) else list(fixed or ())
+        if not all(isinstance(pattern, str) for pattern in fixed):
+            raise ValueError(f"`fixed` must be parameter names or fnmatch patterns (strings), got {fixed!r}.")
         unmatched = [pattern for pattern in fixed if not fnmatch.filter(self.param_names, pattern)]
         if unmatched:
             raise ValueError(f"`fixed` patterns {unmatched} match no trainable parameter of the model.")
@@ -404,7 +406,9 @@ class CategoricalLikelihood(Likelihood):
 
     def __init__(self, temperature: float = 1.0, learn_temperature: bool = False, ignore_index: int = -100) -> None:
         super().__init__(temperature, learn_temperature)
-        self.ignore_index = int(ignore_index)
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+            raise ValueError(f"`ignore_index` must be an int label (e.g. -100), got {ignore_index!r}.")
+        self.ignore_index = ignore_index
 
     def check_target(self, output: Tensor, target: Tensor) -> Tensor:
         if output.dim() < 2:
@@ -491,6 +495,15 @@ def map_loss(
         raise ValueError(f"`n_data` must be the positive training set size, got {n_data}.")
     data_term = likelihood.nll(output, target).mean() / likelihood.temperature.detach().to(output.dtype)
     return data_term + prior.penalty() / n_data
+
+
+def learnable_values(prior: GaussianPrior, likelihood: Likelihood) -> Dict[str, Tensor]:
+    """The variables the evidence optimizes, by buffer name (detached): every learnable buffer, the
+    prior's restricted to its learned groups (see ``GaussianPrior(fixed=...)``)."""
+    learned = prior.learned_groups()
+    values = {"log_precision": prior.log_precision.detach()[learned]} if learned.any() else {}
+    values.update({n: likelihood.hyperparameters()[n].detach() for n in likelihood.learnable()})
+    return values
 
 
 def assign_hyperparameters(prior: GaussianPrior, likelihood: Likelihood, values: Dict[str, Tensor]) -> None:

@@ -324,3 +324,27 @@ def test_fixed_patterns_are_checked():
         GaussianPrior(model, fixed=["conv*"])
     with pytest.raises(ValueError, match="structure='layerwise'"):
         GaussianPrior(model, structure="scalar", fixed=["0.weight"])
+
+
+# --- what a hurried user passes to the new API ------------------------------------------------------
+
+
+def test_hurried_inputs_to_the_new_api_get_clear_errors():
+    model, x, y, _ = setup("mlp_small", "classification")
+    prior, lik = GaussianPrior(model), CategoricalLikelihood()
+    with pytest.raises(TypeError, match="`batch_fn` must map a batch"):
+        LaplaceEvidence.fit(model, loader(x, y), lik, prior, batch_fn="marglik_batch")
+    with pytest.raises(ValueError, match="`ignore_index` must be an int"):
+        CategoricalLikelihood(ignore_index=-100.0)
+    with pytest.raises(ValueError, match="`fixed` must be parameter names"):
+        GaussianPrior(model, fixed=[0])
+    assert GaussianPrior(model, fixed=None).fixed == [] and GaussianPrior(model, fixed="0.bias").fixed == ["0.bias"]
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 3\) or equal ignore_index=-100, got values in \[0, 7\]"):
+        LaplaceEvidence.fit(model, loader(x, torch.where(y == 1, 7, y)), lik, prior, structure="diag")
+    ev = LaplaceEvidence.fit(model, loader(x, y), lik, prior, structure="kron")
+    before = prior.log_precision.clone()
+    with pytest.raises(ValueError, match=r"'log_precision' has shape \(4,\), got \(3,\)"):
+        ev.set_hyperparameters({"log_precision": torch.zeros(3)})
+    with pytest.raises(ValueError, match="Unknown hyperparameter 'log_sigma'"):
+        ev.set_hyperparameters({"log_sigma": torch.zeros(())})
+    assert torch.equal(prior.log_precision, before)  # nothing written

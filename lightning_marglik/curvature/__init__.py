@@ -104,6 +104,8 @@ def collect_statistics(
             return a tensor.
     """
     options = options or CurvatureOptions(structure, approx, mc_samples)
+    if batch_fn is not None and not callable(batch_fn):
+        raise TypeError(f"`batch_fn` must map a batch to (inputs, targets), got {type(batch_fn).__name__} {batch_fn!r}.")
     if options.backend == "backpack":
         from .backpack import backpack_statistics
 
