@@ -34,12 +34,16 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import functools
 import importlib
 import inspect
+import itertools
 import json
 import logging
 import math
 import os
+import re
+import socket
 import sys
 import time
 import warnings
@@ -53,8 +57,15 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from .callbacks import MargLikCallback, find_hyperparameters
+from .curvature.batches import call_model, move, split_batch
+from .evidence import LaplaceEvidence
 from .hyperparameters import CategoricalLikelihood
 from .predictive import predict_classification
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None  # type: ignore[assignment]
 
 __all__ = [
     "CandidateResult",
@@ -63,6 +74,7 @@ __all__ = [
     "select_models",
     "select_from_config",
     "check_config",
+    "check_trainer_arguments",
     "resolve_class",
     "instantiate",
     "load_results",
@@ -75,6 +87,7 @@ __all__ = [
 
 PREDICTIVES = ("map", "probit")
 RESULTS_JSON = "results.json"
+LOCK_FILE = "results.lock"
 # Small models on a shared CPU: with other jobs on the 2 cores (load 3-5), `marglik-select
 # configs/digits_selection.yaml --trainer.max_epochs=5` took 4 s of training with 1 thread and 83-109 s
 # with 2; the toy regression example (300 epochs) 3.0-4.3 s against 25-51 s (README, "Threads").
@@ -95,7 +108,8 @@ class CandidateResult:
 
     ``settings`` describe how it was trained (trainer, callback, seed, predictive and, from a
     YAML, its ``class_path``/``init_args`` and the data); a re-run reuses the result only if they
-    are unchanged.
+    are unchanged. ``metrics_error`` says why the test metrics failed after training (the result
+    is kept for its evidence and trained again by the next run).
     """
 
     name: str
@@ -106,6 +120,7 @@ class CandidateResult:
     hyperparameters: Dict[str, float] = field(default_factory=dict)
     metrics: Dict[str, float] = field(default_factory=dict)
     settings: Dict[str, Any] = field(default_factory=dict)
+    metrics_error: Optional[str] = None
 
 
 class NegativeLogLikelihood(torchmetrics.Metric):
@@ -149,31 +164,90 @@ def default_metrics(n_classes: int) -> Dict[str, torchmetrics.Metric]:
     }
 
 
+def _predictions(
+    module: pl.LightningModule, evidence: Optional[LaplaceEvidence], batch: Any, predictive: str
+) -> Tuple[Tensor, Tensor]:
+    """What the test metrics see of one batch: ``(predictions, targets)`` on the CPU.
+
+    The batch is read as the evidence reads it (``marglik_batch`` or ``(inputs, targets)``).
+    Under a categorical likelihood the predictions are class probabilities ``(n, C)`` of the
+    positions the likelihood counts: classes on the last dimension of ``(B, ..., C)`` outputs,
+    positions labelled ``ignore_index`` left out. Other likelihoods get the raw outputs.
+    """
+    _, likelihood = find_hyperparameters(module)
+    inputs, target = split_batch(batch, getattr(module, "marglik_batch", None))
+    weight = next(module.parameters())
+    inputs = move(inputs, weight.device, weight.dtype)
+    if predictive == "probit":
+        if not isinstance(likelihood, CategoricalLikelihood) or not isinstance(inputs, Tensor):
+            raise ValueError(
+                "predictive='probit' needs a CategoricalLikelihood and tensor inputs; use predictive='map' "
+                f"(got {type(likelihood).__name__} and {type(inputs).__name__} inputs)."
+            )
+        if evidence is None:  # the check before training: the network's output shape is all it needs
+            with torch.no_grad():
+                output = call_model(module, inputs)
+            if output.dim() != 2:
+                raise ValueError(f"predictive='probit' needs (batch, classes) outputs, got {tuple(output.shape)}; "
+                                 "use predictive='map' for sequence outputs.")
+            output = output.softmax(-1)
+        else:
+            output = predict_classification(evidence, module, inputs, "probit")
+    else:
+        with torch.no_grad():
+            output = call_model(module, inputs)
+        if isinstance(likelihood, CategoricalLikelihood):
+            output = output.softmax(-1)
+    output, target = output.detach(), target.to(output.device)
+    if isinstance(likelihood, CategoricalLikelihood):
+        probs, labels, kept = likelihood.terms(output, target)
+        output, target = probs[kept], labels[kept]
+    return (output.float() if output.is_floating_point() else output).cpu(), target.cpu()
+
+
 def _test_metrics(
     module: pl.LightningModule,
-    callback: MargLikCallback,
-    loader: DataLoader,
+    evidence: Optional[LaplaceEvidence],
+    loader: Any,
     metrics: Mapping[str, torchmetrics.Metric],
     predictive: str,
+    batches: Optional[int] = None,
 ) -> Dict[str, float]:
+    """The ``metrics`` over the first ``batches`` (default all) batches of ``loader``, in eval mode."""
     was_training = module.training
     module.eval()
     try:
-        for x, y in loader:
-            if predictive == "probit":
-                assert callback.evidence is not None
-                probs = predict_classification(callback.evidence, module, x, "probit")
-            else:
-                with torch.no_grad():
-                    output = module(x)
-                probs = output.softmax(1) if isinstance(callback.likelihood, CategoricalLikelihood) else output
+        for batch in itertools.islice(loader, batches):
+            predictions, target = _predictions(module, evidence, batch, predictive)
             for metric in metrics.values():
-                metric.update(probs.detach().float() if probs.is_floating_point() else probs, y)
+                metric.update(predictions, target)
         return {name: float(metric.compute()) for name, metric in metrics.items()}
     finally:
         module.train(was_training)
         for metric in metrics.values():
             metric.reset()
+
+
+class _TestMetricsCheck(pl.Callback):
+    """Runs the first test batch through the metrics when training starts (after the module's set-up
+    hooks), so that a batch, shape or metric mistake costs no training; keeps the metrics."""
+
+    def __init__(self, loader: Any, metrics: Optional[Callable[[], Mapping[str, torchmetrics.Metric]]], predictive: str):
+        self.loader, self.factory, self.predictive = loader, metrics, predictive
+        self.metrics: Dict[str, torchmetrics.Metric] = {}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.factory is not None:
+            self.metrics = dict(self.factory())
+        elif isinstance(find_hyperparameters(pl_module)[1], CategoricalLikelihood):
+            module_mode = pl_module.training
+            pl_module.eval()
+            try:
+                predictions, _ = _predictions(pl_module, None, next(iter(self.loader)), "map")
+            finally:
+                pl_module.train(module_mode)
+            self.metrics = default_metrics(predictions.shape[-1])
+        _test_metrics(pl_module, None, self.loader, self.metrics, self.predictive, batches=1)
 
 
 @contextlib.contextmanager
@@ -259,7 +333,11 @@ def select_models(
         The results, best evidence first.
 
     Raises:
-        ValueError: On no candidates, no training data, or an unknown ``predictive``.
+        ValueError: On no candidates, no training data, an unknown ``predictive``, ``trainer``
+            arguments that do not fit ``pl.Trainer``, or (when training starts) test data and
+            metrics that do not fit the candidate.
+        RuntimeError: If ``output_dir`` is in use by another run, or the test metrics fail
+            after training (the trained result is saved first).
     """
     if not candidates:
         raise ValueError("`candidates` is empty: give at least one name -> factory.")
@@ -267,67 +345,83 @@ def select_models(
         raise ValueError("Give exactly one of `train_dataloader` and `datamodule`.")
     if predictive not in PREDICTIVES:
         raise ValueError(f"`predictive` must be one of {PREDICTIVES}, got {predictive!r}.")
+    trainer = check_trainer_arguments(trainer or {})
     if test_dataloader is None and datamodule is not None and _has_test_data(datamodule):
         datamodule.setup("test")
         test_dataloader = datamodule.test_dataloader()
     wanted = {
-        name: _jsonable({"candidate": (settings or {}).get(name), "trainer": trainer or {}, "callback": callback or {},
+        name: _jsonable({"candidate": (settings or {}).get(name), "trainer": trainer, "callback": callback or {},
                          "seed": seed, "predictive": predictive})
         for name in candidates
     }
-    stored = load_results(output_dir) if resume and output_dir else {}
-    reusable = {name for name in candidates if name in stored and stored[name].settings == wanted[name]}
-    results: List[CandidateResult] = []
-    directions: Dict[str, bool] = {}
-    start, trained, training_seconds = time.perf_counter(), 0, 0.0
-    for index, (name, factory) in enumerate(candidates.items(), 1):
-        if name in reusable:
-            results.append(stored[name])
+    with _run_lock(output_dir):
+        stored = load_results(output_dir) if output_dir else {}
+        others = [result for name, result in stored.items() if name not in candidates]  # kept, never dropped
+        reusable = {name for name in candidates if resume and name in stored
+                    and stored[name].settings == wanted[name] and stored[name].metrics_error is None}
+        results: List[CandidateResult] = []
+        directions: Dict[str, bool] = {}
+        start, trained, training_seconds = time.perf_counter(), 0, 0.0
+        for index, (name, factory) in enumerate(candidates.items(), 1):
+            if name in reusable:
+                results.append(stored[name])
+                if verbose:
+                    print(f"[{index}/{len(candidates)}] {name}: marglik={stored[name].marglik:.4f} "
+                          f"(finished in an earlier run with the same settings: reused)", flush=True)
+                continue
+            candidate_start = time.perf_counter()
+            pl.seed_everything(seed, verbose=False)
+            module = factory()
+            cb = MargLikCallback(**(callback or {}))
+            check = _TestMetricsCheck(test_dataloader, metrics, predictive) if test_dataloader is not None else None
+            kwargs = dict(logger=False, enable_checkpointing=False, enable_model_summary=False, accelerator="cpu")
+            kwargs.update(trainer)
+            own = kwargs.pop("callbacks", None) or []
+            own = [own] if isinstance(own, pl.Callback) else list(own)
+            fit_trainer = pl.Trainer(callbacks=[cb, *own, *([check] if check else [])], **kwargs)
+            fit_start = time.perf_counter()
+            fit_trainer.fit(module, train_dataloaders=train_dataloader, datamodule=datamodule)
+            seconds = time.perf_counter() - fit_start
+            prior, _ = find_hyperparameters(module)
+            scores: Dict[str, float] = {}
+            failure: Optional[Exception] = None
+            if check is not None:
+                directions.update({k: bool(m.higher_is_better) for k, m in check.metrics.items()
+                                   if m.higher_is_better is not None})
+                try:
+                    scores = _test_metrics(module, cb.evidence, test_dataloader, check.metrics, predictive)
+                except Exception as error:  # the trained result is saved first, then the error is raised
+                    failure = error
+            results.append(CandidateResult(
+                name=name,
+                marglik=cb.final_marglik,
+                n_params=prior.n_params,
+                train_seconds=seconds,
+                epochs=fit_trainer.current_epoch,
+                hyperparameters={k: v for k, v in cb.logged_values(cb.final_marglik).items() if k != "marglik"},
+                metrics=scores,
+                settings=wanted[name],
+                metrics_error=None if failure is None else f"{type(failure).__name__}: {failure}",
+            ))
+            if output_dir:  # after every candidate: a killed run keeps what finished
+                save_results(_ranked(results + others), output_dir, plot=False)
+            if failure is not None:
+                where = f"; its evidence is saved in {os.path.join(output_dir, RESULTS_JSON)}" if output_dir else ""
+                raise RuntimeError(
+                    f"Candidate {name!r} trained (marglik={results[-1].marglik:.4f}{where}) but its test metrics failed: "
+                    f"{results[-1].metrics_error}. Fix the metrics or the test data; a re-run trains it again."
+                ) from failure
+            trained += 1
+            training_seconds += time.perf_counter() - candidate_start
             if verbose:
-                print(f"[{index}/{len(candidates)}] {name}: marglik={stored[name].marglik:.4f} "
-                      f"(finished in an earlier run with the same settings: reused)", flush=True)
-            continue
-        candidate_start = time.perf_counter()
-        pl.seed_everything(seed, verbose=False)
-        module = factory()
-        cb = MargLikCallback(**(callback or {}))
-        kwargs = dict(logger=False, enable_checkpointing=False, enable_model_summary=False, accelerator="cpu")
-        kwargs.update(trainer or {})
-        fit_trainer = pl.Trainer(callbacks=[cb], **kwargs)
-        fit_start = time.perf_counter()
-        fit_trainer.fit(module, train_dataloaders=train_dataloader, datamodule=datamodule)
-        seconds = time.perf_counter() - fit_start
-        prior, _ = find_hyperparameters(module)
-        scores: Dict[str, float] = {}
-        if test_dataloader is not None:
-            n_classes = _n_classes(module, test_dataloader)
-            chosen = metrics() if metrics else (default_metrics(n_classes) if n_classes else {})
-            directions.update({k: bool(m.higher_is_better) for k, m in chosen.items() if m.higher_is_better is not None})
-            scores = _test_metrics(module, cb, test_dataloader, chosen, predictive) if chosen else {}
-        results.append(CandidateResult(
-            name=name,
-            marglik=cb.final_marglik,
-            n_params=prior.n_params,
-            train_seconds=seconds,
-            epochs=fit_trainer.current_epoch,
-            hyperparameters={k: v for k, v in cb.logged_values(cb.final_marglik).items() if k != "marglik"},
-            metrics=scores,
-            settings=wanted[name],
-        ))
-        if output_dir:  # after every candidate: a killed run keeps what finished
-            save_results(_ranked(results), output_dir, plot=False)
-        trained += 1
-        training_seconds += time.perf_counter() - candidate_start
-        if verbose:
-            to_train = sum(1 for other in list(candidates)[index:] if other not in reusable)
-            shown = " ".join(f"{k}={v:.4f}" for k, v in scores.items())
-            print(f"[{index}/{len(candidates)}] {name}: marglik={results[-1].marglik:.4f} params={prior.n_params} "
-                  f"time={seconds:.1f}s {shown} | elapsed {_clock(time.perf_counter() - start)}, "
-                  f"about {_clock(training_seconds / trained * to_train)} left", flush=True)
-    ranked = _ranked(results)
-    if output_dir:
-        save_results(ranked, output_dir, higher_is_better=directions)
-    return ranked
+                to_train = sum(1 for other in list(candidates)[index:] if other not in reusable)
+                shown = " ".join(f"{k}={v:.4f}" for k, v in scores.items())
+                print(f"[{index}/{len(candidates)}] {name}: marglik={results[-1].marglik:.4f} params={prior.n_params} "
+                      f"time={seconds:.1f}s {shown} | elapsed {_clock(time.perf_counter() - start)}, "
+                      f"about {_clock(training_seconds / trained * to_train)} left", flush=True)
+        if output_dir:
+            save_results(_ranked(results + others), output_dir, higher_is_better=directions)
+    return _ranked(results)
 
 
 def _ranked(results: Sequence[CandidateResult]) -> List[CandidateResult]:
@@ -351,25 +445,39 @@ def _has_test_data(datamodule: pl.LightningDataModule) -> bool:
     return type(datamodule).test_dataloader is not pl.LightningDataModule.test_dataloader
 
 
-def _n_classes(module: pl.LightningModule, loader: DataLoader) -> int:
-    """Number of classes if the likelihood is categorical, else 0."""
-    _, likelihood = find_hyperparameters(module)
-    if not isinstance(likelihood, CategoricalLikelihood):
-        return 0
-    x, _ = next(iter(loader))
-    with torch.no_grad():
-        return int(module.eval()(x[:1]).shape[1])
-
-
 def load_results(output_dir: str) -> Dict[str, CandidateResult]:
-    """The results stored in ``output_dir/results.json`` by name (empty if there are none)."""
+    """The results stored in ``output_dir/results.json`` by name (empty if there are none).
+
+    A file that cannot be read as results (truncated by a full disk, edited by hand) is moved
+    aside to ``results.json.corrupt-<time>`` with a warning, and its candidates count as not trained.
+    """
     path = os.path.join(output_dir, RESULTS_JSON)
     if not os.path.exists(path):
         return {}
-    with open(path) as f:
-        stored = json.load(f)
-    known = set(CandidateResult.__dataclass_fields__)
-    return {row["name"]: CandidateResult(**{k: v for k, v in row.items() if k in known}) for row in stored}
+    try:
+        with open(path) as f:
+            rows = json.load(f)
+        if not isinstance(rows, list):
+            raise TypeError(f"expected a list of results, got {type(rows).__name__}")
+        return {result.name: result for result in map(_result_from_row, rows)}
+    except (ValueError, TypeError, UnicodeDecodeError) as error:  # json.JSONDecodeError is a ValueError
+        aside = f"{path}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        os.replace(path, aside)
+        warnings.warn(f"{path} cannot be read ({error}); moved it to {aside}: its candidates will be trained again.",
+                      stacklevel=2)
+        return {}
+
+
+def _result_from_row(row: Any) -> CandidateResult:
+    """A ``CandidateResult`` from one row of ``results.json``; TypeError on a field of the wrong type."""
+    types = {"name": str, "marglik": (int, float), "n_params": int, "train_seconds": (int, float), "epochs": int,
+             "hyperparameters": dict, "metrics": dict, "settings": dict, "metrics_error": (str, type(None))}
+    if not isinstance(row, dict) or not all(k in row for k in ("name", "marglik", "n_params", "train_seconds", "epochs")):
+        raise TypeError(f"a result must be an object with name, marglik, n_params, train_seconds and epochs, got {row!r:.200}")
+    for key, expected in types.items():
+        if key in row and (not isinstance(row[key], expected) or isinstance(row[key], bool)):
+            raise TypeError(f"result {row.get('name')!r}: {key} has the wrong type ({type(row[key]).__name__})")
+    return CandidateResult(**{k: v for k, v in row.items() if k in types})
 
 
 def save_results(
@@ -389,8 +497,8 @@ def save_results(
         higher_is_better: Direction of each metric, for the plot's axis label.
     """
     os.makedirs(output_dir, exist_ok=True)
-    rows = [{**{k: v for k, v in asdict(r).items() if k not in ("metrics", "hyperparameters", "settings")}, **r.metrics}
-            for r in results]
+    rows = [{**{k: v for k, v in asdict(r).items() if k not in ("metrics", "hyperparameters", "settings", "metrics_error")},
+             **r.metrics} for r in results]
     _write_atomic(os.path.join(output_dir, RESULTS_JSON), lambda f: json.dump([asdict(r) for r in results], f, indent=2))
 
     def write_csv(f: Any) -> None:
@@ -404,10 +512,55 @@ def save_results(
 
 
 def _write_atomic(path: str, write: Callable[[Any], None]) -> None:
-    partial = path + ".partial"
+    partial = f"{path}.{os.getpid()}.partial"  # never another process's temporary file
     with open(partial, "w", newline="") as f:
         write(f)
     os.replace(partial, path)
+
+
+@contextlib.contextmanager
+def _run_lock(output_dir: Optional[str]) -> Iterator[None]:
+    """Hold ``output_dir/results.lock`` (created with the directory) for one run.
+
+    A second run into the same directory is refused with an error naming the process that holds
+    it. The lock is the system's ``flock``, which ends with its process: a run that was killed
+    leaves no stale lock. Without ``fcntl`` (Windows) runs are not locked against each other.
+    """
+    if output_dir is None:
+        yield
+        return
+    os.makedirs(output_dir, exist_ok=True)
+    if fcntl is None:
+        yield
+        return
+    path = os.path.join(output_dir, LOCK_FILE)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            owner = os.read(fd, 4096).decode(errors="replace").strip() or "a process that is just starting"
+            os.close(fd)
+            raise RuntimeError(
+                f"{output_dir} is in use by another model-selection run ({owner}). Wait for it to finish, or "
+                "write to another directory (--output_dir); two runs into one directory would overwrite each "
+                "other's results."
+            ) from None
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # a finishing run removed the file we opened: lock the current one
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+                 f"{' '.join(sys.argv)}".encode())
+    try:
+        yield
+    finally:
+        os.unlink(path)  # before unlocking: a run that opened this file sees it is gone and retries
+        os.close(fd)
 
 
 def _plot_evidence(results: Sequence[CandidateResult], path: str, higher_is_better: Mapping[str, bool]) -> None:
@@ -575,10 +728,55 @@ def check_config(config: Mapping[str, Any]) -> None:
     resolve_class(_class_path(config["data"], "data"), pl.LightningDataModule)
     for name, spec in config["candidates"].items():
         resolve_class(_class_path(spec, f"candidates.{name}"), pl.LightningModule)
-    unknown = set(config.get("trainer") or {}) - set(inspect.signature(pl.Trainer).parameters)
+    check_trainer_arguments(config.get("trainer") or {})
+    MargLikCallback(**(config.get("callback") or {}))  # raises ValueError naming a bad argument
+
+
+def check_trainer_arguments(trainer: Mapping[str, Any]) -> Dict[str, Any]:
+    """Check ``trainer`` against ``pl.Trainer``'s signature (names and types), without building one.
+
+    Example:
+        >>> check_trainer_arguments({"max_epochs": "5", "enable_progress_bar": False})
+        {'max_epochs': 5, 'enable_progress_bar': False}
+        >>> check_trainer_arguments({"max_epochs": "abc"})
+        Traceback (most recent call last):
+        ...
+        ValueError: `trainer.max_epochs` is 'abc' (str), but pl.Trainer takes max_epochs: Optional[int]; give a value of that type (in the YAML or as --trainer.max_epochs=...).
+
+    Returns:
+        The arguments, converted where jsonargparse converts them (e.g. ``"5"`` to ``5``).
+
+    Raises:
+        ValueError: Naming the keys that are not ``pl.Trainer`` arguments, or the first value
+            of the wrong type.
+    """
+    from jsonargparse import ArgumentError
+
+    parameters = inspect.signature(pl.Trainer).parameters
+    unknown = set(trainer) - set(parameters)
     if unknown:
         raise ValueError(f"`trainer` has keys that are not pl.Trainer arguments: {sorted(unknown)}.")
-    MargLikCallback(**(config.get("callback") or {}))  # raises ValueError naming a bad argument
+    checked = {}
+    for key, value in trainer.items():
+        try:
+            checked[key] = _trainer_parser().parse_object({key: value}, defaults=False)[key]
+        except ArgumentError:
+            annotation = parameters[key].annotation
+            shown = annotation if isinstance(annotation, str) else inspect.formatannotation(annotation)
+            raise ValueError(
+                f"`trainer.{key}` is {value!r} ({type(value).__name__}), but pl.Trainer takes {key}: {shown}; give a "
+                f"value of that type (in the YAML or as --trainer.{key}=...)."
+            ) from None
+    return checked
+
+
+@functools.lru_cache(maxsize=None)
+def _trainer_parser() -> Any:
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(pl.Trainer)
+    return parser
 
 
 def _class_path(spec: Any, where: str) -> str:
@@ -623,6 +821,37 @@ def select_from_config(config: Mapping[str, Any], resume: bool = False, verbose:
     )
 
 
+def plain_text(text: str) -> str:
+    """``text`` without reStructuredText markup, for ``--help`` (docstrings are written for the docs).
+
+    Example:
+        >>> plain_text('``"newton"`` (see :mod:`lightning_marglik.solvers`, :func:`~torch.manual_seed`)')
+        '"newton" (see lightning_marglik.solvers, manual_seed)'
+    """
+    text = re.sub(r":[a-z]+(?::[a-z]+)?:`~[\w.]*?(\w+)`", r"\1", text)  # :func:`~a.b` -> b
+    text = re.sub(r":[a-z]+(?::[a-z]+)?:`([^`]+)`", r"\1", text)  # :mod:`a.b` -> a.b
+    text = re.sub(r"`([^`<]+?)\s*<[^`>]+>`_", r"\1", text)  # `label <url>`_ -> label
+    return re.sub(r"``(.+?)``", r"\1", text)
+
+
+def _help_formatter() -> type:
+    from jsonargparse import DefaultHelpFormatter
+
+    class PlainHelpFormatter(DefaultHelpFormatter):
+        """jsonargparse's help (types and defaults) in plain text: no docstring markup."""
+
+        def _get_help_string(self, action: Any) -> str:
+            return plain_text(super()._get_help_string(action))
+
+        def start_section(self, heading: Optional[str]) -> None:
+            super().start_section(plain_text(heading) if heading else heading)
+
+        def add_text(self, text: Optional[str]) -> None:
+            super().add_text(plain_text(text) if text else text)
+
+    return PlainHelpFormatter
+
+
 def build_parser() -> Any:
     """The ``marglik-select`` parser (jsonargparse, as LightningCLI): YAML plus dotted overrides."""
     from typing import Literal
@@ -631,6 +860,7 @@ def build_parser() -> Any:
 
     parser = ArgumentParser(
         prog="marglik-select",
+        formatter_class=_help_formatter(),
         usage="marglik-select CONFIG.yaml [--trainer.KEY=VALUE] [--callback.KEY=VALUE] [--data.KEY=VALUE] "
               "[--seed=N] [--output_dir=DIR] [--quick] [--rerun] [--threads=N]",
         description="Train every candidate of CONFIG.yaml with MargLikCallback and rank them by their "
@@ -644,9 +874,14 @@ def build_parser() -> Any:
     parser.add_argument("--predictive", type=Literal["map", "probit"], default="map",
                         help="Predictive of the test metrics (never used to select).")
     parser.add_argument("--trainer", type=Dict[str, Any], default={},
-                        help="pl.Trainer arguments, e.g. --trainer.max_epochs=5.")
+                        help="pl.Trainer arguments, e.g. --trainer.max_epochs=5; names and types are checked "
+                             "against pl.Trainer's signature before anything is built. Defaults here: "
+                             "accelerator=cpu, logger=False, enable_checkpointing=False, enable_model_summary=False.")
     parser.add_class_arguments(MargLikCallback, "callback")
+    parser.groups["callback"].title = "MargLikCallback arguments (--callback.KEY=VALUE)"
     parser.add_subclass_arguments(pl.LightningDataModule, "data", required=True)
+    # Lightning's docstring would title this group with half a sentence
+    parser.groups["data"].title = "The data: a LightningDataModule subclass (--data.KEY=VALUE sets its init_args)"
     parser.add_argument("--candidates", type=Dict[str, Dict[str, Any]], required=True,
                         help="Name to {class_path: a LightningModule subclass, init_args: {...}}.")
     parser.add_argument("--quick", action=ActionYesNo(yes_prefix="", no_prefix=None), default=False,
