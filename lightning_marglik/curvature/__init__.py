@@ -16,7 +16,7 @@ from torch import nn
 
 from ..hyperparameters import GaussianPrior, Likelihood
 from .batches import BatchFn, batch_size, move, split_batch
-from .functional import jacobian_rows
+from .functional import ExactPath
 from .hooks import Recorder, graph_uses
 from .options import APPROXIMATIONS, BACKENDS, STRUCTURES, CurvatureOptions
 from .plan import LayerLayout, Plan, candidates, check_model, locate, make_plan
@@ -133,15 +133,17 @@ def collect_statistics(
                 recorder.keep = {layer.name: layer.module for layer in plan.layers}
                 recorder.strict = True
                 _warn_slow(plan, options)
+                exact_path = ExactPath(
+                    model, [names[i] for i in plan.exact], [params[i] for i in plan.exact], list(plan.slow)
+                )
             assert stats is not None
             stats.add_likelihood(likelihood.statistics(output.detach(), target))
             factor = likelihood.hessian_sqrt(output, target, options.approx, options.mc_samples, generator)
             grads = recorder.backprop(output, factor) if plan.layers else {}
             rows = None
             if plan.exact:
-                exact_names = [names[i] for i in plan.exact]
                 with torch.no_grad():  # the rest of the network enters as constants: no graph to keep
-                    rows = jacobian_rows(model, exact_names, [params[i] for i in plan.exact], inputs, factor)
+                    rows = exact_path.rows(inputs, factor)
                 rows = rows.detach().to(compute)
             layers = [
                 (layer, _cast(recorder.inputs[layer.name], compute), grads[layer.name].to(compute))

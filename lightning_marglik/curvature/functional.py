@@ -1,11 +1,15 @@
 """Per-example rows ``L_nk^T J_n`` with torch.func, for the parameters the hook path cannot take.
 
 Only the given parameters are differentiated (the rest of the network enters as constants), so
-the cost is ``K`` vector-Jacobian products per example down to the earliest of them.
+the cost is ``K`` vector-Jacobian products per example down to the earliest of them. Where
+``vmap`` refuses the forward (data-dependent control flow such as Hugging Face's attention-mask
+helpers, ``.item()``, activation checkpointing), the same rows come from plain autograd, one
+example at a time.
 """
 from __future__ import annotations
 
-from typing import Any, List
+import warnings
+from typing import Any, List, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -13,7 +17,12 @@ from torch.func import functional_call, vjp, vmap
 
 from .batches import Inputs, batch_size, call_model
 
-__all__ = ["jacobian_rows"]
+__all__ = ["ExactPath", "jacobian_rows"]
+
+# activation checkpointing: saved-tensor hooks (use_reentrant=False) or an autograd.Function without
+# setup_context (use_reentrant=True) cannot run inside torch.func transforms. The loop is then the
+# documented way checkpointed networks run, so it is not warned about.
+_CHECKPOINTING = ("saved tensor hooks", "setup_context")
 
 
 def _in_dims(inputs: Any, b: int) -> Any:
@@ -37,8 +46,84 @@ def _unsqueeze(inputs: Any, dims: Any) -> Any:
     return inputs
 
 
+class ExactPath:
+    """The exact per-example rows of some parameters, over the batches of one evidence pass.
+
+    Rows come from ``vmap`` over examples of a ``vjp`` through ``functional_call``. If ``vmap``
+    refuses the forward, they come from plain autograd, one example at a time (each example's
+    forward as a batch of one, as ``vmap`` sees it): the same numbers, one forward per example and
+    one backward per factor column. The switch is made once per pass and, unless the refusal is
+    activation checkpointing, named in one warning.
+
+    Args:
+        model: The network, called as in :func:`call_model`.
+        names: Names (in ``model``) of the parameters to differentiate.
+        params: The parameter tensors themselves, in ``names`` order.
+        modules: The modules that own them, named in the warning.
+    """
+
+    def __init__(self, model: nn.Module, names: List[str], params: List[Tensor], modules: Sequence[str] = ()) -> None:
+        self.model, self.names, self.params, self.modules = model, names, params, list(modules)
+        self.refusal: Optional[str] = None  # why vmap cannot run this forward, once seen
+
+    def rows(self, inputs: Inputs, factor: Tensor) -> Tensor:
+        """Rows ``L_n[:, j]^T J_n`` of every example ``n`` and factor column ``j``.
+
+        Args:
+            inputs: Input batch (tensor, tuple or dict).
+            factor: Loss-Hessian factor ``(B, M, K)`` over the flattened outputs.
+
+        Returns:
+            Tensor ``(B * K, P)`` with ``P`` the total size of the parameters, flattened in order.
+        """
+        dims = _in_dims(inputs, batch_size(inputs))
+        if self.refusal is None:
+            try:
+                return self._rows_by_vmap(inputs, dims, factor)
+            except (RuntimeError, NotImplementedError) as error:
+                # anything else the forward gets wrong fails again, with its own message, in the loop
+                rows = _rows_by_autograd(self.model, self.params, inputs, dims, factor)
+                message = str(error)
+                self.refusal = f"{type(error).__name__}: {message.splitlines()[0] if message else ''}"
+                if not any(marker in message for marker in _CHECKPOINTING):
+                    self._warn(factor)
+                return rows
+        return _rows_by_autograd(self.model, self.params, inputs, dims, factor)
+
+    def _rows_by_vmap(self, inputs: Inputs, dims: Any, factor: Tensor) -> Tensor:
+        detached = tuple(p.detach() for p in self.params)
+
+        def single_output(theta: tuple, xi: Any) -> Tensor:
+            return call_model_functional(self.model, dict(zip(self.names, theta)), _unsqueeze(xi, dims)).reshape(-1)
+
+        def single_rows(theta: tuple, xi: Any, li: Tensor) -> tuple:
+            _, pullback = vjp(lambda t: single_output(t, xi), theta)
+            return vmap(pullback)(li.T)[0]
+
+        rows = vmap(single_rows, in_dims=(None, dims, 0))(detached, inputs, factor)
+        b, k = factor.shape[0], factor.shape[2]
+        return torch.cat([r.reshape(b, k, -1) for r in rows], dim=2).reshape(b * k, -1)
+
+    def _warn(self, factor: Tensor) -> None:
+        if self.modules:
+            listed = ", ".join(f"'{name or '<top-level module>'}'" for name in self.modules)
+            fix = "let the layer hooks take these modules (see why they take the exact path)"
+        else:  # structure="full" or the predictive: every parameter
+            listed = "every parameter"
+            fix = "use structure='kron' or 'diag' (only modules without a hook rule then take the exact path)"
+        refusal = self.refusal if len(self.refusal or "") <= 200 else f"{(self.refusal or '')[:200]}..."
+        warnings.warn(
+            f"torch.func.vmap cannot run the forward for the exact per-example rows of {listed} ({refusal}); "
+            f"computing them with plain autograd instead, one example at a time: the same numbers, but one forward "
+            f"per example and {factor.shape[2]} backward(s) per example. For the fast path, {fix}, write the "
+            "forward without Python control flow on tensor values or .item() (e.g. torch.where), or freeze these "
+            "parameters (requires_grad=False).",
+            stacklevel=4,
+        )
+
+
 def jacobian_rows(model: nn.Module, names: List[str], params: List[Tensor], inputs: Inputs, factor: Tensor) -> Tensor:
-    """Rows ``L_n[:, j]^T J_n`` of every example ``n`` and factor column ``j``.
+    """Rows ``L_n[:, j]^T J_n`` of every example ``n`` and factor column ``j`` (one batch's :class:`ExactPath`).
 
     Args:
         model: The network, called as in :func:`call_model`.
@@ -50,27 +135,7 @@ def jacobian_rows(model: nn.Module, names: List[str], params: List[Tensor], inpu
     Returns:
         Tensor ``(B * K, P)`` with ``P`` the total size of ``params``, flattened in order.
     """
-    detached = tuple(p.detach() for p in params)
-    b = batch_size(inputs)
-    dims = _in_dims(inputs, b)
-
-    def single_output(theta: tuple, xi: Any) -> Tensor:
-        return call_model_functional(model, dict(zip(names, theta)), _unsqueeze(xi, dims)).reshape(-1)
-
-    def single_rows(theta: tuple, xi: Any, li: Tensor) -> tuple:
-        _, pullback = vjp(lambda t: single_output(t, xi), theta)
-        return vmap(pullback)(li.T)[0]
-
-    try:
-        rows = vmap(single_rows, in_dims=(None, dims, 0))(detached, inputs, factor)
-    except RuntimeError as error:
-        # activation checkpointing: saved-tensor hooks (use_reentrant=False) or an autograd.Function
-        # without setup_context (use_reentrant=True) cannot run inside torch.func transforms
-        if "saved tensor hooks" not in str(error) and "setup_context" not in str(error):
-            raise
-        return _rows_by_autograd(model, params, inputs, dims, factor)
-    k = factor.shape[2]
-    return torch.cat([r.reshape(b, k, -1) for r in rows], dim=2).reshape(b * k, -1)
+    return ExactPath(model, names, params).rows(inputs, factor)
 
 
 def _example(inputs: Any, dims: Any, n: int) -> Any:
@@ -87,8 +152,8 @@ def _example(inputs: Any, dims: Any, n: int) -> Any:
 def _rows_by_autograd(model: nn.Module, params: List[Tensor], inputs: Inputs, dims: Any, factor: Tensor) -> Tensor:
     """The same rows with plain autograd, one example at a time.
 
-    torch.func cannot run a forward that uses ``torch.utils.checkpoint``; plain autograd can, at
-    the cost of a forward per example and a backward per factor column.
+    For forwards torch.func cannot run (``torch.utils.checkpoint``, control flow on tensor values);
+    plain autograd can, at the cost of a forward per example and a backward per factor column.
     """
     rows = []
     with torch.enable_grad():
