@@ -1,6 +1,7 @@
 """Model selection for PyTorch Lightning by the Laplace marginal likelihood (Immer et al., ICML 2021)."""
 from .callbacks import MargLikCallback, MargLikCheckpoint, MargLikConfigurationError, MargLikEarlyStopping
 from .curvature import CurvatureOptions, CurvatureStatistics, collect_statistics
+from .curvature.layers import KronShape, KronSums, LayerRule, register_layer_rule
 from .evidence import LaplaceEvidence
 from .predictive import RegressionPrediction, linearized_outputs, predict_classification, predict_regression
 from .selection import CandidateResult, NegativeLogLikelihood, select_models
@@ -21,7 +22,10 @@ __all__ = [
     "CurvatureStatistics",
     "GaussianLikelihood",
     "GaussianPrior",
+    "KronShape",
+    "KronSums",
     "LaplaceEvidence",
+    "LayerRule",
     "MargLikCallback",
     "MargLikCheckpoint",
     "MargLikConfigurationError",
@@ -36,6 +40,7 @@ __all__ = [
     "predict_classification",
     "predict_regression",
     "RegressionPrediction",
+    "register_layer_rule",
     "select_models",
 ]
 __version__ = "0.1.0"

@@ -37,8 +37,10 @@ structure="kron" on any graph is HYBRID: log|H| = sum over blocks of log|s C_b +
   r the layer's "rows" (weight-sharing positions):
     G = sum_n sum_r B_{n,:,r}^T Lambda_n B_{n,:,r}     (sums over ALL output columns, kept ones
                                                         only through Lambda)
-    A = (1/R_total) sum_{n,r} a_{n,r} a_{n,r}^T        (a mean over ALL rows the layer sees,
-                                                        ignored positions' inputs included)
+    A = (1/R_kept) sum_{(n,r) kept} a_{n,r} a_{n,r}^T  (a mean over the rows that carry a loss
+                                                        term: (n, r) is kept iff its G term
+                                                        B_{n,:,r}^T Lambda_n B_{n,:,r} is non-zero;
+                                                        ignored positions' inputs never enter)
   Linear, input (N, ..., in): every index between batch and features is a row;
     weight (out, in): kron(G, A) in weight.flatten() order; bias: G.
   Conv1d / Conv2d (any stride, zero padding incl. 'same'/'valid', dilation, groups): rows =
@@ -47,8 +49,8 @@ structure="kron" on any graph is HYBRID: log|H| = sum over blocks of log|s C_b +
     patches; weight: block-diag_g kron(G_g, A_g) (a group's weight rows are contiguous); bias: the
     full G (out x out).
   Embedding (num, dim), indices (N, ...): rows = index positions; G (dim x dim) as above;
-    A = diag(c) / R_total with c_i = number of rows with index i (rows with index == padding_idx
-    count in R_total, not in c); weight (num, dim): kron(A, G).
+    A = diag(c) / R_kept with c_i = number of kept rows with index i (rows with index ==
+    padding_idx count in R_kept, not in c); weight (num, dim): kron(A, G).
 * Exact DIAGONAL blocks for every other covered parameter (norm affine parameters, raw
   nn.Parameters, parameters of a module called more than once or used outside its call):
   log det = sum_p log(s C_pp + delta_p) with C_pp the diagonal of the dense C.
@@ -293,6 +295,8 @@ def kron_blocks(
     Conv2d: with r the spatial positions of z (out_channels-dim gradients),
     G = sum_{n,r} B_{n,:,:,r}^T Lambda_n B_{n,:,:,r}, A = mean over (n, r) of the unfolded patches
     (F.unfold order = weight.reshape(out, -1) order). Weight block kron(G, A), bias block G.
+    A's mean is over the kept rows only: those whose G term is non-zero (a dead ReLU position
+    carries no loss term; see the module docstring).
     """
     offsets = _param_offsets(model, names)
     blocks: List[KronBlock] = []
@@ -302,12 +306,14 @@ def kron_blocks(
             jb = jac.reshape(n, c_out, layer.out_channels, -1)  # (N, C, out_ch, R)
             g_sum = torch.einsum("ncor,ncd,ndqr->oq", jb, lam, jb)
             cols = F.unfold(a, layer.kernel_size, layer.dilation, layer.padding, layer.stride)  # (N, in*k*k, R)
-            a_sum = torch.einsum("nkr,nlr->kl", cols, cols)  # summed over data and positions
-            a_count = n * cols.shape[2]
+            kept = (torch.einsum("ncor,ncd,ndor->nr", jb, lam, jb) != 0).to(cols.dtype)
+            a_sum = torch.einsum("nkr,nr,nlr->kl", cols, kept, cols)  # summed over kept data and positions
+            a_count = kept.sum()
         else:
             g_sum = torch.einsum("nco,ncd,ndq->oq", jac, lam, jac)
-            a_sum = a.T @ a
-            a_count = n
+            kept = torch.einsum("nco,ncd,ndo->n", jac, lam, jac) != 0
+            a_sum = a[kept].T @ a[kept]
+            a_count = kept.sum()
         a_mean = a_sum / a_count
         if id(layer.weight) in offsets:  # (a frozen tensor is not in the prior: no block)
             lo, hi = offsets[id(layer.weight)]
@@ -696,6 +702,11 @@ def _g_factor(jac_rows: Tensor, lam: Tensor) -> Tensor:
     return torch.einsum("nori,nop,nprj->ij", jac_rows, lam, jac_rows)
 
 
+def kept_rows(jac_rows: Tensor, lam: Tensor) -> Tensor:
+    """(N, R): rows whose G term B_{n,:,r}^T Lambda_n B_{n,:,r} (PSD) is non-zero, from B (N, O, R, d)."""
+    return torch.einsum("nori,nop,npri->nr", jac_rows, lam, jac_rows) != 0
+
+
 def hybrid_module_blocks(record: LayerRecord, lam: Tensor, offsets: Dict[int, Tuple[int, int]], prefix: str) -> List[KronBlock]:
     """The Kronecker blocks of one eligible module (expand convention; see the module docstring)."""
     layer, a, z, jac = record.module, record.a, record.z, record.jac
@@ -712,7 +723,8 @@ def hybrid_module_blocks(record: LayerRecord, lam: Tensor, offsets: Dict[int, Tu
         rows = a.reshape(n, -1, layer.in_features)  # every leading index beyond the batch is a row
         r = rows.shape[1]
         g = _g_factor(jac.reshape(n, o, r, layer.out_features), lam)
-        a_mean = torch.einsum("nri,nrj->ij", rows, rows) / (n * r)
+        kept = rows[kept_rows(jac.reshape(n, o, r, layer.out_features), lam)]
+        a_mean = kept.T @ kept / kept.shape[0]
         check = rows @ layer.weight.detach().T + (0 if layer.bias is None else layer.bias.detach())
         assert torch.allclose(check, z.reshape(check.shape), atol=1e-10), prefix
         add(layer.weight, kron(g, a_mean), "weight", (g, a_mean))
@@ -722,6 +734,7 @@ def hybrid_module_blocks(record: LayerRecord, lam: Tensor, offsets: Dict[int, Tu
         r, groups, out = cols.shape[2], layer.groups, layer.out_channels
         assert r == z[0, 0].numel(), (prefix, r, z.shape)
         g = _g_factor(jac.reshape(n, o, out, r).transpose(2, 3), lam)  # (out, out)
+        kept = kept_rows(jac.reshape(n, o, out, r).transpose(2, 3), lam).to(cols.dtype)  # (N, R)
         cols_g = cols.reshape(n, groups, -1, r)  # (N, groups, in/groups*K, R)
         w = layer.weight.detach().reshape(groups, out // groups, -1)
         check = torch.einsum("gok,ngkr->ngor", w, cols_g).reshape(n, out, r)
@@ -730,7 +743,7 @@ def hybrid_module_blocks(record: LayerRecord, lam: Tensor, offsets: Dict[int, Tu
         assert torch.allclose(check, z.reshape(n, out, r), atol=1e-10), prefix  # patch order = weight order
         og = out // groups
         g_blocks = [g[i * og:(i + 1) * og, i * og:(i + 1) * og] for i in range(groups)]
-        a_blocks = [torch.einsum("nkr,nlr->kl", cols_g[:, i], cols_g[:, i]) / (n * r) for i in range(groups)]
+        a_blocks = [torch.einsum("nkr,nr,nlr->kl", cols_g[:, i], kept, cols_g[:, i]) / kept.sum() for i in range(groups)]
         weight = torch.block_diag(*[kron(gb, ab) for gb, ab in zip(g_blocks, a_blocks)])
         add(layer.weight, weight, "weight", tuple(x for pair in zip(g_blocks, a_blocks) for x in pair))
         add(layer.bias, g.clone(), "bias", (g,))
@@ -739,11 +752,12 @@ def hybrid_module_blocks(record: LayerRecord, lam: Tensor, offsets: Dict[int, Tu
         r, num, dim = idx.shape[1], layer.num_embeddings, layer.embedding_dim
         assert torch.equal(z.reshape(n, r, dim), layer.weight.detach()[idx]), prefix
         g = _g_factor(jac.reshape(n, o, r, dim), lam)
-        keep = idx.reshape(-1)
+        kept = kept_rows(jac.reshape(n, o, r, dim), lam)
+        keep = idx[kept]
         if layer.padding_idx is not None:
-            keep = keep[keep != layer.padding_idx]  # counted in R_total, not in c
+            keep = keep[keep != layer.padding_idx]  # counted in R_kept, not in c
         counts = torch.bincount(keep, minlength=num).to(g.dtype)
-        a_diag = torch.diag(counts) / (n * r)
+        a_diag = torch.diag(counts) / kept.sum()
         add(layer.weight, kron(a_diag, g), "weight", (a_diag, g))
     else:  # pragma: no cover
         raise AssertionError(type(layer))

@@ -2,16 +2,29 @@
 
 Calls are counted only while the evidence pass runs ``forward`` (:meth:`Recorder.forward`): a
 recomputation during backward (activation checkpointing) is not a second use of the weights.
+
+Inputs shared by the whole batch: a recorded layer whose rule allows it (an Embedding of position
+indices ``arange(T)[None]``, shape ``(1, T)``, whose output ``(1, T, D)`` is broadcast onto the
+``(B, T, D)`` activations) gets its input expanded to ``(B, T)`` by a forward pre-hook. Each
+example's rows of the output gradient are its own, but autograd sums the gradient of a broadcast
+tensor over the batch before it reaches the layer; on the expanded output ``(B, T, D)`` the layer's
+output gradients stay per example, and the hook rules apply unchanged. Values are the same (the
+``B`` copies are equal and the broadcast add sees the same operands), which is checked once per
+layer: the output with and without the expansion must agree, else the layer is left as it was
+(the exact path) or, after the first batch, an error is raised. Only a leading size 1 is expanded:
+it keeps the rank, so every broadcast downstream is unchanged; a 1-D index vector ``(T,)`` cannot
+be told apart from one index per example when ``T`` equals the batch size and stays exact.
 """
 from __future__ import annotations
 
 from collections import Counter
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from .batches import Inputs, call_model
+from .batches import Inputs, batch_size, call_model
+from .layers import layer_rule
 
 __all__ = ["Recorder", "graph_uses"]
 
@@ -31,16 +44,35 @@ class Recorder:
         self.strict = False  # after the first batch: a kept layer must be called exactly once
         self._active = False
         self._handles: list = []
+        self._batch = 0
+        self._expanded: Set[str] = set()  # layers whose shared input was expanded in this forward
+        self._verified: Set[str] = set()  # ... and whose expansion was checked to change no value
+        self._unshared: Set[str] = set()  # ... and whose expansion changed the output: never again
 
     def __enter__(self) -> "Recorder":
         for name, module in self.model.named_modules():
             self._handles.append(module.register_forward_hook(self._hook(name)))
+            rule = layer_rule(module)
+            if rule is not None and rule.shared_input:
+                self._handles.append(module.register_forward_pre_hook(self._expand_shared(name)))
         return self
 
     def __exit__(self, *exc: object) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+    def _expand_shared(self, name: str):
+        def pre_hook(module: nn.Module, inputs: Tuple[Any, ...]) -> Optional[Tuple[Any, ...]]:
+            if not self._active or name not in self.keep or name in self._unshared or self._batch <= 1:
+                return None
+            first = inputs[0] if inputs else None
+            if not isinstance(first, Tensor) or first.dim() < 2 or first.shape[0] != 1:
+                return None
+            self._expanded.add(name)
+            return (first.expand(self._batch, *first.shape[1:]),) + tuple(inputs[1:])
+
+        return pre_hook
 
     def _hook(self, name: str):
         def hook(module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> None:
@@ -55,21 +87,66 @@ class Recorder:
                         f"Module '{name}' was called once per forward pass on the first batch and more often "
                         "now (data-dependent control flow); the layer-wise curvature needs a fixed call pattern."
                     )
+                if self.strict and not inputs[0].shape[:1] == output.shape[:1] == (self._batch,):
+                    raise ValueError(
+                        f"Module '{name}' was called with input {tuple(inputs[0].shape)} and output "
+                        f"{tuple(output.shape)} on a batch of {self._batch} examples: on the first batch its input and "
+                        "output led with the batch dimension. Use the same layout for every batch (a first batch of "
+                        "one example cannot show a shared or sequence-first layout: drop_last or a larger batch)."
+                    )
                 self.inputs[name] = inputs[0].detach()
                 self.outputs[name] = output
 
         return hook
 
     def forward(self, inputs: Inputs) -> Tensor:
-        """One forward pass of the model with counting and recording on."""
+        """One forward pass of the model with counting and recording on.
+
+        Raises:
+            ValueError: After the first batch, if expanding a layer's shared input changes the output.
+        """
+        self._batch = batch_size(inputs)
+        try:
+            output: Optional[Tensor] = self._record(inputs)
+        except Exception:
+            if not self._expanded - self._verified:
+                raise
+            output = None  # the expansion broke the forward: the check below refuses it
+        new = self._expanded - self._verified
+        if new and not self._same_without_expansion(inputs, output):
+            if self.strict:
+                raise ValueError(
+                    f"Module(s) {sorted(new)} take an input shared by the batch (leading size 1) that cannot be "
+                    "expanded to one copy per example without changing the output; the layout differs from the "
+                    "first batch's. Use the same layout for every batch."
+                )
+            self._unshared |= new  # its rows cannot be told apart by example: the plan sends it to the exact path
+            output = self._record(inputs)
+        self._verified |= new
+        assert output is not None
+        return output
+
+    def _record(self, inputs: Inputs) -> Tensor:
         self.counts.clear()
         self.inputs.clear()
         self.outputs.clear()
+        self._expanded = set()
         self._active = True
         try:
             return call_model(self.model, inputs)
         finally:
             self._active = False
+
+    def _same_without_expansion(self, inputs: Inputs, output: Optional[Tensor]) -> bool:
+        """Whether the model gives ``output`` without expanding shared inputs (hooks inactive)."""
+        if output is None:
+            return False
+        with torch.no_grad():
+            plain = call_model(self.model, inputs)
+        if plain.shape != output.shape:
+            return False
+        scale = float(plain.detach().abs().max()) if plain.numel() else 0.0
+        return torch.allclose(output.detach(), plain, rtol=1e-4, atol=1e-6 * scale)
 
     def backprop(self, output: Tensor, factor: Tensor) -> Dict[str, Tensor]:
         """Gradients of ``sum_n L_n[:, j]^T f_n`` w.r.t. every kept layer's output, for every column ``j``.

@@ -5,56 +5,226 @@ loss-Hessian factor ``L`` (see ``Likelihood.hessian_sqrt``) yields the gradients
 outputs w.r.t. each layer's output. The exact diagonal and the Kronecker factors follow from
 ``a`` and ``g`` alone, without per-example Jacobians of the whole network.
 
-* ``nn.Linear``, ``nn.Conv1d``, ``nn.Conv2d`` (any groups, stride, padding, dilation) and
-  ``nn.Embedding``: exact diagonal and Kronecker factors.
+What the hook path does with a layer is one :class:`LayerRule` per layer type, in one table keyed
+by module type and looked up along the class's MRO (a subclass takes its base's rule):
+
+* ``nn.Linear``, ``nn.Conv1d``, ``nn.Conv2d`` (any groups, stride, padding, dilation),
+  ``nn.Embedding`` and Hugging Face's ``transformers.pytorch_utils.Conv1D`` (a Linear whose weight
+  is stored ``(in, out)``; registered when transformers has been imported, never importing it):
+  exact diagonal and Kronecker factors.
 * ``BatchNorm`` (running statistics), ``LayerNorm``, ``GroupNorm``, ``RMSNorm``: exact diagonal
   of their affine parameters (they have no Kronecker form; under ``kron`` they are exact
   diagonal blocks).
 
+:func:`register_layer_rule` adds a user's own layer.
+
 Weight sharing (conv positions, sequence positions of a Linear, token positions of an
 Embedding) uses the *expand* convention: every row (position) counts as an example for the
-Kronecker factors, ``G = sum_{n,k,r} g g^T`` and ``A = mean_{n,r} a a^T``; the diagonal is exact.
+Kronecker factors, ``G = sum_{n,k,r} g g^T`` and ``A = mean a a^T`` over the rows that carry a
+loss term; the diagonal is exact. A row whose output gradient is zero in every factor column
+(an ignored position of a sequence output, a position no loss term depends on) adds nothing to
+the exact curvature ``sum_n (sum_r g_nr a_nr^T)^2``, whatever its input, so it stays out of ``A``
+and its row count: padding content cannot change the evidence.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Type
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.nn.utils import parametrize
 
-__all__ = ["KRON_LAYERS", "KronSums", "hook_reason", "is_kron_layer", "layer_diagonal", "layer_kron"]
+__all__ = [
+    "KronShape",
+    "KronSums",
+    "LayerRule",
+    "hook_reason",
+    "is_kron_layer",
+    "layer_diagonal",
+    "layer_kron",
+    "layer_rule",
+    "register_layer_rule",
+]
 
-KRON_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding)
-_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
-_NORMS = _BATCH_NORMS + (nn.LayerNorm, nn.GroupNorm) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
-_CONVS = (nn.Conv1d, nn.Conv2d)
+
+@dataclass(frozen=True)
+class KronShape:
+    """The Kronecker factors of a layer's weight and how the weight is laid out.
+
+    Attributes:
+        out: Size of the output-side factor ``G`` (``out x out``).
+        inp: Size of one group's input-side factor ``A`` (``inp x inp``, or ``(inp,)`` if diagonal).
+        groups: Diagonal blocks of the weight (conv groups), block ``k`` is ``kron(G_k, A_k)``
+            with ``G_k`` the ``k``-th diagonal sub-block of ``G``.
+        transposed: The weight is stored ``(in, out)`` (Embedding, HF ``Conv1D``): its block is
+            ``kron(A, G)`` in ``weight.flatten()`` order (else ``kron(G, A)``).
+        diagonal_input: ``A`` is diagonal (one-hot inputs: token counts), stored as a vector.
+    """
+
+    out: int
+    inp: int
+    groups: int = 1
+    transposed: bool = False
+    diagonal_input: bool = False
+
+
+@dataclass
+class KronSums:
+    """One batch's Kronecker factor sums of one layer.
+
+    Attributes:
+        g: ``sum g g^T`` over examples, rows and factor columns, ``(out, out)``.
+        a: ``sum a a^T`` over the rows that carry a loss term, one block per conv group
+            ``(groups, d, d)``; for a diagonal input factor the token counts ``(vocabulary,)``.
+        rows: Number of ``(example, row)`` pairs summed in ``a`` (0-dim int64 tensor).
+    """
+
+    g: Tensor
+    a: Tensor
+    rows: Tensor
+
+
+class LayerRule:
+    """How the hook path takes one layer type: its exact diagonal, Kronecker sums, and when it cannot.
+
+    A rule sees the layer's recorded input ``a`` (the first positional argument of its forward
+    call, leading with the batch) and the gradients ``g`` ``(K, *output.shape)`` of the ``K``
+    loss-Hessian factor columns w.r.t. its output. Subclass it for a layer of your own and
+    register it with :func:`register_layer_rule`; a rule with only :meth:`diagonal` gives exact
+    diagonal blocks under ``kron``, one that also sets ``kron = True`` and implements
+    :meth:`kron_shape` and :meth:`kron_sums` gives Kronecker blocks.
+
+    Attributes:
+        kron: Whether the layer has Kronecker factors (else only an exact diagonal).
+        shared_input: Whether an input shared by the whole batch (leading size 1, e.g. position
+            indices ``arange(T)[None]``) may be expanded to one copy per example for the pass.
+    """
+
+    kron: bool = False
+    shared_input: bool = False
+
+    def reason(self, module: nn.Module) -> Optional[str]:
+        """Why this rule cannot take ``module`` (``None`` if it can)."""
+        return None
+
+    def diagonal(self, module: nn.Module, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
+        """Exact diagonal of ``sum_{n,k} (J_n^T L_nk)^2`` for the layer's own parameters.
+
+        Returns:
+            Per role (``"weight"``, ``"bias"``, ...), a tensor shaped like the parameter.
+        """
+        raise NotImplementedError
+
+    def kron_shape(self, module: nn.Module) -> KronShape:
+        """Sizes and layout of the layer's Kronecker factors (``kron`` rules only)."""
+        raise NotImplementedError
+
+    def kron_sums(self, module: nn.Module, a: Tensor, g: Tensor) -> KronSums:
+        """One batch's Kronecker factor sums, expand convention (``kron`` rules only)."""
+        raise NotImplementedError
+
+
+class _Refused(LayerRule):
+    """A module type the hook path must never take, with the reason."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def reason(self, module: nn.Module) -> Optional[str]:
+        return self.why
+
+
+_RULES: Dict[type, LayerRule] = {}
+_OPTIONAL: Dict[str, Tuple[str, str]] = {"transformers.pytorch_utils": ("Conv1D", "_TransposedLinearRule")}
+
+
+def register_layer_rule(module_type: Type[nn.Module], rule: LayerRule) -> None:
+    """Take ``module_type`` (and its subclasses without a rule of their own) on the hook path with ``rule``.
+
+    Args:
+        module_type: The layer class, e.g. ``MyLinear``.
+        rule: Its :class:`LayerRule`; replaces a rule registered before for the same class.
+
+    Raises:
+        TypeError: If ``module_type`` is not an ``nn.Module`` subclass or ``rule`` not a ``LayerRule``.
+
+    Example:
+        >>> import torch
+        >>> from lightning_marglik import LayerRule, register_layer_rule
+        >>> class Scale(torch.nn.Module):  # y = w * x, elementwise
+        ...     def __init__(self, n): super().__init__(); self.weight = torch.nn.Parameter(torch.ones(n))
+        ...     def forward(self, x): return self.weight * x
+        >>> class ScaleRule(LayerRule):
+        ...     def diagonal(self, module, a, g):  # per-example gradient g * a, squared and summed
+        ...         return {"weight": (g * a).reshape(g.shape[0], g.shape[1], -1, a.shape[-1]).sum(2).pow(2).sum((0, 1))}
+        >>> register_layer_rule(Scale, ScaleRule())
+    """
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise TypeError(f"`module_type` must be an nn.Module subclass, got {module_type!r}.")
+    if not isinstance(rule, LayerRule):
+        raise TypeError(f"`rule` must be a LayerRule instance, got {type(rule).__name__}.")
+    _RULES[module_type] = rule
+
+
+def _register_optional() -> None:
+    """Rules for layers of optional packages, once the package is imported (never importing it)."""
+    for package in [p for p in _OPTIONAL if p in sys.modules]:
+        class_name, rule_name = _OPTIONAL.pop(package)
+        module_type = getattr(sys.modules[package], class_name, None)
+        if module_type is not None:
+            _RULES.setdefault(module_type, globals()[rule_name]())  # a user's own rule wins
+
+
+def layer_rule(module: nn.Module) -> Optional[LayerRule]:
+    """The rule of ``module``'s class or of its nearest base class with one (``None``: no rule)."""
+    if _OPTIONAL:
+        _register_optional()
+    for cls in type(module).__mro__:
+        rule = _RULES.get(cls)
+        if rule is not None:
+            return rule
+    return None
 
 
 def hook_reason(module: nn.Module) -> Optional[str]:
     """Why the hook path cannot take ``module``'s own parameters (``None`` if it can)."""
-    if isinstance(module, _CONVS):
-        if module.padding_mode != "zeros":
-            return f"{type(module).__name__} with padding_mode={module.padding_mode!r}"
-        return None
-    if isinstance(module, nn.Embedding):
-        if module.max_norm is not None or module.scale_grad_by_freq:
-            return "Embedding with max_norm or scale_grad_by_freq"
-        return None
-    if isinstance(module, _BATCH_NORMS) and getattr(module, "running_mean", None) is None:
-        return "BatchNorm without running statistics mixes the examples of a batch"
-    if isinstance(module, (nn.Linear,) + _NORMS):
-        return None
-    if isinstance(module, parametrize.ParametrizationList):
-        return "a parametrized weight (torch.nn.utils.parametrize): exact diagonal of the tensors it is computed from"
-    return f"{type(module).__name__} has no hook rule"
+    rule = layer_rule(module)
+    if rule is None:
+        return f"{type(module).__name__} has no hook rule (lightning_marglik.register_layer_rule adds one)"
+    return rule.reason(module)
 
 
 def is_kron_layer(module: nn.Module) -> bool:
     """Whether the layer has Kronecker factors (else only an exact diagonal)."""
-    return isinstance(module, KRON_LAYERS)
+    rule = layer_rule(module)
+    return rule is not None and rule.kron
+
+
+def layer_diagonal(module: nn.Module, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
+    """Exact diagonal of ``sum_{n,k} (J_n^T L_nk)^2`` for the layer's own parameters.
+
+    Args:
+        module: The layer (it has a rule: :func:`hook_reason` is ``None``).
+        a: Its recorded input.
+        g: Gradients w.r.t. its output, ``(K, *output.shape)``.
+
+    Returns:
+        Per role (``"weight"``, ``"bias"``), a tensor shaped like the parameter.
+    """
+    return layer_rule(module).diagonal(module, a, g)
+
+
+def layer_kron(module: nn.Module, a: Tensor, g: Tensor) -> KronSums:
+    """Kronecker factor sums of one layer for one batch (expand convention)."""
+    return layer_rule(module).kron_sums(module, a, g)
+
+
+def contributing_rows(g_rows: Tensor) -> Tensor:
+    """``(B, R)``: rows whose output gradient ``(K, B, R, out)`` is non-zero in some factor column."""
+    return (g_rows != 0).any(-1).any(0)
 
 
 # --- rows: (examples, shared-weight positions, features) --------------------------------------
@@ -96,58 +266,6 @@ def _unfold(module: nn.Module, a: Tensor) -> Tensor:
     return view.reshape(b, c * kh * kw, oh * ow).transpose(1, 2)
 
 
-def _input_rows(module: nn.Module, a: Tensor) -> Tensor:
-    """Layer input as rows ``(B, R, in)`` (Embedding: token indices ``(B, R)``)."""
-    if isinstance(module, _CONVS):
-        return _unfold(module, a)
-    if isinstance(module, nn.Embedding):
-        return a.reshape(a.shape[0], -1)
-    return a.reshape(a.shape[0], -1, a.shape[-1])
-
-
-def _grad_rows(module: nn.Module, g: Tensor) -> Tensor:
-    """Output gradients ``(K, B, *out)`` as rows ``(K, B, R, out)``."""
-    k, b = g.shape[:2]
-    if isinstance(module, _CONVS):
-        return g.reshape(k, b, g.shape[2], -1).transpose(2, 3)
-    return g.reshape(k, b, -1, g.shape[-1])
-
-
-def _groups(module: nn.Module) -> int:
-    return module.groups if isinstance(module, _CONVS) else 1
-
-
-# --- per-example gradients and the exact diagonal --------------------------------------------
-
-
-def _norm_input(module: nn.Module, a: Tensor) -> Tensor:
-    """The normalized input ``x_hat`` the affine parameters multiply."""
-    if isinstance(module, _BATCH_NORMS):
-        shape = (1, -1) + (1,) * (a.dim() - 2)
-        return (a - module.running_mean.reshape(shape)) * torch.rsqrt(module.running_var.reshape(shape) + module.eps)
-    if isinstance(module, nn.GroupNorm):
-        return F.group_norm(a, module.num_groups, None, None, module.eps)
-    if isinstance(module, nn.LayerNorm):
-        return F.layer_norm(a, module.normalized_shape, None, None, module.eps)
-    return F.rms_norm(a, module.normalized_shape, None, module.eps)
-
-
-def _norm_example_grads(module: nn.Module, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
-    """Per-example, per-column gradients ``(K, B, *param.shape)`` of a norm layer's affine parameters."""
-    k, b = g.shape[:2]
-    if isinstance(module, (nn.LayerNorm,) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())):
-        shape = tuple(module.normalized_shape)
-        flat = lambda t: t.reshape(k, b, -1, *shape).sum(2)  # noqa: E731 - sum over leading positions
-    else:  # channels on dim 1 of the activation
-        flat = lambda t: t.reshape(k, b, t.shape[2], -1).sum(3)  # noqa: E731
-    out = {}
-    if module.weight is not None:
-        out["weight"] = flat(g * _norm_input(module, a))
-    if getattr(module, "bias", None) is not None:
-        out["bias"] = flat(g)
-    return out
-
-
 def _embedding_diagonal(module: nn.Embedding, idx: Tensor, g_rows: Tensor) -> Tensor:
     """``sum_{k,n} (sum_{r: idx_nr = i} g_knr)^2`` for every token ``i``: the exact diagonal.
 
@@ -165,63 +283,7 @@ def _embedding_diagonal(module: nn.Embedding, idx: Tensor, g_rows: Tensor) -> Te
     return diag
 
 
-def layer_diagonal(module: nn.Module, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
-    """Exact diagonal of ``sum_{n,k} (J_n^T L_nk)^2`` for the layer's own parameters.
-
-    Args:
-        module: The layer.
-        a: Its recorded input.
-        g: Gradients w.r.t. its output, ``(K, *output.shape)``.
-
-    Returns:
-        Per role (``"weight"``, ``"bias"``), a tensor shaped like the parameter.
-    """
-    if not is_kron_layer(module):
-        return {role: t.pow(2).sum((0, 1)) for role, t in _norm_example_grads(module, a, g).items()}
-    a_rows, g_rows = _input_rows(module, a), _grad_rows(module, g)
-    if isinstance(module, nn.Embedding):
-        return {"weight": _embedding_diagonal(module, a_rows, g_rows)}
-    out = {}
-    if a_rows.shape[1] == 1:  # no weight sharing: the per-example gradient is an outer product
-        g_sq = g_rows[:, :, 0].pow(2)  # (K, B, out), squared once for the weight and the bias
-        out["weight"] = (g_sq.sum(0).T @ a_rows[:, 0].pow(2)).reshape(module.weight.shape)
-        if module.bias is not None:
-            out["bias"] = g_sq.sum((0, 1))
-        return out
-    # weight sharing: per-example gradients (B, out, in), one factor column at a time, so that at
-    # most B x out x in values are alive (not K x B x out x in); one block per conv group
-    groups = _groups(module)
-    weight = None
-    for g_col in g_rows:  # (B, R, out)
-        blocks = [
-            torch.bmm(gg.transpose(1, 2), aa).pow_(2).sum(0)
-            for gg, aa in zip(g_col.chunk(groups, dim=2), a_rows.chunk(groups, dim=2))
-        ]
-        square = torch.cat(blocks) if groups > 1 else blocks[0]
-        weight = square if weight is None else weight.add_(square)
-    out["weight"] = weight.reshape(module.weight.shape)
-    if module.bias is not None:
-        out["bias"] = g_rows.sum(2).pow(2).sum((0, 1))
-    return out
-
-
 # --- Kronecker factors ------------------------------------------------------------------------
-
-
-@dataclass
-class KronSums:
-    """One batch's Kronecker factor sums of one layer.
-
-    Attributes:
-        g: ``sum g g^T`` over examples, rows and factor columns, ``(out, out)``.
-        a: ``sum a a^T`` over examples and rows, one block per conv group ``(groups, d, d)``; for
-            an Embedding the token counts ``(vocabulary,)`` (its input factor is diagonal).
-        rows: Number of ``(example, row)`` pairs summed in ``a``.
-    """
-
-    g: Tensor
-    a: Tensor
-    rows: int
 
 
 def _gram(rows: Tensor) -> Tensor:
@@ -242,18 +304,196 @@ def _gram(rows: Tensor) -> Tensor:
     return flat @ flat.T
 
 
-def layer_kron(module: nn.Module, a: Tensor, g: Tensor) -> KronSums:
-    """Kronecker factor sums of one layer for one batch (expand convention)."""
-    a_rows = _input_rows(module, a)
-    g_rows = _grad_rows(module, g).flatten(0, 1)  # (K B, R, out)
-    rows = a_rows.shape[0] * a_rows.shape[1]
-    if isinstance(module, nn.Embedding):
-        counts = torch.bincount(a_rows.reshape(-1), minlength=module.num_embeddings).to(g_rows.dtype)
-        if module.padding_idx is not None:
-            counts[module.padding_idx] = 0
-        return KronSums(_gram(g_rows), counts, rows)
-    groups = _groups(module)
-    if groups == 1:
-        return KronSums(_gram(g_rows), _gram(a_rows).unsqueeze(0), rows)
-    return KronSums(_gram(g_rows), torch.stack([_gram(block) for block in a_rows.chunk(groups, dim=2)]), rows)
 
+
+# --- the rules --------------------------------------------------------------------------------
+
+
+class _AffineRule(LayerRule):
+    """``y = W a + b`` over the last dimension (``nn.Linear``); every leading index after the batch is a row."""
+
+    kron = True
+
+    def input_rows(self, module: nn.Module, a: Tensor) -> Tensor:
+        """Layer input as rows ``(B, R, in)``."""
+        return a.reshape(a.shape[0], -1, a.shape[-1])
+
+    def grad_rows(self, module: nn.Module, g: Tensor) -> Tensor:
+        """Output gradients ``(K, B, *out)`` as rows ``(K, B, R, out)``."""
+        return g.reshape(g.shape[0], g.shape[1], -1, g.shape[-1])
+
+    def groups(self, module: nn.Module) -> int:
+        return 1
+
+    def as_weight(self, module: nn.Module, value: Tensor) -> Tensor:
+        """A per-scalar quantity ``(out, in)`` in the layout of ``module.weight``."""
+        return value.reshape(module.weight.shape)
+
+    def kron_shape(self, module: nn.Module) -> KronShape:
+        return KronShape(module.weight.shape[0], module.weight[0].numel(), self.groups(module))
+
+    def diagonal(self, module: nn.Module, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
+        a_rows, g_rows = self.input_rows(module, a), self.grad_rows(module, g)
+        out = {}
+        if a_rows.shape[1] == 1:  # no weight sharing: the per-example gradient is an outer product
+            g_sq = g_rows[:, :, 0].pow(2)  # (K, B, out), squared once for the weight and the bias
+            out["weight"] = self.as_weight(module, g_sq.sum(0).T @ a_rows[:, 0].pow(2))
+            if module.bias is not None:
+                out["bias"] = g_sq.sum((0, 1))
+            return out
+        # weight sharing: per-example gradients (B, out, in), one factor column at a time, so that at
+        # most B x out x in values are alive (not K x B x out x in); one block per conv group
+        groups = self.groups(module)
+        weight = None
+        for g_col in g_rows:  # (B, R, out)
+            blocks = [
+                torch.bmm(gg.transpose(1, 2), aa).pow_(2).sum(0)
+                for gg, aa in zip(g_col.chunk(groups, dim=2), a_rows.chunk(groups, dim=2))
+            ]
+            square = torch.cat(blocks) if groups > 1 else blocks[0]
+            weight = square if weight is None else weight.add_(square)
+        out["weight"] = self.as_weight(module, weight)
+        if module.bias is not None:
+            out["bias"] = g_rows.sum(2).pow(2).sum((0, 1))
+        return out
+
+    def kron_sums(self, module: nn.Module, a: Tensor, g: Tensor) -> KronSums:
+        a_rows, g_rows = self.input_rows(module, a), self.grad_rows(module, g)
+        keep = contributing_rows(g_rows)
+        if not bool(keep.all()):  # rows without a loss term (ignored positions) stay out of A
+            a_rows = a_rows[keep].unsqueeze(1)
+        groups = self.groups(module)
+        if groups == 1:
+            a_sum = _gram(a_rows).unsqueeze(0)
+        else:
+            a_sum = torch.stack([_gram(block) for block in a_rows.chunk(groups, dim=2)])
+        return KronSums(_gram(g_rows.flatten(0, 1)), a_sum, keep.sum())
+
+
+class _TransposedLinearRule(_AffineRule):
+    """``y = a W + b`` with ``W`` stored ``(in, out)``: Hugging Face's ``transformers.pytorch_utils.Conv1D``."""
+
+    def as_weight(self, module: nn.Module, value: Tensor) -> Tensor:
+        return value.T
+
+    def kron_shape(self, module: nn.Module) -> KronShape:
+        return KronShape(module.weight.shape[1], module.weight.shape[0], transposed=True)
+
+
+class _ConvRule(_AffineRule):
+    """``nn.Conv1d``/``nn.Conv2d``: rows are output positions, inputs the unfolded patches."""
+
+    def reason(self, module: nn.Module) -> Optional[str]:
+        if module.padding_mode != "zeros":
+            return f"{type(module).__name__} with padding_mode={module.padding_mode!r}"
+        return None
+
+    def input_rows(self, module: nn.Module, a: Tensor) -> Tensor:
+        return _unfold(module, a)
+
+    def grad_rows(self, module: nn.Module, g: Tensor) -> Tensor:
+        k, b = g.shape[:2]
+        return g.reshape(k, b, g.shape[2], -1).transpose(2, 3)
+
+    def groups(self, module: nn.Module) -> int:
+        return module.groups
+
+
+class _EmbeddingRule(LayerRule):
+    """``nn.Embedding``: rows are index positions; the input factor is diagonal (token counts)."""
+
+    kron = True
+    shared_input = True
+
+    def reason(self, module: nn.Module) -> Optional[str]:
+        if module.max_norm is not None or module.scale_grad_by_freq:
+            return "Embedding with max_norm or scale_grad_by_freq"
+        return None
+
+    @staticmethod
+    def _rows(a: Tensor, g: Tensor) -> Tuple[Tensor, Tensor]:
+        return a.reshape(a.shape[0], -1), g.reshape(g.shape[0], g.shape[1], -1, g.shape[-1])
+
+    def diagonal(self, module: nn.Module, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
+        return {"weight": _embedding_diagonal(module, *self._rows(a, g))}
+
+    def kron_shape(self, module: nn.Module) -> KronShape:
+        return KronShape(module.embedding_dim, module.num_embeddings, transposed=True, diagonal_input=True)
+
+    def kron_sums(self, module: nn.Module, a: Tensor, g: Tensor) -> KronSums:
+        idx, g_rows = self._rows(a, g)
+        keep = contributing_rows(g_rows)
+        counts = torch.bincount(idx[keep], minlength=module.num_embeddings).to(g_rows.dtype)
+        if module.padding_idx is not None:  # its row has no gradient: counted in the rows, not in A
+            counts[module.padding_idx] = 0
+        return KronSums(_gram(g_rows.flatten(0, 1)), counts, keep.sum())
+
+
+class _NormRule(LayerRule):
+    """Affine parameters of a normalization layer, ``y = x_hat * weight + bias``: exact diagonal only."""
+
+    trailing = False  # parameters over the trailing normalized_shape (else: channels on dim 1)
+
+    def normalized(self, module: nn.Module, a: Tensor) -> Tensor:
+        """The normalized input ``x_hat`` the weight multiplies."""
+        raise NotImplementedError
+
+    def diagonal(self, module: nn.Module, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
+        k, b = g.shape[:2]
+        if self.trailing:
+            shape = tuple(module.normalized_shape)
+            per_example = lambda t: t.reshape(k, b, -1, *shape).sum(2)  # noqa: E731 - sum over leading positions
+        else:
+            per_example = lambda t: t.reshape(k, b, t.shape[2], -1).sum(3)  # noqa: E731
+        out = {}
+        if module.weight is not None:
+            out["weight"] = per_example(g * self.normalized(module, a)).pow(2).sum((0, 1))
+        if getattr(module, "bias", None) is not None:
+            out["bias"] = per_example(g).pow(2).sum((0, 1))
+        return out
+
+
+class _BatchNormRule(_NormRule):
+    def reason(self, module: nn.Module) -> Optional[str]:
+        if getattr(module, "running_mean", None) is None:
+            return "BatchNorm without running statistics mixes the examples of a batch"
+        return None
+
+    def normalized(self, module: nn.Module, a: Tensor) -> Tensor:
+        shape = (1, -1) + (1,) * (a.dim() - 2)
+        return (a - module.running_mean.reshape(shape)) * torch.rsqrt(module.running_var.reshape(shape) + module.eps)
+
+
+class _GroupNormRule(_NormRule):
+    def normalized(self, module: nn.Module, a: Tensor) -> Tensor:
+        return F.group_norm(a, module.num_groups, None, None, module.eps)
+
+
+class _LayerNormRule(_NormRule):
+    trailing = True
+
+    def normalized(self, module: nn.Module, a: Tensor) -> Tensor:
+        return F.layer_norm(a, module.normalized_shape, None, None, module.eps)
+
+
+class _RMSNormRule(_NormRule):
+    trailing = True
+
+    def normalized(self, module: nn.Module, a: Tensor) -> Tensor:
+        return F.rms_norm(a, module.normalized_shape, None, module.eps)
+
+
+register_layer_rule(nn.Linear, _AffineRule())
+register_layer_rule(nn.Conv1d, _ConvRule())
+register_layer_rule(nn.Conv2d, _ConvRule())
+register_layer_rule(nn.Embedding, _EmbeddingRule())
+for _norm in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):
+    register_layer_rule(_norm, _BatchNormRule())
+register_layer_rule(nn.GroupNorm, _GroupNormRule())
+register_layer_rule(nn.LayerNorm, _LayerNormRule())
+if hasattr(nn, "RMSNorm"):
+    register_layer_rule(nn.RMSNorm, _RMSNormRule())
+register_layer_rule(
+    parametrize.ParametrizationList,
+    _Refused("a parametrized weight (torch.nn.utils.parametrize): exact diagonal of the tensors it is computed from"),
+)

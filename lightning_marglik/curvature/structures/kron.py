@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from ..layers import layer_kron
+from ..layers import layer_kron, layer_rule
 from ..statistics import BatchCurvature, LayerPlan, Structure
 
 __all__ = ["KronStructure"]
@@ -42,15 +42,11 @@ class KronStructure(Structure):
     def __init__(self, indices: Sequence[int], sizes: Sequence[int], layers: List[LayerPlan]) -> None:
         super().__init__(indices, sizes)
         self.layers = layers
-        for j, layer in enumerate(layers):
-            module = layer.module
-            if isinstance(module, nn.Embedding):
-                out, a = module.embedding_dim, torch.zeros(module.num_embeddings, dtype=torch.float64)
-            else:
-                groups = getattr(module, "groups", 1)
-                d = module.weight[0].numel()  # one group's patch: in / groups x kernel
-                out, a = module.weight.shape[0], torch.zeros(groups, d, d, dtype=torch.float64)
-            self.add_state(f"{j}.g", torch.zeros(out, out, dtype=torch.float64))
+        self.shapes = [layer_rule(layer.module).kron_shape(layer.module) for layer in layers]
+        for j, shape in enumerate(self.shapes):
+            d = shape.inp
+            a = torch.zeros((d,) if shape.diagonal_input else (shape.groups, d, d), dtype=torch.float64)
+            self.add_state(f"{j}.g", torch.zeros(shape.out, shape.out, dtype=torch.float64))
             self.add_state(f"{j}.a", a)
             self.add_state(f"{j}.rows", torch.zeros((), dtype=torch.int64))
 
@@ -63,7 +59,7 @@ class KronStructure(Structure):
             sums = layer_kron(layer.module, a, g)
             self.add(f"{j}.g", sums.g)
             self.add(f"{j}.a", sums.a)
-            self.add(f"{j}.rows", torch.tensor(sums.rows))
+            self.add(f"{j}.rows", sums.rows)
 
     def _factors(self, j: int) -> Tuple[Tensor, Tensor]:
         """``G`` and the input factor ``A`` (mean over rows) of layer ``j``."""
@@ -72,8 +68,7 @@ class KronStructure(Structure):
 
     def _group_blocks(self, j: int, g: Tensor) -> List[Tensor]:
         """The output-side factor of every conv group: diagonal sub-blocks of ``G``."""
-        module = self.layers[j].module
-        groups = 1 if isinstance(module, nn.Embedding) else getattr(module, "groups", 1)
+        groups = self.shapes[j].groups
         size = g.shape[0] // groups
         return [g[k * size : (k + 1) * size, k * size : (k + 1) * size] for k in range(groups)]
 
@@ -84,7 +79,7 @@ class KronStructure(Structure):
             g, a = self._factors(j)
             blocks = self._group_blocks(j, g)
             q_full = _eigvalsh(g)
-            if isinstance(layer.module, nn.Embedding):
+            if self.shapes[j].diagonal_input:
                 pairs = [(q_full, a if Structure._guard(a) else a * float("nan"))]
             elif len(blocks) == 1:  # one group: the weight's output factor is G itself
                 pairs = [(q_full, _eigvalsh(a[0]))]
@@ -112,13 +107,15 @@ class KronStructure(Structure):
             if "weight" in layer.roles:
                 jac = jacobians[layer.roles["weight"]]
                 d_w = delta[layer.roles["weight"]]
-                if isinstance(layer.module, nn.Embedding):
+                if self.shapes[j].diagonal_input:  # weight (vocabulary, dim): kron(A, G), A diagonal
                     q, vec = _eigh(g)
                     rotated = jac.reshape(b, c, a.shape[0], -1) @ vec
                     variance = 1 / (scale * torch.outer(a, q) + d_w)
                     cov += torch.einsum("bcij,ij,bdij->bcd", rotated, variance, rotated)
                 else:
                     blocks = self._group_blocks(j, g)
+                    if self.shapes[j].transposed:  # weight (in, out): to (out, in) order
+                        jac = jac.reshape(b, c, a.shape[-1], -1).transpose(2, 3)
                     per_group = jac.reshape(b, c, len(blocks), -1, a.shape[-1])
                     for k, (gk, ak) in enumerate(zip(blocks, a)):
                         (q, vec_g), (w, vec_a) = _eigh(gk), _eigh(ak)
