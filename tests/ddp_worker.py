@@ -245,9 +245,9 @@ COLLECTIVES: List[List[str]] = []
 
 def _count_collectives() -> None:
     """Record the collectives of every ``reduce_statistics`` call (one list per estimate)."""
-    from lightning_marglik import callbacks
+    from lightning_marglik import callback_core
 
-    original = callbacks.reduce_statistics
+    original = callback_core.reduce_statistics
 
     class Counting:
         def __init__(self, strategy, calls):
@@ -269,7 +269,7 @@ def _count_collectives() -> None:
         COLLECTIVES.append(calls)
         return original(stats, Counting(strategy, calls))
 
-    callbacks.reduce_statistics = counted
+    callback_core.reduce_statistics = counted
 
 
 def run_evidence_cases(out: Path) -> Dict[str, Any]:

@@ -9,8 +9,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_marglik import CategoricalLikelihood, GaussianLikelihood, GaussianPrior, map_loss
 
 
-class Regressor(pl.LightningModule):
-    """1-D regression MLP trained with the MAP loss that matches the evidence."""
+class RegressorSteps:
+    """The body of :class:`Regressor`, for a LightningModule of either Lightning package."""
 
     def __init__(self, n_data: int = 64, hidden: int = 16, lr: float = 1e-2, dropout: float = 0.0, weight_decay: float = 0.0):
         super().__init__()
@@ -39,6 +39,10 @@ class Regressor(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.net.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+
+
+class Regressor(RegressorSteps, pl.LightningModule):
+    """1-D regression MLP trained with the MAP loss that matches the evidence."""
 
 
 def regression_data(n: int = 64, seed: int = 0) -> TensorDataset:

@@ -1,0 +1,766 @@
+"""The callbacks' logic, shared by both Lightning packages.
+
+``pytorch_lightning`` and ``lightning.pytorch`` (``import lightning``) define separate
+``Callback``, ``ModelCheckpoint`` and ``EarlyStopping`` classes, and a Trainer recognises only
+its own package's: as its checkpoint callback (``ckpt_path="best"``), as its early-stopping
+callback, in its LightningCLI. The mixins here hold every behaviour of the callbacks and use
+the trainer only through its attributes; :mod:`lightning_marglik.callbacks` (``pytorch_lightning``)
+and :mod:`lightning_marglik.lightning` (``lightning.pytorch``) combine each mixin with one
+package's base class and describe that package in a :class:`LightningPackage`. Nothing here
+imports either package.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import sys
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Dict, Iterable, Iterator, List, Optional, Tuple, Union
+
+import torch
+from fsspec.core import url_to_fs
+from lightning_fabric.utilities.exceptions import MisconfigurationException
+from lightning_utilities.core.rank_zero import rank_zero_warn  # one rank state for both packages
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset
+
+from .curvature import CurvatureOptions, check_model, collect_statistics, eval_mode
+from .curvature.batches import call_model, move, split_batch
+from .curvature.scale_invariance import find_scale_invariant
+from .distributed import evidence_loader, reduce_statistics, run_on_all_ranks
+from .evidence import SOLVERS, LaplaceEvidence, require_data
+from .hyperparameters import SCALE_INVARIANT_TREATMENTS, GaussianPrior, Likelihood, learnable_values
+
+__all__ = [
+    "CheckpointCore",
+    "EarlyStoppingCore",
+    "LightningPackage",
+    "MargLikCallbackCore",
+    "MargLikConfigurationError",
+    "find_hyperparameters",
+]
+
+MONITOR = "marglik"
+DESCRIPTION = "Evidence pass"
+log = logging.getLogger(__name__)
+
+# A Trainer or LightningModule of either package (the mixins use their attributes only).
+Trainer = Any
+LightningModule = Any
+
+# Lightning package -> the module whose callbacks that package's Trainer recognises
+CALLBACK_MODULES = {"pytorch_lightning": "lightning_marglik", "lightning.pytorch": "lightning_marglik.lightning"}
+
+
+class MargLikConfigurationError(MisconfigurationException, ValueError):
+    """A set-up problem found before the first training step; the message names it and the fix.
+
+    A ``MisconfigurationException`` as Lightning raises for set-up problems, and a ``ValueError``
+    as the engine raises for the same problems outside Lightning: catch either. The callbacks of
+    both Lightning packages raise this one class.
+    """
+
+
+@dataclass(frozen=True)
+class LightningPackage:
+    """What the callbacks need to know of one Lightning package.
+
+    Attributes:
+        name: ``"pytorch_lightning"`` or ``"lightning.pytorch"``.
+        trainer: The package's ``Trainer`` class.
+        lightning_module: The package's ``LightningModule`` class.
+        tqdm_bar: Its ``TQDMProgressBar`` class.
+        tqdm: The ``tqdm`` class its progress bar draws with.
+        rich_bar: Its ``RichProgressBar`` class.
+        stopping_reason: Its ``EarlyStoppingReason`` enum.
+    """
+
+    name: str
+    trainer: type
+    lightning_module: type
+    tqdm_bar: type
+    tqdm: type
+    rich_bar: type
+    stopping_reason: Any
+
+
+def check_package(callback: Any, trainer: Trainer) -> None:
+    """Refuse a Trainer of the other Lightning package than ``callback``'s.
+
+    Such a Trainer runs the callback's hooks but does not take it for its checkpoint or
+    early-stopping callback: it adds a ``ModelCheckpoint`` of its own, and ``ckpt_path="best"``
+    would load that one's model instead of the best-evidence one.
+
+    Raises:
+        MargLikConfigurationError: Naming the module to import the callbacks from.
+    """
+    package: LightningPackage = callback._package
+    if isinstance(trainer, package.trainer):
+        return
+    modules = [cls.__module__ for cls in type(trainer).__mro__]
+    other = next((name for name in CALLBACK_MODULES for m in modules if m.split(".")[0] == name.split(".")[0]), None)
+    if other is None:
+        kind, fix = f"{type(trainer).__module__}.{type(trainer).__name__}", f"use a {package.name}.Trainer"
+    else:
+        kind = f"{other}.Trainer"
+        fix = (
+            f"import the callbacks for {other}: `from {CALLBACK_MODULES[other]} import MargLikCallback, "
+            "MargLikCheckpoint, MargLikEarlyStopping`"
+        )
+    raise MargLikConfigurationError(
+        f"{type(callback).__name__} from {CALLBACK_MODULES[package.name]} is a {package.name} callback, but the Trainer "
+        f"is a {kind}, which would run it without taking it for its checkpoint or early-stopping callback "
+        f"(ckpt_path='best' would load another model): {fix}."
+    )
+
+
+def _positive_int(value: Any, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{name}` must be an int >= {minimum}, got {value!r}.")
+    return value
+
+
+class MargLikCallbackCore:
+    """The logic of ``MargLikCallback`` (Algorithm 1), combined with a package's ``Callback``.
+
+    Documented on :class:`lightning_marglik.MargLikCallback`; the subclass sets ``_package``.
+    """
+
+    _package: ClassVar[LightningPackage]
+
+    # state_dict key -> attribute; every key is optional in load_state_dict (default: a fresh fit's value)
+    _STATE = {
+        "estimations": "estimations",
+        "last_estimate_epoch": "last_estimate_epoch",
+        "last_marglik": "last_marglik",
+        "best_marglik": "best_marglik",
+        "best_epoch": "best_epoch",
+        "history": "history",
+        "optimizer_state": "_optimizer_state",
+        "optimizer_signature": "_optimizer_signature",
+        "last_estimate_step": "_last_estimate_step",
+    }
+
+    def __init__(
+        self,
+        structure: str = "kron",
+        approx: str = "ggn",
+        frequency: int = 1,
+        burnin: int = 0,
+        steps: int = 100,
+        lr: float = 0.1,
+        mc_samples: int = 0,
+        dataloader: Union[DataLoader, str, None] = None,
+        seed: int = 0,
+        solver: str = "newton",
+        backend: str = "hooks",
+        scale_invariant: str = "decoupled",
+    ) -> None:
+        super().__init__()
+        self.options = CurvatureOptions(structure, approx, mc_samples, backend=backend)
+        self.structure = structure
+        self.approx = approx
+        self.frequency = _positive_int(frequency, "frequency", 1)
+        self.burnin = _positive_int(burnin, "burnin", 0)
+        self.steps = _positive_int(steps, "steps", 0)
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+            raise ValueError(f"`lr` must be a positive finite number, got {lr!r}.")
+        self.lr = float(lr)
+        self.mc_samples = mc_samples
+        if dataloader is not None and not isinstance(dataloader, (DataLoader, str)):
+            raise ValueError(f"`dataloader` must be a DataLoader or a method name, got {type(dataloader).__name__}.")
+        self.dataloader = dataloader
+        self.seed = _positive_int(seed, "seed", 0)
+        if solver not in SOLVERS:
+            raise ValueError(f"`solver` must be one of {SOLVERS}, got {solver!r}.")
+        self.solver = solver
+        if scale_invariant not in SCALE_INVARIANT_TREATMENTS:
+            raise ValueError(f"`scale_invariant` must be one of {SCALE_INVARIANT_TREATMENTS}, got {scale_invariant!r}.")
+        self.scale_invariant = scale_invariant
+        self.prior: Optional[GaussianPrior] = None
+        self.likelihood: Optional[Likelihood] = None
+        self.evidence: Optional[LaplaceEvidence] = None
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        """The state of a fit that has not estimated yet."""
+        self.estimations = 0
+        self.last_estimate_epoch = -1
+        self.last_marglik = math.nan
+        self.best_marglik = -math.inf
+        self.best_epoch = -1
+        self.final_marglik = math.nan
+        self.history: List[Dict[str, float]] = []
+        self._optimizer_state: dict = {}
+        # names and shapes of the hyperparameters the Adam state belongs to
+        self._optimizer_signature: Optional[List[Tuple[str, List[int]]]] = None
+        self._last_estimate_step = -1
+        self.evidence = None
+
+    # --- set-up ------------------------------------------------------------------------------
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        check_package(self, trainer)
+        if stage != "fit":
+            return
+        # Every fit starts afresh: the Adam state and history of another model must not carry over.
+        # Lightning restores a checkpoint (load_state_dict) after setup, so a resumed fit gets its state back.
+        self._reset_state()
+        self.prior, self.likelihood = find_hyperparameters(pl_module)
+        try:
+            check_model(pl_module, self.prior, self.options)
+        except ValueError as err:  # the engine's message names the module and a structure that works
+            raise MargLikConfigurationError(str(err)) from err
+        if type(pl_module).forward in (nn.Module.forward, self._package.lightning_module.forward):
+            raise MargLikConfigurationError(
+                f"{type(pl_module).__name__} defines no forward, which the evidence pass calls for the network "
+                "outputs: add e.g. `def forward(self, x): return self.net(x)`."
+            )
+        if isinstance(self.dataloader, str):
+            self._named_loader_method(trainer, pl_module)  # a wrong name fails now, not after burn-in
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        for optimizer in trainer.optimizers:
+            for group in optimizer.param_groups:
+                if group.get("weight_decay", 0):
+                    rank_zero_warn(
+                        f"{type(optimizer).__name__} has weight_decay={group['weight_decay']}: the GaussianPrior "
+                        "already regularizes the weights (map_loss), so the prior is counted twice; set "
+                        "weight_decay=0."
+                    )
+                    return
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Check everything the evidence needs, before the first step (the training data exist from here)."""
+        signature = self._learnable_signature()
+        if self._optimizer_state and self._optimizer_signature != signature:
+            rank_zero_warn(
+                f"MargLikCallback: the learnable hyperparameters changed since the checkpoint "
+                f"({self._optimizer_signature} -> {signature}): the Adam state of the hyperparameter steps starts "
+                "afresh; the evidence history and best value are kept."
+            )
+            self._optimizer_state, self._optimizer_signature = {}, None
+        # one rank's failure (e.g. its shard's first batch) is raised on every rank, not left hanging
+        local = run_on_all_ranks(
+            trainer.strategy, lambda: self._count_data(trainer, pl_module, self._check_setup(trainer, pl_module))
+        )
+        strategy = trainer.strategy
+        self._record_n_data(int(strategy.reduce(torch.tensor(local, device=strategy.root_device), reduce_op="sum")))
+
+    def _check_setup(self, trainer: Trainer, pl_module: LightningModule) -> torch.Tensor:
+        """Everything the evidence needs, on one evidence batch; returns that batch's outputs."""
+        assert self.prior is not None and self.likelihood is not None
+        params = self.prior.params
+        dtype, device = params[0].dtype, params[0].device
+        for name, buffer in self._named_buffers().items():
+            # h and 1/h must exist in the dtype the module computes in (the buffer may be float64)
+            if not torch.isfinite(buffer.detach().to(dtype).abs().exp()).all():
+                flat = buffer.detach().reshape(-1)
+                value = flat[flat.abs().argmax()].double().exp().item()
+                raise MargLikConfigurationError(
+                    f"MargLikCallback: {name} = {value:.3g} (or its inverse) is not finite in the module's dtype "
+                    f"{dtype}; choose a value within {dtype}'s range or train in float64 "
+                    "(Trainer(precision='64-true'))."
+                )
+        batches = self._evidence_batches(trainer, pl_module, warn=True)
+        try:
+            batch = next(iter(batches))
+        except StopIteration:
+            raise MargLikConfigurationError("MargLikCallback: the evidence data loader yields no batches.") from None
+        try:
+            inputs, target = split_batch(batch, self._batch_fn(pl_module))
+            with eval_mode(pl_module), torch.no_grad():
+                output = call_model(pl_module, move(inputs, device, dtype))
+        except (TypeError, NotImplementedError) as err:
+            raise MargLikConfigurationError(f"MargLikCallback, one evidence batch through forward: {err}") from err
+        try:
+            self.likelihood.check_target(output, target.to(device))
+        except ValueError as err:
+            raise MargLikConfigurationError(
+                f"MargLikCallback, one evidence batch through forward: {err} forward must return outputs of shape "
+                "(batch, outputs) that fit the targets; map batches with `marglik_batch(self, batch) -> "
+                "(inputs, targets)` on the LightningModule, or pass `dataloader=`."
+            ) from err
+        self._treat_scale_invariant(pl_module, move(inputs, device, dtype))
+        try:  # the evidence pass itself on this batch, exact per-example path included (e.g. what vmap refuses)
+            collect_statistics(
+                pl_module, [batch], self.likelihood, self.prior, generator=torch.Generator().manual_seed(self.seed),
+                batch_fn=self._batch_fn(pl_module), options=self.options,
+            )
+        except (ValueError, RuntimeError) as err:
+            raise MargLikConfigurationError(f"MargLikCallback, one evidence batch through the evidence pass: {err}") from err
+        return output
+
+    def _treat_scale_invariant(self, pl_module: LightningModule, inputs: Any) -> None:
+        """Find the scale-invariant tensors (one training-mode forward) and give them to the prior with the treatment."""
+        assert self.prior is not None
+        layers = find_scale_invariant(pl_module, inputs)
+        ours = {id(p): n for n, p in zip(self.prior.param_names, self.prior.params)}
+        full = dict(pl_module.named_parameters())
+        # the prior's names of each layer's tensors (the analysis names them from the LightningModule)
+        named = [(layer, [ours[id(full[n])] for n in layer.params if id(full[n]) in ours]) for layer in layers]
+        names = [n for _, group in named for n in group]
+        treatment = self.scale_invariant
+        if names and treatment != "learn" and self.prior.structure == "scalar":
+            rank_zero_warn(
+                f"MargLikCallback(scale_invariant={treatment!r}) needs one precision per tensor, but the prior is scalar: "
+                f"the scale-invariant tensors {names} are learned with the rest; use GaussianPrior(structure='layerwise')."
+            )
+            treatment = "learn"
+        self.prior.treat_scale_invariant(names, treatment)
+        if not names:
+            return
+        held = [n for n in names if n in self.prior.fixed]
+        what = {
+            "decoupled": "the evidence learns their precision, but their weight decay in map_loss stays at the prior's "
+            f"initial precision {self.prior.initial_precision:g} (not fed back)",
+            "fixed": f"their precision stays at its initial value {self.prior.initial_precision:g}",
+            "learn": "their learned precision is fed back as weight decay and can grow without bound while they shrink",
+        }[treatment]
+        groups = "; ".join(f"{', '.join(group)} -> {layer.norm}" for layer, group in named if group)
+        rank_zero_warn(
+            f"MargLikCallback: the training loss is invariant to the scale of {len(named)} layer(s), each of whose output "
+            f"feeds only a normalization with statistics of its input ({groups}), so the data do not determine their "
+            f"prior precision. scale_invariant={self.scale_invariant!r}: {what}"
+            + (f"; {held} keep GaussianPrior(fixed=...)" if held else "")
+            + ". Choose with MargLikCallback(scale_invariant='decoupled'|'fixed'|'learn')."
+        )
+
+    # --- Algorithm 1 -------------------------------------------------------------------------
+
+    def is_estimation_epoch(self, trainer: Trainer) -> bool:
+        """Whether the epoch now ending (``trainer.current_epoch + 1``) gets an estimate."""
+        epoch = trainer.current_epoch + 1
+        return (epoch > self.burnin and epoch % self.frequency == 0) or epoch == trainer.max_epochs
+
+    def is_fresh(self, trainer: Trainer) -> bool:
+        """Whether ``marglik`` was estimated in the epoch now ending."""
+        return self.last_estimate_epoch == trainer.current_epoch
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self.is_estimation_epoch(trainer):
+            return
+        marglik = self.estimate(trainer, pl_module, epoch=trainer.current_epoch + 1)
+        for key, value in self.logged_values(marglik).items():
+            # identical on every rank: the sync is exact and keeps Lightning's DDP logging contract
+            pl_module.log(key, value, prog_bar=key == MONITOR, on_step=False, on_epoch=True, sync_dist=True)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.global_step == self._last_estimate_step:
+            self.final_marglik = self.last_marglik
+            return
+        # trainer.current_epoch counts the completed epochs here
+        self.final_marglik = self.estimate(trainer, pl_module, epoch=trainer.current_epoch)
+        values = self.logged_values(self.final_marglik)
+        # self.log is not allowed in on_train_end: write the metrics where callbacks and users read them
+        trainer.callback_metrics.update({key: torch.tensor(value) for key, value in values.items()})
+        for logger in trainer.loggers:
+            logger.log_metrics(values, step=trainer.global_step)
+
+    def estimate(self, trainer: Trainer, pl_module: LightningModule, epoch: int) -> float:
+        """Evidence pass, all-reduce, ``steps`` hyperparameter steps; returns log evidence / N.
+
+        Runs the same collectives on every rank. A non-finite evidence leaves the hyperparameters
+        unchanged and returns NaN (``MargLikEarlyStopping`` stops on it, ``MargLikCheckpoint``
+        skips it). Updates ``history``, ``last_marglik`` and ``best_marglik``/``best_epoch``.
+
+        Args:
+            trainer: The trainer (its strategy runs the collectives).
+            pl_module: The module whose forward the evidence pass calls.
+            epoch: Number of the epoch (from 1) the estimate follows, for ``history`` and the
+                Monte-Carlo seed.
+
+        Returns:
+            The log evidence per datum after the hyperparameter steps (NaN if not finite).
+        """
+        assert self.prior is not None and self.likelihood is not None
+        strategy = trainer.strategy
+        rank, world = trainer.global_rank, trainer.world_size
+        # distinct Monte-Carlo draws on every rank, reproducible for a given (seed, epoch, rank)
+        generator = torch.Generator().manual_seed((self.seed + epoch) * world + rank) if self.mc_samples else None
+
+        def local_pass():  # everything that can fail on one rank only, before the first collective
+            batches = self._evidence_batches(trainer, pl_module)
+            with _progress(trainer, batches, self._package) as on_batch:
+                return collect_statistics(
+                    pl_module, batches, self.likelihood, self.prior, generator=generator,
+                    batch_fn=self._batch_fn(pl_module), on_batch=on_batch, options=self.options,
+                )
+
+        stats = reduce_statistics(run_on_all_ranks(strategy, local_pass), strategy)
+        evidence = LaplaceEvidence.from_statistics(stats, self.likelihood, self.prior)
+        self.evidence = evidence
+        self._record_n_data(evidence.n_data)  # the N of map_loss follows the evidence (e.g. a stream's new masks)
+        if not torch.isfinite(evidence.log_marglik().detach()):
+            rank_zero_warn("The evidence is not finite at the current weights; hyperparameters left unchanged.")
+            marglik = math.nan
+        else:
+            solution = evidence.optimize(
+                self.steps, self.lr, state=self._optimizer_state, solver=self.solver, max_evaluations=max(self.steps, 1)
+            )
+            self._optimizer_state = solution.state
+            self._optimizer_signature = self._learnable_signature()
+            # rank 0's values everywhere: bit-identical hyperparameters on every rank
+            evidence.set_hyperparameters(strategy.broadcast(solution.values, src=0))
+            marglik = solution.value.item() / evidence.n_data
+        self.estimations += 1
+        self._last_estimate_step = trainer.global_step
+        self.last_estimate_epoch = epoch - 1
+        self.last_marglik = marglik
+        if marglik > self.best_marglik:  # False for NaN
+            self.best_marglik, self.best_epoch = marglik, epoch - 1
+        self.history.append({"epoch": epoch, "step": trainer.global_step, MONITOR: marglik})
+        return marglik
+
+    # --- helpers -----------------------------------------------------------------------------
+
+    def _count_data(self, trainer: Trainer, pl_module: LightningModule, like: torch.Tensor) -> int:
+        """This rank's number of data in the evidence batches, from their targets alone (no forward):
+        every batch through the likelihood's target checks, as in the evidence pass."""
+        assert self.likelihood is not None
+        count = 0
+        for batch in self._evidence_batches(trainer, pl_module):
+            try:
+                count += self.likelihood.count_targets(split_batch(batch, self._batch_fn(pl_module))[1], like)
+            except (TypeError, ValueError) as err:
+                raise MargLikConfigurationError(f"MargLikCallback, the targets of the evidence data: {err}") from err
+        return count
+
+    def _record_n_data(self, n_data: int) -> None:
+        """Store the evidence's ``N`` on the prior, where ``map_loss`` reads it; refuse data without a datum."""
+        assert self.prior is not None and self.likelihood is not None
+        try:
+            require_data(n_data, self.likelihood)
+        except ValueError as err:
+            raise MargLikConfigurationError(f"MargLikCallback: {err} Or pass `dataloader=` data with labels.") from err
+        self.prior.record_n_data(n_data)
+
+    def _named_buffers(self) -> Dict[str, torch.Tensor]:
+        assert self.prior is not None and self.likelihood is not None
+        return {"prior.log_precision": self.prior.log_precision, **{
+            f"likelihood.{name}": buffer for name, buffer in self.likelihood.hyperparameters().items()
+        }}
+
+    def _learnable_signature(self) -> List[Tuple[str, List[int]]]:
+        """Names and shapes of the hyperparameters the Adam steps optimize, in the engine's order."""
+        assert self.prior is not None and self.likelihood is not None
+        return [(name, list(value.shape)) for name, value in learnable_values(self.prior, self.likelihood).items()]
+
+    @staticmethod
+    def _batch_fn(pl_module: LightningModule) -> Optional[Callable[[Any], Any]]:
+        method = getattr(pl_module, "marglik_batch", None)
+        return method if callable(method) else None
+
+    def _named_loader_method(self, trainer: Trainer, pl_module: LightningModule) -> Callable[[], Any]:
+        """The DataModule's or LightningModule's method named by ``dataloader``."""
+        name = self.dataloader
+        assert isinstance(name, str)
+        owner: Any = next((o for o in (trainer.datamodule, pl_module) if o is not None and hasattr(o, name)), None)
+        if owner is None:
+            raise MargLikConfigurationError(
+                f"MargLikCallback(dataloader={name!r}): neither the DataModule nor the LightningModule has such a "
+                "method; pass the name of a method that returns a DataLoader, or a DataLoader."
+            )
+        method = getattr(owner, name)
+        if not callable(method):
+            raise MargLikConfigurationError(
+                f"MargLikCallback(dataloader={name!r}): {type(owner).__name__}.{name} is a value of type "
+                f"{type(method).__name__}, not a method; pass the name of a method that returns a DataLoader, "
+                "or a DataLoader."
+            )
+        return method
+
+    def _source_loader(self, trainer: Trainer, pl_module: LightningModule) -> DataLoader:
+        if isinstance(self.dataloader, DataLoader):
+            return self.dataloader
+        if isinstance(self.dataloader, str):
+            loader = self._named_loader_method(trainer, pl_module)()
+            if not isinstance(loader, DataLoader):
+                raise MargLikConfigurationError(
+                    f"MargLikCallback(dataloader={self.dataloader!r}) returned a {type(loader).__name__}; the method "
+                    "must return a torch DataLoader of (inputs, targets) batches."
+                )
+            return loader
+        loader = trainer.train_dataloader
+        if not isinstance(loader, DataLoader):
+            raise MargLikConfigurationError(
+                "MargLikCallback needs one training DataLoader of (x, y) batches; pass `dataloader=` "
+                f"for the evidence pass (got {type(loader).__name__})."
+            )
+        return loader
+
+    def _evidence_batches(self, trainer: Trainer, pl_module: LightningModule, warn: bool = False) -> Iterable:
+        """This rank's evidence batches: its unpadded shard of the examples one training epoch draws.
+
+        Args:
+            warn: Warn where the evidence data differ from what a training epoch uses (once, at set-up).
+        """
+        source = self._source_loader(trainer, pl_module)
+        max_batches: Optional[int] = None
+        if self.dataloader is None:  # the training data: one training epoch's batches bound a stream
+            limit = trainer.num_training_batches
+            max_batches = int(limit) if math.isfinite(limit) else None
+            if warn and max_batches is not None:
+                _warn_if_limited(source, max_batches, trainer.limit_train_batches)
+        try:
+            return evidence_loader(source, trainer.global_rank, trainer.world_size, max_batches)
+        except ValueError as err:
+            raise MargLikConfigurationError(str(err)) from err
+
+    def logged_values(self, marglik: float) -> Dict[str, float]:
+        """What the callback logs for an estimate: ``marglik`` and every hyperparameter by name."""
+        assert self.prior is not None and self.likelihood is not None
+        out = {MONITOR: marglik}
+        prior = self.prior
+        if prior.structure == "scalar":
+            out["prior_precision"] = prior.precision.item()
+        else:
+            per_tensor = torch.split(prior.per_parameter(prior.log_precision), prior.param_sizes)
+            for name, log_prec in zip(prior.param_names, per_tensor):
+                out[f"prior_precision/{name}"] = log_prec.mean().exp().item()  # geometric mean if diagonal
+        for name, log_value in self.likelihood.hyperparameters().items():
+            out[name[len("log_"):]] = log_value.exp().item()
+        return out
+
+    # --- resume ------------------------------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, Any]:
+        state = {key: getattr(self, attribute) for key, attribute in self._STATE.items()}
+        state["history"] = list(self.history)
+        return state
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore a checkpoint's state; a key it lacks keeps a fresh fit's value."""
+        self._reset_state()
+        for key, attribute in self._STATE.items():
+            if key in state_dict:
+                setattr(self, attribute, state_dict[key])
+        self.history = list(self.history)
+
+
+def _warn_if_limited(loader: DataLoader, max_batches: int, limit: Union[int, float]) -> None:
+    """Say how the evidence data relate to a training epoch limited by ``limit_train_batches``."""
+    try:
+        length: Optional[int] = len(loader)
+    except TypeError:  # a stream without length
+        length = None
+    if length is not None and max_batches >= length:
+        return
+    if isinstance(loader.dataset, IterableDataset):
+        rank_zero_warn(
+            f"MargLikCallback: the evidence covers the first {max_batches} batches of the training IterableDataset, "
+            f"those one training epoch uses (Trainer(limit_train_batches={limit})); pass `dataloader=` for other "
+            "evidence data."
+        )
+    else:
+        rank_zero_warn(
+            f"MargLikCallback: Trainer(limit_train_batches={limit}) trains on {max_batches} of {length} batches per "
+            "epoch, but the evidence covers every example of the training sampler; pass `dataloader=` for other "
+            "evidence data."
+        )
+
+
+@contextmanager
+def _progress(trainer: Trainer, batches: Iterable, package: LightningPackage) -> Iterator[Optional[Callable[[int], None]]]:
+    """A line for the evidence pass in the trainer's progress bar, TQDM or Rich (rank 0 only, if it is on).
+
+    Placed and drawn as the bar's validation line, and gone when the pass ends as that one is.
+
+    Yields:
+        The per-batch callback for ``collect_statistics(on_batch=...)``, or ``None`` without a bar.
+    """
+    bars = trainer.progress_bar_callback
+    if bars is None or not bars.is_enabled or not trainer.is_global_zero:
+        yield None
+        return
+    try:
+        total: Optional[int] = len(batches)  # type: ignore[arg-type]
+    except TypeError:
+        total = None
+    if isinstance(bars, package.tqdm_bar):
+        # not init_validation_tqdm(): that bar draws an empty "Validation:" line when it is made
+        bar = package.tqdm(
+            desc=DESCRIPTION, total=total, position=2 * bars.process_position + 1, disable=bars.is_disabled,
+            leave=False, dynamic_ncols=True, file=sys.stdout, bar_format=bars.BAR_FORMAT,
+        )
+        try:
+            yield lambda _: bar.update(1)
+        finally:
+            bar.close()
+    elif isinstance(bars, package.rich_bar) and bars.progress is not None:
+        progress = bars.progress
+        task = progress.add_task(DESCRIPTION, total=math.inf if total is None else total)
+
+        def step(_: int) -> None:
+            progress.update(task, advance=1)
+            bars.refresh()
+
+        try:
+            yield step
+            bars.refresh(hard=True)  # the finished line is drawn once, as validation's is
+        finally:
+            progress.remove_task(task)
+            bars.refresh()
+    else:
+        yield None
+
+
+def find_hyperparameters(pl_module: nn.Module) -> "tuple[GaussianPrior, Likelihood]":
+    """The one ``GaussianPrior`` and one ``Likelihood`` registered on ``pl_module``.
+
+    Raises:
+        MargLikConfigurationError: If there is not exactly one of each, saying what to add.
+    """
+    priors = [m for m in pl_module.modules() if isinstance(m, GaussianPrior)]
+    likelihoods = [m for m in pl_module.modules() if isinstance(m, Likelihood)]
+    if len(priors) != 1 or len(likelihoods) != 1:
+        raise MargLikConfigurationError(
+            f"MargLikCallback needs exactly one GaussianPrior and one Likelihood on the LightningModule, found "
+            f"{len(priors)} and {len(likelihoods)}: add e.g. `self.prior = GaussianPrior(self.net)` and "
+            "`self.likelihood = CategoricalLikelihood()` in __init__ and use map_loss in training_step."
+        )
+    return priors[0], likelihoods[0]
+
+
+class _FollowsEstimates:
+    """Mixin of the callbacks that act on ``MargLikCallback``'s estimates: finds it at set-up."""
+
+    _package: ClassVar[LightningPackage]
+    _marglik: MargLikCallbackCore
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        check_package(self, trainer)
+        super().setup(trainer, pl_module, stage)  # type: ignore[misc]
+        if stage == "fit":
+            found = [c for c in trainer.callbacks if isinstance(c, MargLikCallbackCore)]
+            if len(found) != 1:
+                raise MargLikConfigurationError(
+                    f"{type(self).__name__} needs exactly one MargLikCallback in the Trainer's callbacks."
+                )
+            self._marglik = found[0]
+
+
+class CheckpointCore(_FollowsEstimates):
+    """The logic of ``MargLikCheckpoint``, combined with a package's ``ModelCheckpoint``.
+
+    Documented on :class:`lightning_marglik.MargLikCheckpoint`.
+    """
+
+    def __init__(
+        self,
+        dirpath: Optional[str] = None,
+        filename: Optional[str] = None,
+        save_top_k: int = 1,
+        save_last: Optional[bool] = None,
+        verbose: bool = False,
+    ) -> None:
+        super().__init__(  # type: ignore[call-arg]
+            dirpath=dirpath,
+            filename=filename,
+            monitor=MONITOR,
+            mode="max",
+            save_top_k=save_top_k,
+            save_last=save_last,
+            verbose=verbose,
+            save_on_train_epoch_end=True,
+        )
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)  # resolves dirpath (by default the logger's)
+        if stage == "fit":
+            run_on_all_ranks(trainer.strategy, lambda: self._check_writable(trainer))
+
+    def _check_writable(self, trainer: Trainer) -> None:
+        """Write and remove a file in ``dirpath`` (on rank 0, which saves): an unwritable directory
+        fails when training starts, not at the first save after burn-in."""
+        if not trainer.is_global_zero or self.dirpath is None:
+            return
+        fs, path = url_to_fs(str(self.dirpath))
+        probe = f"{path.rstrip('/')}/.marglik-write-check-{uuid.uuid4().hex}"
+        try:
+            fs.makedirs(path, exist_ok=True)
+            with fs.open(probe, "wb"):
+                pass
+            fs.rm(probe)
+        except Exception as err:  # noqa: BLE001 - any failure to write is the problem reported
+            raise MargLikConfigurationError(
+                f"MargLikCheckpoint cannot write to dirpath={str(self.dirpath)!r} ({type(err).__name__}: {err}); "
+                "pass a writable directory as `dirpath`, or none for the logger's directory."
+            ) from err
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self._marglik.is_fresh(trainer):
+            return
+        finite = math.isfinite(self._marglik.last_marglik) and _all_finite(pl_module)
+        # saving runs collectives: every rank must take the same decision
+        if trainer.strategy.reduce_boolean_decision(finite, all=True):
+            super().on_train_epoch_end(trainer, pl_module)
+        elif self.verbose:
+            log.info(f"MargLikCheckpoint: epoch {trainer.current_epoch} not saved (non-finite evidence or weights).")
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """``last.ckpt`` comes from estimation epochs only: not Lightning's save of the final weights,
+        which may be non-finite or never estimated."""
+
+
+def _all_finite(module: torch.nn.Module) -> bool:
+    """Whether every floating-point parameter and buffer of ``module`` is finite (one sync)."""
+    tensors = [t for t in itertools.chain(module.parameters(), module.buffers()) if t.is_floating_point()]
+    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all()) if tensors else True
+
+
+class EarlyStoppingCore(_FollowsEstimates):
+    """The logic of ``MargLikEarlyStopping``, combined with a package's ``EarlyStopping``.
+
+    Documented on :class:`lightning_marglik.MargLikEarlyStopping`.
+    """
+
+    def __init__(self, patience: int = 3, min_delta: float = 0.0, verbose: bool = False) -> None:
+        _positive_int(patience, "patience", 1)
+        if not math.isfinite(min_delta) or min_delta < 0:
+            raise ValueError(f"`min_delta` must be a finite number >= 0, got {min_delta!r}.")
+        super().__init__(
+            monitor=MONITOR,
+            min_delta=min_delta,
+            patience=patience,
+            mode="max",
+            check_finite=True,
+            verbose=verbose,
+            log_rank_zero_only=True,  # the evidence is identical on every rank
+        )
+        self._epoch = 0
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage == "fit":  # a new fit (a resumed one restores the counters after setup)
+            self.wait_count, self.stopped_epoch = 0, 0
+            self.best_score = torch.tensor(-math.inf)
+            self.stopping_reason, self.stopping_reason_message = self._package.stopping_reason.NOT_STOPPED, None
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self._marglik.is_fresh(trainer):
+            return
+        self._epoch = trainer.current_epoch + 1
+        stopped_before = trainer.should_stop
+        self._run_early_stopping_check(trainer)
+        if trainer.should_stop and not stopped_before and self.stopped_epoch == trainer.current_epoch:
+            if self.stopping_reason_message and not self.verbose:  # verbose: Lightning logged it already
+                self._log_info(trainer, self.stopping_reason_message, self.log_rank_zero_only)
+
+    def _evaluate_stopping_criteria(self, current: torch.Tensor) -> Tuple[bool, Optional[str]]:
+        """Lightning's criteria, with a reason that says when and why in terms of estimations."""
+        should_stop, reason = super()._evaluate_stopping_criteria(current)
+        if not should_stop:
+            return should_stop, reason
+        if self.stopping_reason == self._package.stopping_reason.PATIENCE_EXHAUSTED:
+            reason = (
+                f"{MONITOR} (log evidence per datum) did not improve by more than min_delta={self.min_delta} in "
+                f"the last {self.wait_count} estimations (patience={self.patience}); best {self.best_score:.4f}."
+            )
+        return should_stop, f"MargLikEarlyStopping stopped training after epoch {self._epoch}: {reason}"
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Never act on validation: the evidence comes from the training data."""
