@@ -48,7 +48,10 @@ structure="kron" on any graph is HYBRID: log|H| = sum over blocks of log|s C_b +
     order); per group g: G_g = the (out/groups)^2 diagonal sub-block of G, A_g = mean of group g's
     patches; weight: block-diag_g kron(G_g, A_g) (a group's weight rows are contiguous); bias: the
     full G (out x out).
+  HF Conv1D (y = a W + b, W (in, out)): rows as a Linear; weight: kron(A, G) in W.flatten() order.
   Embedding (num, dim), indices (N, ...): rows = index positions; G (dim x dim) as above;
+    indices shared by the batch ((1, T) positions broadcast onto (N, T, D)): B_n = d f_n / d z of
+    the one shared output, the indices count once per example;
     A = diag(c) / R_kept with c_i = number of kept rows with index i (rows with index ==
     padding_idx count in R_kept, not in c); weight (num, dim): kron(A, G).
 * Exact DIAGONAL blocks for every other covered parameter (norm affine parameters, raw
@@ -450,7 +453,11 @@ class Reference:
 # any module graph: inputs, sequence outputs, the hybrid Kronecker structure
 # --------------------------------------------------------------------------------------------
 
-KRON_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding)
+try:  # Hugging Face's Conv1D: a Linear with its weight stored (in, out)
+    from transformers.pytorch_utils import Conv1D as HFConv1D
+except ImportError:  # pragma: no cover - transformers is an optional test dependency
+    HFConv1D = None
+KRON_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding) + ((HFConv1D,) if HFConv1D is not None else ())
 
 def call(model: nn.Module, inputs) -> Tensor:
     """``model(x)``, ``model(*x)`` or ``model(**x)``."""
@@ -650,6 +657,20 @@ def layer_records(model: nn.Module, inputs, modules: Dict[str, nn.Module]) -> Li
             finally:
                 handle.remove()
         a, z = seen["a"], seen["z"]
+        if a.shape[0] == 1 and z.shape[0] == 1 and n > 1 and isinstance(module, nn.Embedding):
+            # indices shared by the batch (positions (1, T)): every example's rows are the one
+            # broadcast output; B_n = d f_n / d z, the input expanded to one copy per example
+            def f_shared(zz: Tensor, module=module) -> Tensor:
+                handle = module.register_forward_hook(lambda m, i, o: zz)
+                try:
+                    return call(model, inputs).reshape(n, -1)
+                finally:
+                    handle.remove()
+
+            with eval_mode(model):
+                shared = jacrev(f_shared)(z).detach()  # (N, O, 1, *z.shape[1:])
+            records.append(LayerRecord(name, module, a.expand(n, *a.shape[1:]), z.expand(n, *z.shape[1:]), shared.squeeze(2)))
+            continue
         assert a.shape[0] == n and z.shape[0] == n, (name, a.shape, z.shape)
 
         def f(zz: Tensor, module=module) -> Tensor:
@@ -728,6 +749,17 @@ def hybrid_module_blocks(record: LayerRecord, lam: Tensor, offsets: Dict[int, Tu
         check = rows @ layer.weight.detach().T + (0 if layer.bias is None else layer.bias.detach())
         assert torch.allclose(check, z.reshape(check.shape), atol=1e-10), prefix
         add(layer.weight, kron(g, a_mean), "weight", (g, a_mean))
+        add(layer.bias, g.clone(), "bias", (g,))
+    elif HFConv1D is not None and isinstance(layer, HFConv1D):  # y = a W + b, W (in, out): kron(A, G)
+        rows = a.reshape(n, -1, layer.nx)
+        r = rows.shape[1]
+        jac_rows = jac.reshape(n, o, r, layer.nf)
+        g = _g_factor(jac_rows, lam)
+        kept = rows[kept_rows(jac_rows, lam)]
+        a_mean = kept.T @ kept / kept.shape[0]
+        check = rows @ layer.weight.detach() + layer.bias.detach()
+        assert torch.allclose(check, z.reshape(check.shape), atol=1e-10), prefix
+        add(layer.weight, kron(a_mean, g), "weight", (a_mean, g))
         add(layer.bias, g.clone(), "bias", (g,))
     elif isinstance(layer, (nn.Conv1d, nn.Conv2d)):
         cols = conv_patches(layer, a)  # (N, in*K, R)
