@@ -4,15 +4,21 @@ from __future__ import annotations
 import csv
 import itertools
 import json
+import math
+import re
 import subprocess
 import sys
 
 import pytest
+import pytorch_lightning as pl
 import torch
+import torchmetrics
 import yaml
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_marglik import NegativeLogLikelihood, select_models
-from lightning_marglik.selection import label_points, run_command_line
+from lightning_marglik import CategoricalLikelihood, GaussianPrior, NegativeLogLikelihood, map_loss, select_models
+from lightning_marglik.selection import build_parser, label_points, load_results, run_command_line
 from tests.lightning_models import BlobData, Classifier
 
 CALLBACK = {"structure": "diag", "approx": "ggn", "steps": 50}
@@ -178,3 +184,232 @@ def test_bad_arguments():
         select_models({"a": lambda: Classifier(60)})
     with pytest.raises(ValueError, match="predictive.*'mc'"):
         select_models({"a": lambda: Classifier(60)}, datamodule=BlobData(), predictive="mc")
+
+
+# --- issue 17: test metrics, results files, trainer overrides, help ---------------------------
+
+
+class Tokens(pl.LightningModule):
+    """Position-wise classifier: (B, T, F) inputs to (B, T, C) logits; batches are dicts read by
+    ``marglik_batch`` (``dict_batches``) or ``(x, y)`` pairs."""
+
+    def __init__(self, n_data: int, classes: int, dict_batches: bool):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, classes))
+        self.prior = GaussianPrior(self.net)
+        self.likelihood = CategoricalLikelihood(ignore_index=-100)
+        self.n_data, self.dict_batches, self.steps = n_data, dict_batches, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def marglik_batch(self, batch):
+        return (batch["features"], batch["labels"]) if self.dict_batches else batch
+
+    def training_step(self, batch, batch_idx):
+        self.steps += 1
+        x, y = self.marglik_batch(batch)
+        return map_loss(self(x), y, self.likelihood, self.prior, self.n_data)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.net.parameters(), lr=3e-2)
+
+
+def token_data(n: int, positions: int, classes: int, seed: int):
+    """Labels from the first feature's bin, a quarter of the positions ignored (-100)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, positions, 2, generator=g)
+    y = torch.bucketize(x[..., 0].contiguous(), torch.linspace(-1, 1, classes - 1))
+    y[torch.rand(n, positions, generator=g) < 0.25] = -100
+    return x, y
+
+
+def token_loader(x, y, dict_batches: bool) -> DataLoader:
+    if dict_batches:
+        rows = [{"features": a, "labels": b} for a, b in zip(x, y)]
+        return DataLoader(rows, batch_size=16)  # default collate: a dict of stacked tensors
+    return DataLoader(TensorDataset(x, y), batch_size=16)
+
+
+def hand_metrics(module, x, y) -> dict:
+    """Accuracy, NLL and 15-bin ECE over the kept positions, written out by hand."""
+    with torch.no_grad():
+        probs = module.eval()(x).softmax(-1)
+    kept = y != -100
+    probs, labels = probs[kept].double(), y[kept]
+    confidence, guess = probs.max(-1)
+    correct = (guess == labels).double()
+    bins = torch.clamp(torch.ceil(confidence * 15).long() - 1, 0, 14)
+    ece = sum((correct[bins == b].sum() - confidence[bins == b].sum()).abs() for b in range(15)) / len(labels)
+    return {"accuracy": correct.mean().item(), "nll": -probs[torch.arange(len(labels)), labels].log().mean().item(),
+            "ece": float(ece)}
+
+
+@pytest.mark.parametrize("positions", [3, 5])  # T == C (the softmax once ran over positions) and T != C
+@pytest.mark.parametrize("dict_batches", [False, True])
+def test_sequence_output_metrics_are_per_kept_position(tmp_path, positions, dict_batches):
+    """(B, T, C) outputs: the metrics read classes on the last dim and leave ignored positions out,
+    and dict batches reach them through `marglik_batch`, as they reach the evidence."""
+    classes = 3
+    train, test = token_data(48, positions, classes, 0), token_data(40, positions, classes, 1)
+    made = []
+
+    def factory():
+        made.append(Tokens(int((train[1] != -100).sum()), classes, dict_batches))
+        return made[-1]
+
+    result, = select_models({"tokens": factory}, train_dataloader=token_loader(*train, dict_batches),
+                            test_dataloader=token_loader(*test, dict_batches), callback=CALLBACK,
+                            trainer={"max_epochs": 4, "enable_progress_bar": False}, output_dir=str(tmp_path),
+                            verbose=False)
+    expected = hand_metrics(made[0], *test)
+    assert result.metrics == pytest.approx(expected, abs=1e-5)
+    assert 0.4 < expected["accuracy"] < 1  # trained, and the check is not between two trivial values
+    assert stored(tmp_path, ".")["tokens"]["metrics"] == pytest.approx(expected, abs=1e-5)
+
+
+def test_test_data_that_cannot_be_scored_fails_before_training(tmp_path):
+    """probit on sequence outputs, and a batch the adapter cannot read, stop before the first step."""
+    train, test = token_data(48, 4, 3, 0), token_data(40, 4, 3, 1)
+    made = []
+
+    def factory():
+        made.append(Tokens(100, 3, dict_batches=False))
+        return made[-1]
+
+    with pytest.raises(ValueError, match=r"probit.*needs \(batch, classes\) outputs, got \(16, 4, 3\).*predictive='map'"):
+        select_models({"tokens": factory}, train_dataloader=token_loader(*train, False),
+                      test_dataloader=token_loader(*test, False), callback=CALLBACK, trainer=TRAINER,
+                      predictive="probit", verbose=False)
+    with pytest.raises(TypeError, match="marglik_batch"):  # dicts, but the module reads (x, y) pairs
+        select_models({"tokens": factory}, train_dataloader=token_loader(*train, False),
+                      test_dataloader=token_loader(*test, True), callback=CALLBACK, trainer=TRAINER, verbose=False)
+    assert [m.steps for m in made] == [0, 0]
+
+
+class FailsAfterTraining(torchmetrics.Metric):
+    """Passes the check on the first test batch, then fails: a metric bug that shows only later."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_state("calls", default=torch.tensor(0), dist_reduce_fx="sum")
+
+    def update(self, probs, target):
+        self.calls += 1
+        if getattr(self, "armed", False):
+            raise RuntimeError("metric bug")
+
+    def compute(self):
+        self.armed = True  # after the check on the first batch
+        return self.calls.float()
+
+
+def test_metrics_failure_after_training_keeps_the_trained_result(tmp_path, capsys):
+    candidates = {"linear": lambda: Classifier(60, depth=0), "mlp": lambda: Classifier(60, width=8)}
+    run = dict(datamodule=BlobData(), callback=CALLBACK, trainer=TRAINER, output_dir=str(tmp_path), resume=True)
+    with pytest.raises(RuntimeError, match=r"'linear' trained \(marglik=.*saved in .*results.json\) but its test "
+                                           r"metrics failed: RuntimeError: metric bug"):
+        select_models(candidates, metrics=lambda: {"broken": FailsAfterTraining()}, **run)
+    saved = stored(tmp_path, ".")
+    assert set(saved) == {"linear"} and math.isfinite(saved["linear"]["marglik"])
+    assert saved["linear"]["metrics_error"] == "RuntimeError: metric bug"
+    capsys.readouterr()
+    results = select_models(candidates, **run)  # the failed one is trained again, not reused without metrics
+    assert "reused" not in capsys.readouterr().out
+    assert all(set(r.metrics) == {"accuracy", "nll", "ece"} and r.metrics_error is None for r in results)
+
+
+@pytest.mark.parametrize("content", [
+    '[{"name": "narrow", "marglik": -1.2, "n_par',  # truncated by a full disk
+    '{"narrow": -1.2}',  # not a list
+    '[{"name": "narrow", "marglik": "high", "n_params": 9, "train_seconds": 1.0, "epochs": 2}]',  # wrong type
+    '[{"name": "narrow"}]',  # fields missing
+])
+def test_unreadable_results_are_moved_aside_with_a_warning(tmp_path, content):
+    (tmp_path / "results.json").write_text(content)
+    with pytest.warns(UserWarning, match="results.json cannot be read .*moved it to .*results.json.corrupt-"):
+        assert load_results(str(tmp_path)) == {}
+    aside, = tmp_path.glob("results.json.corrupt-*")
+    assert aside.read_text() == content and not (tmp_path / "results.json").exists()
+
+
+def test_truncated_results_file_is_retrained_not_fatal(tmp_path, capsys):
+    path = write_config(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "results.json").write_text('[{"name": "narrow", "marglik": -1.2, "n_par')
+    with pytest.warns(UserWarning, match="cannot be read"):
+        run_command_line([path])
+    assert set(stored(tmp_path)) == {"narrow", "wide"} and len(list((tmp_path / "out").glob("*.corrupt-*"))) == 1
+
+
+def test_a_subset_run_keeps_the_other_candidates_results(tmp_path, capsys):
+    path = write_config(tmp_path)
+    run_command_line([path])
+    first = stored(tmp_path)
+    (tmp_path / "subset").mkdir()
+    subset = write_config(tmp_path / "subset", output_dir=str(tmp_path / "out"),
+                          candidates={"narrow": {"class_path": "tests.lightning_models.Classifier", "init_args": {"width": 2}}})
+    run_command_line([subset, "--trainer.max_epochs=3"])
+    after = stored(tmp_path)
+    assert set(after) == {"narrow", "wide"} and after["wide"] == first["wide"] and after["narrow"]["epochs"] == 3
+    capsys.readouterr()
+    run_command_line([path])  # the full run again: "wide" finished with these settings and is reused
+    out = capsys.readouterr().out
+    assert "wide: marglik=" in out and "reused" in next(line for line in out.splitlines() if " wide:" in line)
+    assert stored(tmp_path)["wide"] == first["wide"] and stored(tmp_path)["narrow"]["epochs"] == 2
+
+
+HOLD_LOCK = (
+    "import sys; from lightning_marglik.selection import _run_lock\n"
+    "lock = _run_lock(sys.argv[1]); lock.__enter__(); print('locked', flush=True); sys.stdin.read()\n"
+)
+
+
+def test_two_runs_into_one_directory(tmp_path):
+    """Another process holds the directory: a second run is refused naming it; once that process is
+    killed (SIGKILL: no clean-up), its lock is gone and a run goes ahead."""
+    path = write_config(tmp_path)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path / "out")], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RuntimeError, match=rf"out is in use by another model-selection run \(pid {holder.pid} on "
+                                               r".*Wait for it to finish, or write to another directory"):
+            run_command_line([path])
+        assert not (tmp_path / "out" / "results.json").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (tmp_path / "out" / "results.lock").exists()  # left by the killed process, naming it
+    run_command_line([path])
+    assert set(stored(tmp_path)) == {"narrow", "wide"} and not (tmp_path / "out" / "results.lock").exists()
+
+
+class BuiltTooEarly(BlobData):
+    def __init__(self, **kwargs):
+        raise AssertionError("the data module was built before the trainer arguments were checked")
+
+
+def test_trainer_overrides_of_the_wrong_type_fail_when_parsed(tmp_path, capsys):
+    path = write_config(tmp_path, data={"class_path": "tests.test_selection.BuiltTooEarly"})
+    with pytest.raises(SystemExit):
+        run_command_line([path, "--trainer.max_epochs=abc"])
+    assert ("`trainer.max_epochs` is 'abc' (str), but pl.Trainer takes max_epochs: Optional[int]"
+            in capsys.readouterr().err)
+    with pytest.raises(SystemExit):
+        run_command_line([path, "--trainer.enable_progress_bar=[1]"])
+    assert "pl.Trainer takes enable_progress_bar: Optional[bool]" in capsys.readouterr().err
+
+    def never_called():
+        raise AssertionError("a candidate was built before the trainer arguments were checked")
+
+    with pytest.raises(ValueError, match=r"`trainer.max_epochs` is 2.5 \(float\)"):
+        select_models({"a": never_called}, datamodule=BlobData(), trainer={"max_epochs": 2.5})
+
+
+def test_help_is_plain_text():
+    text = " ".join(build_parser().format_help().split())  # unwrapped
+    assert not re.search(r"``|:[a-z]+:`", text), re.findall(r".*(?:``|:[a-z]+:`).*", text)
+    assert "The main advantage is" not in text  # Lightning's docstring, cut mid-sentence, was a group title
+    assert '"newton" (Newton with a line search' in text and "see lightning_marglik.solvers" in text
+    assert "The data: a LightningDataModule subclass" in text and "checked against pl.Trainer's signature" in text
