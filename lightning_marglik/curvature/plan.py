@@ -2,13 +2,15 @@
 
 Decided per module on the first batch, from the structure of the model alone:
 
-* the hook path (:mod:`.layers`) for a supported layer called exactly once per forward pass
-  whose parameters appear once in the autograd graph (no tied or functional reuse);
+* the hook path (:mod:`.layers`) for a layer with a rule (:func:`.layers.register_layer_rule`)
+  called exactly once per forward pass, leading with the batch (indices shared by the batch,
+  ``(1, T)``, are expanded per example: :mod:`.hooks`), whose parameters appear once in the
+  autograd graph (no tied or functional reuse);
 * the exact path (:mod:`.functional`, per-example rows of just those parameters) for the rest:
   other modules' parameters, modules called several times, parameters used outside their module.
 
-``kron`` gives hooked Linear/Conv/Embedding layers Kronecker blocks and every other parameter an
-exact diagonal block; ``diag`` the exact diagonal everywhere; ``full`` takes the exact path.
+``kron`` gives hooked layers whose rule has Kronecker factors (Linear, Conv1d/2d, Embedding, HF
+Conv1D) Kronecker blocks and every other parameter an exact diagonal block; ``diag`` the exact diagonal everywhere; ``full`` takes the exact path.
 """
 from __future__ import annotations
 
