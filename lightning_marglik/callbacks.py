@@ -42,12 +42,13 @@ class MargLikCallback(MargLikCallbackCore, Callback):
 
     After epoch ``e`` (counted from 1) with ``e > burnin`` and ``e % frequency == 0``, and after
     the last epoch of ``max_epochs``, the callback computes the evidence over the examples one
-    training epoch draws at the current weights, takes ``steps`` Adam steps on the log
-    hyperparameters, writes them into the ``GaussianPrior`` and ``Likelihood`` registered on the
-    LightningModule, and logs ``marglik`` (log evidence per datum, after the update) with every
-    hyperparameter. If training ends otherwise (``max_steps``, ``max_time``, early stopping on
-    another metric) after epochs without an estimate, a final estimate is made in ``on_train_end``
-    (``final_marglik``; it also updates ``best_marglik`` and ``trainer.callback_metrics``).
+    training epoch draws at the current weights, steps the log hyperparameters (``solver``:
+    Newton steps until converged, within ``steps`` evaluations, or ``steps`` Adam steps), writes
+    them into the ``GaussianPrior`` and ``Likelihood`` registered on the LightningModule, and logs
+    ``marglik`` (log evidence per datum, after the update) with every hyperparameter. If training
+    ends otherwise (``max_steps``, ``max_time``, early stopping on another metric) after epochs
+    without an estimate, a final estimate is made in ``on_train_end`` (``final_marglik``; it also
+    updates ``best_marglik`` and ``trainer.callback_metrics``).
 
     The evidence data are the examples of the training loader's sampler, each once (a
     ``SubsetRandomSampler``'s indices, a custom sampler's keys, else the whole data set); samplers
