@@ -19,9 +19,24 @@ from .curvature import CurvatureOptions, CurvatureStatistics, collect_statistics
 from .curvature.batches import BatchFn
 from .hyperparameters import GaussianPrior, Likelihood, assign_hyperparameters, learnable_values
 
-__all__ = ["LaplaceEvidence", "SOLVERS"]
+__all__ = ["LaplaceEvidence", "SOLVERS", "require_data"]
 
 SOLVERS = ("adam", "newton")
+
+
+def require_data(n_data: int, likelihood: Likelihood) -> None:
+    """Refuse evidence data without a datum: neither the evidence nor ``map_loss`` is defined there.
+
+    Raises:
+        ValueError: If ``n_data`` is 0 (e.g. every label is ``ignore_index``), naming the fix.
+    """
+    if n_data == 0:
+        ignore = getattr(likelihood, "ignore_index", None)
+        every = f": every label equals ignore_index={ignore}" if ignore is not None else ""
+        raise ValueError(
+            f"The evidence data hold no datum (n_data = 0){every}; the evidence needs at least one. Check the "
+            "labels (e.g. a collator that masks them all, or the wrong ignore_index)."
+        )
 
 
 class LaplaceEvidence:
@@ -56,6 +71,7 @@ class LaplaceEvidence:
         self.structure = stats.options.structure
         self.approx = stats.options.approx
         self.n_data = stats.n_data
+        require_data(self.n_data, likelihood)
         self.slow = dict(stats.slow)
         stats.prepare()
         self.structures = stats.structures
@@ -64,6 +80,7 @@ class LaplaceEvidence:
         with torch.no_grad():
             self._sq_norms = prior.group_sq_norms([p.detach().double() for p in prior.params]).to(device)
         self._group_sizes = prior.group_sizes().to(torch.float64)
+        self._tensor_groups = self._groups_of_tensors()
 
     @classmethod
     def fit(
@@ -80,7 +97,8 @@ class LaplaceEvidence:
         max_memory: int = CurvatureOptions.max_memory,
         backend: str = "hooks",
     ) -> "LaplaceEvidence":
-        """One pass over ``dataloader`` at the model's current weights.
+        """One pass over ``dataloader`` at the model's current weights; stores the count of data on the
+        prior (``prior.n_data``, the default ``N`` of :func:`map_loss`).
 
         Args:
             model: Network mapping inputs to outputs ``(B, ..., C)``.
@@ -99,12 +117,15 @@ class LaplaceEvidence:
             The evidence object.
 
         Raises:
-            ValueError: On bad options, a model the structure cannot handle, or bad targets.
+            ValueError: On bad options, a model the structure cannot handle, bad targets, or data
+                without a datum (every label ``ignore_index``).
             TypeError: On batches that are not ``(inputs, targets)`` pairs.
         """
         options = CurvatureOptions(structure, approx, mc_samples, max_memory, backend)
         stats = collect_statistics(model, dataloader, likelihood, prior, generator=generator, batch_fn=batch_fn, options=options)
-        return cls(stats, likelihood, prior)
+        evidence = cls(stats, likelihood, prior)
+        prior.record_n_data(evidence.n_data)
+        return evidence
 
     @classmethod
     def from_statistics(cls, stats: CurvatureStatistics, likelihood: Likelihood, prior: GaussianPrior) -> "LaplaceEvidence":
@@ -153,6 +174,15 @@ class LaplaceEvidence:
             return list(torch.split(log_precision, self.prior.param_sizes))
         return list(self.prior.per_tensor(log_precision).unbind())
 
+    def _groups_of_tensors(self) -> List[Tensor]:
+        """Per prior tensor, the entries of ``log_precision`` its log precision comes from."""
+        device = self.prior.log_precision.device
+        if self.prior.structure == "diagonal":
+            ends = torch.tensor(self.prior.param_sizes).cumsum(0).tolist()
+            return [torch.arange(end - size, end, device=device) for end, size in zip(ends, self.prior.param_sizes)]
+        scalar = self.prior.structure == "scalar"
+        return [torch.tensor([0 if scalar else t], device=device) for t in range(len(self.prior.param_sizes))]
+
     def _pieces(self, values: Dict[str, Tensor]) -> Dict[str, Tensor]:
         values = {k: v.to(torch.float64) for k, v in values.items()}
         log_prec = values["log_precision"]
@@ -194,6 +224,73 @@ class LaplaceEvidence:
         the curvature is not finite or a factorisation fails.
         """
         return self.log_marglik_at(self.hyperparameters())
+
+    def _likelihood_derivatives(self, full: Dict[str, Tensor], names: List[str]) -> List[Tensor]:
+        """The tempered log-likelihood and ``u = log s``, each with its gradient and Hessian in the
+        likelihood's learned log hyperparameters ``names`` (at most two scalars: autograd)."""
+        if not names:
+            empty = full["log_precision"].new_zeros(0)
+            loglik = self.likelihood.log_likelihood(self._lik_stats, full)
+            return [loglik, empty, empty.reshape(0, 0), torch.log(self._scale(full)), empty, empty.reshape(0, 0)]
+        leaves = [full[n].detach().reshape(()).requires_grad_(True) for n in names]
+        point = {**full, **dict(zip(names, leaves))}
+        out: List[Tensor] = []
+        with torch.enable_grad():
+            for value in (self.likelihood.log_likelihood(self._lik_stats, point), torch.log(self._scale(point))):
+                first = torch.autograd.grad(value, leaves, create_graph=True, allow_unused=True, materialize_grads=True)
+                rows = [
+                    torch.stack(torch.autograd.grad(g, leaves, retain_graph=True, allow_unused=True, materialize_grads=True))
+                    if g.requires_grad else torch.zeros_like(g).expand(len(leaves))
+                    for g in first
+                ]
+                out += [value.detach(), torch.stack(first).detach(), torch.stack(rows).detach()]
+        return out
+
+    def _second_order(self, current: Dict[str, Tensor], learned: Tensor, values: Dict[str, Tensor]) -> solvers.SecondOrder:
+        """The log marglik with its gradient and Hessian in the learnable ``values`` (flat, in their
+        order), in closed form from the structures' :meth:`log_det_derivatives`: diagonal in the
+        prior precisions (plus their coupling under a full curvature) with a border for the
+        likelihood's hyperparameters, which enter the log-determinant through ``u = log s``."""
+        names = [n for n in values if n != "log_precision"]
+        full = {k: v.detach() for k, v in self._with_fixed(current, values).items()}
+        log_prec = full["log_precision"]
+        loglik, lik_grad, lik_hess, log_scale, u_grad, u_hess = self._likelihood_derivatives(full, names)
+        log_delta = self._log_delta(log_prec)
+        parts = [s.log_det_derivatives(log_scale.exp(), log_delta) for s in self.structures]
+        first, mixed, second = (log_prec.new_zeros(log_prec.numel()) for _ in range(3))
+        index = torch.cat([self._tensor_groups[t] for p in parts for t in p.rho])
+        for total, store in ((first, "rho"), (mixed, "rho_u"), (second, "rho_rho")):
+            total.index_add_(0, index, torch.cat([v.reshape(-1) for p in parts for v in getattr(p, store).values()]))
+        cross = None
+        for part in parts:
+            if part.cross is not None:
+                cross = log_prec.new_zeros(log_prec.numel(), log_prec.numel()) if cross is None else cross
+                at = torch.cat([self._tensor_groups[t] for t in part.cross[0]])
+                cross.index_put_((at.unsqueeze(1), at.unsqueeze(0)), part.cross[1], accumulate=True)
+        ld_u, ld_uu = sum(p.u for p in parts), sum(p.uu for p in parts)
+        delta_norms = log_prec.exp() * self._sq_norms
+        value = (
+            loglik + 0.5 * (self._group_sizes * log_prec).sum() - 0.5 * delta_norms.sum()
+            - 0.5 * sum(p.value for p in parts)
+        )
+        grad_lik = lik_grad - 0.5 * ld_u * u_grad
+        hess_lik = lik_hess - 0.5 * (ld_uu * torch.outer(u_grad, u_grad) + ld_u * u_hess)
+        if "log_precision" not in values:
+            learned = torch.zeros_like(learned)
+        grad_rho = (0.5 * self._group_sizes - 0.5 * delta_norms - 0.5 * first)[learned]
+        hess_rho = (-0.5 * delta_norms - 0.5 * second)[learned]
+        border = (-0.5 * mixed[learned]).unsqueeze(1) * u_grad.unsqueeze(0)  # (groups, likelihood names)
+        n_rho, n = len(grad_rho), len(grad_rho) + len(names)
+        gradient = torch.cat([grad_rho, grad_lik])
+        if cross is not None and n <= solvers.DENSE_LIMIT:
+            hessian = torch.diag(torch.cat([hess_rho, hess_lik.new_zeros(len(names))]))
+            hessian[:n_rho, :n_rho] -= 0.5 * cross[learned][:, learned]
+            hessian[:n_rho, n_rho:], hessian[n_rho:, :n_rho], hessian[n_rho:, n_rho:] = border, border.T, hess_lik
+            return solvers.SecondOrder(value, gradient, torch.arange(n, device=gradient.device), hessian, gradient.new_zeros(0))
+        if cross is not None:  # too many coupled precisions for a dense Hessian: its diagonal (the line search guards)
+            hess_rho = hess_rho - 0.5 * torch.diagonal(cross)[learned]
+        rows = torch.cat([border.T, hess_lik], dim=1)
+        return solvers.SecondOrder(value, gradient, torch.arange(n_rho, n, device=gradient.device), rows, hess_rho)
 
     # --- posterior ----------------------------------------------------------------------------
 
@@ -259,7 +356,11 @@ class LaplaceEvidence:
         if solver == "adam":
             solution = solvers.adam(objective, learnable, steps=steps, lr=lr, state=state)
         else:
-            solution = solvers.newton(objective, learnable, tol=tol, max_evaluations=max_evaluations)
+            learned = self.prior.learned_groups()
+            solution = solvers.newton(
+                objective, learnable, tol=tol, max_evaluations=max_evaluations,
+                derivatives=lambda values: self._second_order(current, learned, values),
+            )
         full = self._with_fixed(current, solution.values)
         return dataclasses.replace(solution, values={n: full[n].detach() for n in solution.values})
 

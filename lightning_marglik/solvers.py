@@ -9,9 +9,10 @@ rejected point instead of an error.
 
 * :func:`adam`: ``steps`` Adam steps (the paper's inner loop), continuing moment estimates across
   calls through ``state``.
-* :func:`newton`: Newton's method with exact autograd second derivatives, modified to ascend, a
-  trust region on the largest log change and an Armijo backtracking line search. It typically
-  converges to machine precision in a handful of evaluations.
+* :func:`newton`: Newton's method with exact second derivatives (autograd, or a closed form the
+  caller supplies as ``derivatives``), modified to ascend, a trust region on the largest log
+  change and an Armijo backtracking line search. It typically converges to machine precision in a
+  handful of evaluations.
 """
 from __future__ import annotations
 
@@ -23,9 +24,36 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["Objective", "Solution", "adam", "newton", "DENSE_LIMIT"]
+__all__ = ["Objective", "SecondOrder", "Solution", "adam", "newton", "DENSE_LIMIT"]
 
 Objective = Callable[[Dict[str, Tensor]], Tensor]
+
+
+@dataclass
+class SecondOrder:
+    """An objective with its gradient and (arrowhead) Hessian at a point, in flat coordinates.
+
+    The coordinates are the tensors of ``initial`` flattened in order. The Hessian is given by
+    the full rows of the ``dense`` coordinates and the diagonal at all the others: exact when
+    the other coordinates do not interact (e.g. the prior precisions of a ``kron`` or ``diag``
+    log-determinant, with ``log_sigma`` / ``log_temperature`` dense).
+
+    Attributes:
+        value: The objective (0-dim).
+        gradient: ``(n,)``.
+        dense: Indices ``(k,)`` of the coordinates with full Hessian rows.
+        rows: Their Hessian rows ``(k, n)``.
+        diagonal: The Hessian diagonal at the other coordinates, in order, ``(n - k,)``.
+    """
+
+    value: Tensor
+    gradient: Tensor
+    dense: Tensor
+    rows: Tensor
+    diagonal: Tensor
+
+
+Derivatives = Callable[[Dict[str, Tensor]], SecondOrder]
 
 # Newton uses the exact dense Hessian up to this many coordinates (one Hessian-vector product per
 # coordinate); beyond it, tensors larger than what fits are treated by their Hessian diagonal.
@@ -344,19 +372,64 @@ class _AscentStep:
         return best
 
 
+class _Autograd:
+    """Values at points as autograd graphs; derivatives of the last point by ``_derivatives``."""
+
+    def __init__(self, objective: Objective, flat: _Flat) -> None:
+        self.objective, self.flat = objective, flat
+        self.dense = flat.dense_coordinates().to(flat.vector.device)
+        # a fixed seed: the same problem always takes the same steps
+        signs = torch.randint(0, 2, (flat.vector.numel(),), generator=torch.Generator().manual_seed(0))
+        self.probe = (2 * signs - 1).to(flat.vector)
+        self.probe[self.dense] = 0
+
+    def value(self, vector: Tensor) -> Optional[Tensor]:
+        self.point = vector.detach().clone().requires_grad_(True)
+        self.last = _evaluate(self.objective, self.flat.unflatten(self.point))
+        return None if self.last is None else self.last.detach()
+
+    def derivatives(self) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        assert self.last is not None
+        return (*_derivatives(self.last, self.point, self.dense, self.probe), self.dense)
+
+
+class _ClosedForm:
+    """Values and derivatives from one call of the caller's ``derivatives`` per point."""
+
+    def __init__(self, derivatives: Derivatives, flat: _Flat) -> None:
+        self.function, self.flat = derivatives, flat
+
+    def value(self, vector: Tensor) -> Optional[Tensor]:
+        try:
+            self.last: Optional[SecondOrder] = self.function(self.flat.unflatten(vector.detach()))
+        except torch.linalg.LinAlgError:
+            self.last = None
+        if self.last is None:
+            return None
+        value = self.last.value.detach().reshape(())
+        return value if bool(torch.isfinite(value)) else None
+
+    def derivatives(self) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        assert self.last is not None
+        last = self.last
+        return last.gradient.detach(), last.rows.detach(), last.diagonal.detach(), last.dense
+
+
 def newton(
     objective: Objective,
     initial: Dict[str, Tensor],
     tol: float = 1e-6,
     max_evaluations: int = 20,
+    derivatives: Optional[Derivatives] = None,
 ) -> Solution:
     """Maximize ``objective`` by Newton's method with a line search in the (log) coordinates.
 
     All tensors of ``initial`` are flattened into one vector. At each accepted point the gradient
-    and the exact Hessian come from autograd (one Hessian-vector product per coordinate). Above
-    ``DENSE_LIMIT`` coordinates (e.g. a diagonal prior over many parameters), the tensors that do
-    not fit are treated by their Hessian diagonal (one extra product, see ``_derivatives``),
-    coupled exactly to the small ones. The Hessian is modified to be negative definite (absolute
+    and the Hessian come from ``derivatives`` where given (every evaluation then calls it instead
+    of ``objective``), else from autograd: the exact Hessian by one Hessian-vector product per
+    coordinate, and above ``DENSE_LIMIT`` coordinates (e.g. a diagonal prior over many
+    parameters), the Hessian diagonal of the tensors that do not fit (one extra product, see
+    ``_derivatives``), coupled exactly to the small ones. The Hessian is modified to be negative definite (absolute
     eigenvalues), the step is damped to change no coordinate by more than ``TRUST_RADIUS`` and an
     Armijo backtracking line search accepts it only if the objective rises; trial points where the
     objective is non-finite or raises ``torch.linalg.LinAlgError`` are rejected like any other.
@@ -367,6 +440,9 @@ def newton(
         tol: Stop when a full Newton step predicts an increase below ``tol`` (in the objective's
             units, nats for a log evidence), or below the objective's rounding error.
         max_evaluations: Budget of objective evaluations, start and line-search trials included.
+        derivatives: Maps ``{name: tensor}`` to the objective with its gradient and Hessian
+            (:class:`SecondOrder`, in the flat order of ``initial``); raising
+            ``torch.linalg.LinAlgError`` or a non-finite value rejects the point.
 
     Returns:
         The best point reached (the last accepted one), with ``state = {}``.
@@ -390,20 +466,15 @@ def newton(
         return _nothing_to_optimize(objective)
 
     flat = _Flat(initial)
-    dense = flat.dense_coordinates().to(flat.vector.device)
-    # a fixed seed: the same problem always takes the same steps
-    signs = torch.randint(0, 2, (flat.vector.numel(),), generator=torch.Generator().manual_seed(0))
-    probe = (2 * signs - 1).to(flat.vector)
-    probe[dense] = 0
-
-    point = flat.vector.clone().requires_grad_(True)
-    value = _evaluate(objective, flat.unflatten(point))
+    oracle = _Autograd(objective, flat) if derivatives is None else _ClosedForm(derivatives, flat)
+    point = flat.vector.clone()
+    value = oracle.value(point)
     if value is None:
         return _failed_start(initial, {})
     start, evaluations, trace = value.detach(), 1, [value.item()]
     converged = diverged = False
     while True:
-        grad, rows, diagonal = _derivatives(value, point, dense, probe)
+        grad, rows, diagonal, dense = oracle.derivatives()
         if not (torch.isfinite(grad).all() and torch.isfinite(rows).all() and torch.isfinite(diagonal).all()):
             diverged = True
             break
@@ -417,9 +488,9 @@ def newton(
         step = ascent.within(TRUST_RADIUS)
         slope = float(grad @ step)
         alpha, accepted = 1.0, None
-        while evaluations < max_evaluations and alpha * step.abs().max().item() > _noise(point.detach().abs().max()):
-            trial = (point.detach() + alpha * step).requires_grad_(True)
-            trial_value = _evaluate(objective, flat.unflatten(trial))
+        while evaluations < max_evaluations and alpha * step.abs().max().item() > _noise(point.abs().max()):
+            trial = point + alpha * step
+            trial_value = oracle.value(trial)
             evaluations += 1
             if trial_value is not None and trial_value.item() >= value.item() + ARMIJO * alpha * slope:
                 accepted = trial, trial_value
@@ -436,7 +507,7 @@ def newton(
         trace.append(value.item())
 
     return Solution(
-        values=_detached(flat.unflatten(point.detach())),
+        values=_detached(flat.unflatten(point)),
         value=value.detach(),
         start=start,
         state={},

@@ -8,12 +8,15 @@ processes in ONE flattened collective.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from .options import CurvatureOptions
+
+if TYPE_CHECKING:
+    from .structures.derivatives import LogDetDerivatives
 
 __all__ = ["BatchCurvature", "CurvatureStatistics", "LayerPlan", "Structure"]
 
@@ -106,6 +109,11 @@ class Structure:
             log_delta: Log prior precision of every prior tensor: 0-dim (one per tensor) or
                 ``(numel,)`` (a diagonal prior).
         """
+        raise NotImplementedError
+
+    def log_det_derivatives(self, scale: Tensor, log_delta: List[Tensor]) -> "LogDetDerivatives":
+        """:meth:`log_det` with its first and second derivatives in ``log s`` and the ``log_delta``
+        (closed form from the cached decomposition; see :mod:`.structures.derivatives`)."""
         raise NotImplementedError
 
     def covariance(self, jacobians: List[Tensor], scale: Tensor, delta: List[Tensor]) -> Tensor:

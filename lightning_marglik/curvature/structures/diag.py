@@ -8,6 +8,7 @@ from torch import Tensor
 
 from ..layers import layer_diagonal
 from ..statistics import BatchCurvature, LayerPlan, Structure
+from .derivatives import LogDetDerivatives, separable_terms
 
 __all__ = ["DiagStructure"]
 
@@ -57,6 +58,12 @@ class DiagStructure(Structure):
     def log_det(self, scale: Tensor, log_delta: List[Tensor]) -> Tensor:
         terms = [torch.log(scale * c + log_delta[i].exp()).sum() for i, c in self._blocks.items()]
         return torch.stack(terms).sum()
+
+    def log_det_derivatives(self, scale: Tensor, log_delta: List[Tensor]) -> LogDetDerivatives:
+        out = LogDetDerivatives.zero(scale)
+        for i, c in self._blocks.items():
+            out.add_terms(i, *separable_terms(scale * c, log_delta[i]))
+        return out
 
     def covariance(self, jacobians: List[Tensor], scale: Tensor, delta: List[Tensor]) -> Tensor:
         cov = 0

@@ -11,12 +11,13 @@ decomposed once and the rest enters through the Schur complement
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from ..statistics import BatchCurvature, GatherFn, Structure, SumFn
+from .derivatives import LogDetDerivatives, separable_terms
 
 __all__ = ["FullStructure"]
 
@@ -169,6 +170,70 @@ class FullStructure(Structure):
             inner = eye + scaled @ scaled.T
             log_det_prior = per_param.sum()
         return log_det_prior + _log_det_chol(inner)
+
+    def log_det_derivatives(self, scale: Tensor, log_delta: List[Tensor]) -> LogDetDerivatives:
+        """Closed-form derivatives: from the eigenvalues with a scalar prior (``O(P)``), else from
+        ``X = H^-1`` (``O(P^3)``, or ``O(P^2 R)`` by Woodbury in the low-rank form).
+
+        With ``d_i = delta_i X_ii``: ``d log|H| / d rho_t = sum_{i in t} d_i``, ``d/du = P - sum d``,
+        ``d2 / drho_t drho_r = [t = r] sum_{i in t} d_i - sum_{i in t, j in r} delta_i delta_j X_ij^2``,
+        ``d2 / drho_t du = -sum_{i in t} f_i`` and ``d2/du2 = sum f`` with
+        ``f_i = d_i - delta_i sum_j X_ij^2 delta_j``.
+        """
+        out = LogDetDerivatives.zero(scale)
+        if self.gram is not None and self.prior_structure == "scalar" and self._finite:
+            index = self.indices[0]
+            out.add_terms(index, *separable_terms(scale * self._eig, log_delta[index]))
+            return out
+        per_param = self._per_parameter(log_delta)
+        inverse = self._inverse(scale, per_param) if self._finite else None
+        if inverse is None:
+            out.value = scale * float("nan")
+            return out
+        x, out.value = inverse
+        delta = per_param.exp()
+        d = delta * torch.diagonal(x)
+        squares = x * x
+        f = d - delta * (squares @ delta)
+        out.u, out.uu = self.n_params - d.sum(), f.sum()
+        slices = self._tensor_slices()
+        if self.prior_structure == "diagonal":
+            self_terms = delta.pow(2) * torch.diagonal(squares)
+            for t, part in zip(self.indices, slices):
+                out.rho[t], out.rho_u[t], out.rho_rho[t] = d[part], -f[part], d[part] - self_terms[part]
+            out.exact_diagonal = False
+            return out
+        # block sums of delta_i delta_j X_ij^2 over the tensors' slices
+        tensor_of = torch.repeat_interleave(
+            torch.arange(len(slices), device=x.device), torch.tensor([p.stop - p.start for p in slices], device=x.device)
+        )
+        weighted = squares * delta * delta.unsqueeze(1)
+        blocks = x.new_zeros(len(slices), self.n_params).index_add_(0, tensor_of, weighted)
+        blocks = x.new_zeros(len(slices), len(slices)).index_add_(1, tensor_of, blocks)
+        for k, (t, part) in enumerate(zip(self.indices, slices)):
+            out.rho[t], out.rho_u[t], out.rho_rho[t] = d[part].sum(), -f[part].sum(), d[part].sum() - blocks[k, k]
+        out.cross = (list(self.indices), -(blocks - torch.diag(torch.diagonal(blocks))))
+        return out
+
+    def _inverse(self, scale: Tensor, per_param: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
+        """``(H^-1, log|H|)`` with ``H = s C + diag(exp(per_param))``; ``None`` if a Cholesky fails."""
+        if self.gram is not None:
+            chol, info = torch.linalg.cholesky_ex(scale * self.gram + torch.diag(per_param.exp()))
+            if int(info) != 0:
+                return None
+            return torch.cholesky_inverse(chol), 2 * torch.log(torch.diagonal(chol)).sum()
+        # Woodbury: H^-1 = D^-1 - D^-1 U^T (I/s + U D^-1 U^T)^-1 U D^-1, |H| = |D| |s| ^R |I/s + U D^-1 U^T|
+        assert self.rows is not None
+        inv_delta = torch.exp(-per_param)
+        ud = self.rows * inv_delta
+        n_rows = self.rows.shape[0]
+        inner = torch.eye(n_rows, dtype=ud.dtype, device=ud.device) / scale + ud @ self.rows.T
+        chol, info = torch.linalg.cholesky_ex(inner)
+        if int(info) != 0:
+            return None
+        half = torch.linalg.solve_triangular(chol, ud, upper=False)
+        log_det = per_param.sum() + n_rows * torch.log(scale) + 2 * torch.log(torch.diagonal(chol)).sum()
+        return torch.diag(inv_delta) - half.T @ half, log_det
 
     def covariance(self, jacobians: List[Tensor], scale: Tensor, delta: List[Tensor]) -> Tensor:
         flat = torch.cat([jacobians[i] for i in self.indices], dim=2)

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from ..layers import layer_kron, layer_rule
 from ..statistics import BatchCurvature, LayerPlan, Structure
+from .derivatives import LogDetDerivatives, separable_terms
 
 __all__ = ["KronStructure"]
 
@@ -98,6 +99,17 @@ class KronStructure(Structure):
             if q_bias is not None:
                 total = total + torch.log(scale * q_bias + log_delta[layer.roles["bias"]].exp()).sum()
         return total
+
+    def log_det_derivatives(self, scale: Tensor, log_delta: List[Tensor]) -> LogDetDerivatives:
+        out = LogDetDerivatives.zero(scale)
+        for layer, pairs, q_bias in zip(self.layers, self._weight, self._bias):
+            for q, w in pairs:
+                index = layer.roles["weight"]
+                out.add_terms(index, *separable_terms(torch.outer(scale * q, w), log_delta[index]))
+            if q_bias is not None:
+                index = layer.roles["bias"]
+                out.add_terms(index, *separable_terms(scale * q_bias, log_delta[index]))
+        return out
 
     def covariance(self, jacobians: List[Tensor], scale: Tensor, delta: List[Tensor]) -> Tensor:
         b, c = jacobians[self.indices[0]].shape[:2]
