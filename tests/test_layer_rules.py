@@ -288,3 +288,23 @@ def test_a_shared_input_whose_expansion_changes_the_output_stays_on_the_exact_pa
     ev = fit(model, batches(x, y, 5), lik, prior, "diag")
     assert "does not lead with the batch dimension" in ev.slow["classes"]
     check_against_reference(ev, graph_problem(model, x, y, "classification").reference("diag", "ggn"), prior, lik)
+
+
+def test_a_layout_that_only_looked_batch_first_on_the_first_batch_is_refused():
+    """Sequence-first Linear calls (T, B, C): with B == T on the first batch the rows look like
+    examples; a later batch with another size shows they are not. Refused, never silently wrong."""
+
+    class SequenceFirst(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 2)
+
+        def forward(self, x):  # x (B, T, 3)
+            return self.fc(x.transpose(0, 1)).mean(0)  # (B, 2)
+
+    torch.manual_seed(0)
+    model = SequenceFirst().double()
+    x, y = torch.randn(7, 4, 3), torch.randn(7, 2)
+    prior, lik = hyperparameters(model, "regression")
+    with pytest.raises(ValueError, match="Module 'fc' was called with input .* on a batch of 3 examples"):
+        fit(model, batches(x, y, 4), lik, prior, "kron")  # batches of 4 (= T) and 3

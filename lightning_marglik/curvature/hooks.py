@@ -87,7 +87,8 @@ class Recorder:
                         f"Module '{name}' was called once per forward pass on the first batch and more often "
                         "now (data-dependent control flow); the layer-wise curvature needs a fixed call pattern."
                     )
-                if self.strict and not inputs[0].shape[:1] == output.shape[:1] == (self._batch,):
+                leading = (self._batch,)
+                if self.strict and not inputs[0].shape[:1] == getattr(output, "shape", leading)[:1] == leading:
                     raise ValueError(
                         f"Module '{name}' was called with input {tuple(inputs[0].shape)} and output "
                         f"{tuple(output.shape)} on a batch of {self._batch} examples: on the first batch its input and "
