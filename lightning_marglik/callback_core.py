@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from .curvature import CurvatureOptions, check_model, collect_statistics, eval_mode
 from .curvature.batches import call_model, move, split_batch
 from .curvature.scale_invariance import find_scale_invariant
-from .distributed import evidence_loader, reduce_statistics, run_on_all_ranks
+from .distributed import evidence_loader, isolate_rng, reduce_statistics, run_on_all_ranks
 from .evidence import SOLVERS, LaplaceEvidence, require_data
 from .hyperparameters import SCALE_INVARIANT_TREATMENTS, GaussianPrior, Likelihood, learnable_values
 
@@ -422,11 +422,12 @@ class MargLikCallbackCore:
         every batch through the likelihood's target checks, as in the evidence pass."""
         assert self.likelihood is not None
         count = 0
-        for batch in self._evidence_batches(trainer, pl_module):
-            try:
-                count += self.likelihood.count_targets(split_batch(batch, self._batch_fn(pl_module))[1], like)
-            except (TypeError, ValueError) as err:
-                raise MargLikConfigurationError(f"MargLikCallback, the targets of the evidence data: {err}") from err
+        with isolate_rng():  # reading the data (loader seeds, augmentations) must not shift training's random stream
+            for batch in self._evidence_batches(trainer, pl_module):
+                try:
+                    count += self.likelihood.count_targets(split_batch(batch, self._batch_fn(pl_module))[1], like)
+                except (TypeError, ValueError) as err:
+                    raise MargLikConfigurationError(f"MargLikCallback, the targets of the evidence data: {err}") from err
         return count
 
     def _record_n_data(self, n_data: int) -> None:

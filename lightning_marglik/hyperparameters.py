@@ -48,6 +48,8 @@ class GaussianPrior(nn.Module):
     The prior covers every parameter of ``model`` that requires grad at construction. It keeps a
     plain (unregistered) reference to ``model``, so adding the prior to a ``LightningModule``
     does not duplicate the network's parameters or expose the precision to the user's optimizer.
+    Its buffer ``n_data`` (int64, 0 until counted) holds the number of data the evidence counted,
+    the ``N`` of :func:`map_loss`; it is saved in checkpoints with the precisions.
 
     Args:
         model: The network whose parameters the prior covers.
@@ -72,6 +74,7 @@ class GaussianPrior(nn.Module):
     """
 
     log_precision: Tensor
+    n_data: Tensor
 
     def __init__(
         self,
@@ -104,6 +107,30 @@ class GaussianPrior(nn.Module):
         if fixed and structure == "scalar":
             raise ValueError("`fixed` needs one precision per group: use structure='layerwise' (or learn=False).")
         self.fixed: List[str] = [n for n in self.param_names if any(fnmatch.fnmatchcase(n, p) for p in fixed)]
+        # N of the MAP loss: the evidence's count, 0 until counted (a buffer: it travels with checkpoints)
+        self.register_buffer("n_data", torch.zeros((), dtype=torch.int64))
+        self._n_data = 0  # its value as an int: map_loss reads it every step without a device sync
+        self._warned_n_data = False  # map_loss warns once about an explicit n_data that differs from it
+
+    def record_n_data(self, n_data: int) -> None:
+        """Store the number of data ``N`` the evidence counted: the ``N`` of :func:`map_loss`.
+
+        Written by ``MargLikCallback`` (when training starts and after every estimate) and by
+        ``LaplaceEvidence.fit``.
+
+        Raises:
+            ValueError: If ``n_data`` is not a positive int.
+        """
+        if isinstance(n_data, bool) or not isinstance(n_data, int) or n_data <= 0:
+            raise ValueError(f"`n_data` must be a positive int, got {n_data!r}.")
+        self.n_data.fill_(n_data)
+        self._n_data = n_data
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: object, **kwargs: object) -> None:
+        # checkpoints from before N was stored lack it: such a prior has not counted N yet
+        state_dict.setdefault(prefix + "n_data", torch.zeros((), dtype=torch.int64))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._n_data = int(self.n_data)
 
     def learned_groups(self) -> Tensor:
         """Boolean mask over ``log_precision``: which groups the evidence learns."""
@@ -254,6 +281,17 @@ class Likelihood(nn.Module):
         """Number of kept terms (data) in the batch: what ``n_data`` counts."""
         return int(self.terms(output, target)[2].sum())
 
+    def count_targets(self, target: Tensor, like: Tensor) -> int:
+        """What :meth:`count` gives for a batch's targets alone, without a forward pass.
+
+        The same checks and mask as :meth:`count`, on a zero-stride stand-in for the batch's
+        outputs (no memory): the leading sizes from ``target``, the number of outputs from ``like``
+        (the outputs of another batch of the same data).
+        """
+        leading = target.shape if target.dim() < like.dim() else target.shape[:-1]
+        stand_in = torch.zeros((), dtype=like.dtype, device=target.device).expand(*leading, like.shape[-1])
+        return self.count(stand_in, target)
+
     def statistics(self, output: Tensor, target: Tensor) -> Dict[str, Tensor]:
         """Sum-reduced statistics of the batch, computed in float64 whatever the output dtype."""
         flat, flat_target, mask = self.terms(output.double(), target)
@@ -385,6 +423,7 @@ class CategoricalLikelihood(Likelihood):
 
     Logits ``(B, C)`` with labels ``(B,)``, or ``(B, ..., C)`` with labels ``(B, ...)`` (token or
     pixel classification): every position whose label is not ``ignore_index`` is one datum.
+    Labels of every integer dtype (``int8`` ... ``int64``, ``uint8``) are taken as ``int64``.
 
     Args:
         temperature: Likelihood temperature ``T`` (``p^(1/T)``; ``T < 1`` up-weights the data).
@@ -418,6 +457,7 @@ class CategoricalLikelihood(Likelihood):
                 f"CategoricalLikelihood expects integer class labels of shape {tuple(output.shape[:-1])}, got "
                 f"{tuple(target.shape)} of {target.dtype}."
             )
+        target = target.long()  # every integer dtype: cross_entropy and one_hot take int64 labels
         kept = target[target != self.ignore_index]
         if kept.numel() and (kept.min() < 0 or kept.max() >= output.shape[-1]):
             raise ValueError(
@@ -471,28 +511,52 @@ class CategoricalLikelihood(Likelihood):
 
 
 def map_loss(
-    output: Tensor, target: Tensor, likelihood: Likelihood, prior: GaussianPrior, n_data: int
+    output: Tensor, target: Tensor, likelihood: Likelihood, prior: GaussianPrior, n_data: Optional[int] = None
 ) -> Tensor:
     """The MAP training loss that matches the evidence: ``mean_n -log p(y_n|f_n) / T + penalty / N``.
 
     The hyperparameters enter detached: only the network's weights receive gradients. Do not add
     weight decay in the optimizer as well: the prior term already is the weight decay.
 
+    ``N`` is the evidence's count of the data (``prior.n_data``), stored by ``MargLikCallback``
+    when training starts and by ``LaplaceEvidence.fit``, so that the MAP objective and the
+    evidence use one ``N``. An explicit ``n_data`` that differs from that count is used, with a
+    warning (once per prior).
+
     Args:
-        output: Network outputs of the batch, shape ``(B, C)``.
+        output: Network outputs of the batch, shape ``(B, ..., C)``.
         target: Targets of the batch.
         likelihood: The likelihood whose temperature (and noise) the loss uses.
-        prior: The prior whose precisions the loss uses.
-        n_data: Number of training examples ``N`` (the whole data set, not the batch).
+        prior: The prior whose precisions (and counted ``N``) the loss uses.
+        n_data: Number of data ``N`` of the whole training set, not of the batch (what the
+            evidence counts: kept positions for ``(B, ..., C)`` outputs). Default: ``prior.n_data``.
 
     Returns:
         The scalar loss.
 
     Raises:
-        ValueError: If ``n_data`` is not positive.
+        ValueError: If ``n_data`` is not positive, or is not given while ``N`` is not counted yet
+            (a training loop without ``MargLikCallback`` before ``LaplaceEvidence.fit``).
     """
-    if n_data <= 0:
+    counted = prior._n_data
+    if n_data is None:
+        if counted == 0:
+            raise ValueError(
+                "map_loss needs the number of training data N, which is not counted yet: train with "
+                "MargLikCallback (it counts N when training starts), or pass `n_data=` (the training set size; "
+                "LaplaceEvidence.fit stores it as well)."
+            )
+        n_data = counted
+    elif n_data <= 0:
         raise ValueError(f"`n_data` must be the positive training set size, got {n_data}.")
+    elif counted and n_data != counted and not prior._warned_n_data:
+        prior._warned_n_data = True
+        warnings.warn(
+            f"map_loss(n_data={n_data}), but the evidence counts N={counted} data: the prior in the MAP loss is "
+            f"{counted / n_data:.3g}x as strong as in the evidence. Leave out `n_data` to use the evidence's N "
+            "(prior.n_data), or pass the training set size N (not the batch size).",
+            stacklevel=2,
+        )
     data_term = likelihood.nll(output, target).mean() / likelihood.temperature.detach().to(output.dtype)
     return data_term + prior.penalty() / n_data
 

@@ -96,6 +96,9 @@ class Model(pl.LightningModule):
             raise RuntimeError(f"injected failure in the evidence pass on rank {self.trainer.global_rank}")
         return self.net(x)
 
+    def on_train_start(self):  # after the callbacks' on_train_start
+        self.counted = int(self.prior.n_data)  # N counted at set-up, summed over the ranks' shards
+
     def on_train_epoch_start(self):
         self.seen = 0
 
@@ -298,6 +301,7 @@ def run_evidence_cases(out: Path) -> Dict[str, Any]:
             "log_prior": ev.log_prior().item(),
             "log_det": ev.log_det().item(),
             "n_data": ev.n_data,
+            "counted_at_setup": module.counted,
             "last_marglik": callback.last_marglik,
             "logged_marglik": metric(trainer),
             "estimations": callback.estimations,

@@ -128,6 +128,7 @@ def test_evidence_under_ddp_equals_single_process(popen_run, popen_ranks, name):
     for rank, got in enumerate(per_rank):
         assert got["world_size"] == 2
         assert got["n_data"] == n == ref.n_data
+        assert got["counted_at_setup"] == n  # map_loss's N: the shards' counts summed at set-up
         for key, value in expected.items():
             assert _close(got[key], value), f"rank {rank} {key}: {got[key]!r} != single-process {value!r}"
         assert got["estimations"] == 1

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_marglik import CategoricalLikelihood, GaussianLikelihood, GaussianPrior, LaplaceEvidence
+from lightning_marglik import CategoricalLikelihood, GaussianLikelihood, GaussianPrior, LaplaceEvidence, map_loss
 from tests.reference import Problem, graph_problem, hyper, loader, reference_env, rel_err, setup  # noqa: F401 (reference_env: autouse fixture)
 
 TOL = 1e-8
@@ -271,3 +271,72 @@ def test_float32_rounding_is_not_taken_for_a_reused_weight():
     data = [(torch.randn(256, 1, 28, 28), torch.randint(0, 10, (256,)))]
     ev = LaplaceEvidence.fit(net, data, CategoricalLikelihood(), GaussianPrior(net), "kron", "ef")
     assert torch.isfinite(ev.log_marglik())
+
+
+# --- issue 17 items 2, 6, 7: one N for the MAP loss and the evidence; no datum; label dtypes ------
+
+
+def _classification(n: int = 24, seq: int = 0, seed: int = 0):
+    """A small classifier and its data: (B, C) logits, or (B, T, C) with a quarter of the labels -100."""
+    g = torch.Generator().manual_seed(seed)
+    net = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 4))
+    x = torch.randn((n, seq, 3) if seq else (n, 3), generator=g)
+    y = torch.randint(0, 4, x.shape[:-1], generator=g)
+    if seq:
+        y[torch.rand(y.shape, generator=g) < 0.25] = -100
+    return net, x, y
+
+
+def test_map_loss_takes_n_from_the_evidence_and_warns_once_on_another():
+    net, x, y = _classification()
+    prior, lik = GaussianPrior(net, precision=2.0), CategoricalLikelihood()
+    with pytest.raises(ValueError, match=r"not counted yet: train with MargLikCallback.*pass `n_data=`"):
+        map_loss(net(x), y, lik, prior)
+    explicit = map_loss(net(x), y, lik, prior, 24)  # a plain loop before the first evidence: its own N
+    LaplaceEvidence.fit(net, loader(x, y, 8), lik, prior, structure="diag")
+    assert int(prior.n_data) == 24
+    assert torch.equal(map_loss(net(x), y, lik, prior), explicit)
+    with pytest.warns(UserWarning, match=r"map_loss\(n_data=8\), but the evidence counts N=24 data.*3x as strong"):
+        wrong = map_loss(net(x), y, lik, prior, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(map_loss(net(x), y, lik, prior, 8), wrong)  # once per prior
+    assert wrong > explicit  # the explicit value is used
+
+
+def test_prior_count_of_data_is_saved_and_old_state_dicts_load():
+    net, x, y = _classification(seq=5)
+    prior = GaussianPrior(net)
+    evidence = LaplaceEvidence.fit(net, loader(x, y, 8), CategoricalLikelihood(), prior, structure="diag")
+    assert int(prior.n_data) == evidence.n_data == int((y != -100).sum())
+    state = prior.state_dict()
+    fresh, lik = GaussianPrior(net), CategoricalLikelihood()
+    fresh.load_state_dict(state)
+    assert int(fresh.n_data) == evidence.n_data
+    assert torch.equal(map_loss(net(x), y, lik, fresh), map_loss(net(x), y, lik, prior, evidence.n_data))
+    old = {k: v for k, v in state.items() if k != "n_data"}  # saved before N was stored
+    fresh.load_state_dict(old)
+    assert int(fresh.n_data) == 0
+    with pytest.raises(ValueError, match="not counted yet"):
+        map_loss(net(x), y, lik, fresh)
+
+
+def test_evidence_of_data_without_a_datum_raises():
+    net, x, y = _classification(seq=5)
+    with pytest.raises(ValueError, match=r"no datum \(n_data = 0\): every label equals ignore_index=-100"):
+        LaplaceEvidence.fit(net, loader(x, torch.full_like(y, -100), 8), CategoricalLikelihood(), GaussianPrior(net), "diag")
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.int32, torch.uint8])
+@pytest.mark.parametrize("structure,approx", [("kron", "ggn"), ("diag", "ef"), ("full", "ggn")])
+def test_every_integer_label_dtype_gives_the_int64_results(dtype, structure, approx):
+    """Labels of any integer dtype are int64 labels: the same evidence and MAP loss, bit for bit."""
+    net, x, y = _classification(seq=0 if dtype == torch.uint8 else 5)  # uint8 cannot hold -100
+    results = {}
+    for labels in (y, y.to(dtype)):
+        prior, lik = GaussianPrior(net, precision=0.5), CategoricalLikelihood()
+        evidence = LaplaceEvidence.fit(net, loader(x, labels, 8), lik, prior, structure=structure, approx=approx)
+        results[labels.dtype] = (evidence.log_marglik(), evidence.n_data, map_loss(net(x), labels, lik, prior, evidence.n_data))
+    assert results[dtype][1] == results[torch.int64][1]
+    assert torch.equal(results[dtype][0], results[torch.int64][0])
+    assert torch.equal(results[dtype][2], results[torch.int64][2])

@@ -38,6 +38,7 @@ from lightning_marglik import GaussianLikelihood, GaussianPrior, LaplaceEvidence
 from lightning_marglik import MargLikEarlyStopping
 from lightning_marglik.distributed import evidence_loader
 from tests.lightning_models import Regressor, loader, regression_data, trainer
+from tests.lightning_models import Classifier, blobs
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:.*does not have many workers.*", "ignore:.*LeafSpec.*", "ignore:.*no `val_dataloader`.*",
@@ -347,3 +348,52 @@ def test_early_stopping_says_when_and_why(caplog):
     assert message is not None and "after epoch 6" in message
     assert "marglik" in message and "2 estimations (patience=2)" in message
     assert message in caplog.messages
+
+
+# --- issue 17 items 2, 6, 7: one N for map_loss and the evidence; no datum; integer labels ------
+
+
+def test_map_loss_and_the_evidence_use_one_n(tmp_path):
+    """``map_loss(..., n_data=32)``, the batch size for N = 200, trained with a prior 6x too strong
+    without a word. The callback counts N when training starts and stores it on the prior: map_loss
+    without ``n_data`` trains exactly as with ``n_data=200``, a differing ``n_data`` warns, and the
+    count is saved with the weights."""
+    data = loader(regression_data(200), batch_size=32)
+    runs = {}
+    for n_data in (None, 200):
+        torch.manual_seed(0)
+        runs[n_data] = _fit([_quick(frequency=5)], 10, model=Regressor(n_data=n_data), data=data)
+    (counted, t), (explicit, _) = runs[None], runs[200]
+    assert int(counted.prior.n_data) == 200
+    for (name, a), b in zip(counted.state_dict().items(), explicit.state_dict().values()):
+        assert torch.equal(a, b), name
+    with pytest.warns(UserWarning, match=r"map_loss\(n_data=32\), but the evidence counts N=200 data.*6.25x as strong"):
+        _fit([_quick(frequency=5)], 1, model=Regressor(n_data=32), data=data)
+    t.save_checkpoint(tmp_path / "model.ckpt")
+    loaded = Regressor(n_data=None)  # e.g. trained on in a plain loop: map_loss knows N
+    loaded.load_state_dict(torch.load(tmp_path / "model.ckpt", weights_only=True)["state_dict"])
+    assert int(loaded.prior.n_data) == 200
+
+
+def test_labels_all_ignored_refused_at_setup():
+    """Every label ``ignore_index``: a ZeroDivisionError after an epoch before; now refused before training."""
+    x, y = torch.randn(40, 5, 2), torch.full((40, 5), -100)
+    t = trainer([_quick()], 2)
+    with pytest.raises(MisconfigurationException, match=r"no datum \(n_data = 0\): every label equals ignore_index=-100"):
+        t.fit(Classifier(200), DataLoader(TensorDataset(x, y), batch_size=8))
+    assert t.global_step == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.int32, torch.uint8])
+def test_integer_labels_of_every_dtype_train_as_int64(dtype):
+    """int32 labels passed the set-up check and then crashed after an epoch; every integer dtype now
+    trains and estimates exactly as int64 labels do (the diag-EF pass one-hot encodes them)."""
+    x, y = blobs(60, 0).tensors
+    runs = {}
+    for labels in (y, y.to(dtype)):
+        torch.manual_seed(0)
+        model, _ = _fit([cb := _quick()], 2, model=Classifier(60), data=DataLoader(TensorDataset(x.double(), labels), batch_size=20))
+        runs[labels.dtype] = (cb.history, model.state_dict())
+    assert runs[dtype][0] == runs[torch.int64][0]
+    for name, value in runs[torch.int64][1].items():
+        assert torch.equal(runs[dtype][1][name], value), name
