@@ -32,7 +32,13 @@ from .curvature.batches import call_model, move, split_batch
 from .curvature.scale_invariance import find_scale_invariant
 from .distributed import evidence_loader, isolate_rng, reduce_statistics, run_on_all_ranks
 from .evidence import SOLVERS, LaplaceEvidence, require_data
-from .hyperparameters import SCALE_INVARIANT_TREATMENTS, GaussianPrior, Likelihood, learnable_values
+from .hyperparameters import (
+    SCALE_INVARIANT_TREATMENTS,
+    GaussianPrior,
+    Likelihood,
+    assign_hyperparameters,
+    learnable_values,
+)
 
 __all__ = [
     "CheckpointCore",
@@ -195,8 +201,8 @@ class MargLikCallbackCore:
         self.final_marglik = math.nan
         self.history: List[Dict[str, float]] = []
         self._optimizer_state: dict = {}
-        # names and shapes of the hyperparameters the Adam state belongs to
-        self._optimizer_signature: Optional[List[Tuple[str, List[int]]]] = None
+        # the hyperparameters the Adam state belongs to (_learnable_signature)
+        self._optimizer_signature: Optional[List[Tuple[str, List[int], List[str]]]] = None
         self._last_estimate_step = -1
         self.evidence = None
 
@@ -235,20 +241,39 @@ class MargLikCallbackCore:
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Check everything the evidence needs, before the first step (the training data exist from here)."""
-        signature = self._learnable_signature()
-        if self._optimizer_state and self._optimizer_signature != signature:
-            rank_zero_warn(
-                f"MargLikCallback: the learnable hyperparameters changed since the checkpoint "
-                f"({self._optimizer_signature} -> {signature}): the Adam state of the hyperparameter steps starts "
-                "afresh; the evidence history and best value are kept."
-            )
-            self._optimizer_state, self._optimizer_signature = {}, None
         # one rank's failure (e.g. its shard's first batch) is raised on every rank, not left hanging
         local = run_on_all_ranks(
             trainer.strategy, lambda: self._count_data(trainer, pl_module, self._check_setup(trainer, pl_module))
         )
         strategy = trainer.strategy
         self._record_n_data(int(strategy.reduce(torch.tensor(local, device=strategy.root_device), reduce_op="sum")))
+        self._follow_changed_learnables()  # after the set-up check, which decides the scale-invariant treatment
+
+    def _follow_changed_learnables(self) -> None:
+        """After a resume: tensors whose precision the checkpoint learned and the prior now fixes take
+        the declared ``precision``; a changed set of learned hyperparameters restarts the Adam state.
+        Both with a warning (identical on every rank: the checkpoint's state is)."""
+        assert self.prior is not None and self.likelihood is not None
+        saved, signature = self._optimizer_signature, self._learnable_signature()
+        if saved is None:
+            return
+        learned_before = next((entry[2] for entry in saved if entry[0] == "log_precision" and len(entry) > 2), [])
+        newly_fixed = [name for name in self.prior.fixed_names() if name in learned_before]
+        if newly_fixed:
+            assign_hyperparameters(
+                self.prior, self.likelihood, {"log_precision": self.prior.declared_log_precision(newly_fixed)}
+            )
+            rank_zero_warn(
+                f"MargLikCallback: the checkpoint learned the prior precision of {newly_fixed}, which the prior now "
+                f"fixes (GaussianPrior(fixed=...)): they take the declared precision={self.prior.initial_precision:g}."
+            )
+        if self._optimizer_state and [tuple(entry) for entry in saved] != signature:
+            rank_zero_warn(
+                f"MargLikCallback: the learnable hyperparameters changed since the checkpoint "
+                f"({saved} -> {signature}): the Adam state of the hyperparameter steps starts "
+                "afresh; the evidence history and best value are kept."
+            )
+            self._optimizer_state, self._optimizer_signature = {}, None
 
     def _check_setup(self, trainer: Trainer, pl_module: LightningModule) -> torch.Tensor:
         """Everything the evidence needs, on one evidence batch; returns that batch's outputs."""
@@ -445,10 +470,15 @@ class MargLikCallbackCore:
             f"likelihood.{name}": buffer for name, buffer in self.likelihood.hyperparameters().items()
         }}
 
-    def _learnable_signature(self) -> List[Tuple[str, List[int]]]:
-        """Names and shapes of the hyperparameters the Adam steps optimize, in the engine's order."""
+    def _learnable_signature(self) -> List[Tuple[str, List[int], List[str]]]:
+        """What the Adam steps optimize, in the engine's order: each hyperparameter's name and shape,
+        and for ``log_precision`` the names of the tensors whose precision is learned (the same shape
+        may hold other groups)."""
         assert self.prior is not None and self.likelihood is not None
-        return [(name, list(value.shape)) for name, value in learnable_values(self.prior, self.likelihood).items()]
+        return [
+            (name, list(value.shape), self.prior.learned_names() if name == "log_precision" else [])
+            for name, value in learnable_values(self.prior, self.likelihood).items()
+        ]
 
     @staticmethod
     def _batch_fn(pl_module: LightningModule) -> Optional[Callable[[Any], Any]]:
@@ -568,7 +598,8 @@ def _warn_if_limited(loader: DataLoader, max_batches: int, limit: Union[int, flo
 def _progress(trainer: Trainer, batches: Iterable, package: LightningPackage) -> Iterator[Optional[Callable[[int], None]]]:
     """A line for the evidence pass in the trainer's progress bar, TQDM or Rich (rank 0 only, if it is on).
 
-    Placed and drawn as the bar's validation line, and gone when the pass ends as that one is.
+    TQDM: placed and drawn as the bar's validation line, and gone when the pass ends as that one
+    is. Rich: one line under the training bar, showing the latest pass.
 
     Yields:
         The per-batch callback for ``collect_statistics(on_batch=...)``, or ``None`` without a bar.
@@ -592,19 +623,21 @@ def _progress(trainer: Trainer, batches: Iterable, package: LightningPackage) ->
         finally:
             bar.close()
     elif isinstance(bars, package.rich_bar) and bars.progress is not None:
+        # one line under the training bar, reset for every pass and kept (a log file gets the last pass)
         progress = bars.progress
-        task = progress.add_task(DESCRIPTION, total=math.inf if total is None else total)
+        size = math.inf if total is None else total
+        task = next((t.id for t in progress.tasks if t.description == DESCRIPTION), None)
+        if task is None:
+            task = progress.add_task(DESCRIPTION, total=size)
+        else:
+            progress.reset(task, total=size, visible=True)
 
         def step(_: int) -> None:
             progress.update(task, advance=1)
             bars.refresh()
 
-        try:
-            yield step
-            bars.refresh(hard=True)  # the finished line is drawn once, as validation's is
-        finally:
-            progress.remove_task(task)
-            bars.refresh()
+        yield step
+        bars.refresh()
     else:
         yield None
 

@@ -33,6 +33,7 @@ __all__ = [
 ]
 
 PRIOR_STRUCTURES = ("scalar", "layerwise", "diagonal")
+SCALE_INVARIANT_TREATMENTS = ("decoupled", "fixed", "learn")
 
 
 def _log_buffer(value: float, name: str) -> Tensor:
@@ -111,6 +112,48 @@ class GaussianPrior(nn.Module):
         self.register_buffer("n_data", torch.zeros((), dtype=torch.int64))
         self._n_data = 0  # its value as an int: map_loss reads it every step without a device sync
         self._warned_n_data = False  # map_loss warns once about an explicit n_data that differs from it
+        self.initial_precision = float(precision)
+        # set by MargLikCallback from the structural analysis (``treat_scale_invariant``)
+        self.scale_invariant: List[str] = []
+        self.scale_invariant_treatment = "learn"
+
+    def treat_scale_invariant(self, names: Sequence[str], treatment: str) -> None:
+        """Declare the tensors the training loss is scale-invariant in, and how their precision is treated.
+
+        ``"fixed"``: the evidence keeps their precision (like ``fixed=``). ``"decoupled"``: the
+        evidence learns its own precision for them (``log_precision``), but the MAP loss
+        (:meth:`penalty`) keeps the constructor's ``precision`` for them, so the learned value is
+        never fed back as weight decay. ``"learn"``: no special treatment. Tensors in ``fixed``
+        keep that treatment whatever ``treatment`` says.
+
+        Args:
+            names: Names of covered parameters (``param_names``).
+            treatment: One of ``"decoupled"``, ``"fixed"``, ``"learn"``.
+
+        Raises:
+            ValueError: On an unknown treatment or name, or a scalar prior with a treatment other
+                than ``"learn"`` (one precision cannot treat some tensors apart).
+        """
+        if treatment not in SCALE_INVARIANT_TREATMENTS:
+            raise ValueError(f"`scale_invariant` must be one of {SCALE_INVARIANT_TREATMENTS}, got {treatment!r}.")
+        unknown = [n for n in names if n not in self.param_names]
+        if unknown:
+            raise ValueError(f"treat_scale_invariant: {unknown} are not parameters the prior covers.")
+        if names and treatment != "learn" and self.structure == "scalar":
+            raise ValueError(
+                f"scale_invariant={treatment!r} needs one precision per tensor, the prior is scalar: use "
+                "GaussianPrior(structure='layerwise') or scale_invariant='learn'."
+            )
+        self.scale_invariant = [n for n in self.param_names if n in set(names) and n not in self.fixed]
+        self.scale_invariant_treatment = treatment
+
+    def _group_mask(self, names: Sequence[str]) -> Tensor:
+        """Boolean mask over ``log_precision``: the groups of the tensors ``names`` (not for a scalar prior)."""
+        chosen = set(names)
+        per_tensor = torch.tensor([n in chosen for n in self.param_names], device=self.log_precision.device)
+        if self.structure == "diagonal":
+            return per_tensor.repeat_interleave(torch.tensor(self.param_sizes, device=per_tensor.device))
+        return per_tensor
 
     def record_n_data(self, n_data: int) -> None:
         """Store the number of data ``N`` the evidence counted: the ``N`` of :func:`map_loss`.
@@ -136,11 +179,33 @@ class GaussianPrior(nn.Module):
         """Boolean mask over ``log_precision``: which groups the evidence learns."""
         if self.structure == "scalar":
             return torch.full((1,), self.learn, device=self.log_precision.device)
-        learned = [self.learn and n not in self.fixed for n in self.param_names]
-        per_tensor = torch.tensor(learned, device=self.log_precision.device)
-        if self.structure == "layerwise":
-            return per_tensor
-        return per_tensor.repeat_interleave(torch.tensor(self.param_sizes, device=per_tensor.device))
+        if not self.learn:
+            return torch.zeros_like(self.log_precision, dtype=torch.bool)
+        return ~self._group_mask(self.fixed_names())
+
+    def fixed_names(self) -> List[str]:
+        """The tensors whose precision stays at the declared ``precision``: those of ``fixed`` and,
+        under ``treat_scale_invariant(..., "fixed")``, the scale-invariant ones."""
+        return self.fixed + (self.scale_invariant if self.scale_invariant_treatment == "fixed" else [])
+
+    def learned_names(self) -> List[str]:
+        """The tensors whose precision the evidence learns, in ``param_names`` order."""
+        if not self.learn:
+            return []
+        held = set(self.fixed_names())
+        return [name for name in self.param_names if name not in held]
+
+    def declared_log_precision(self, names: Sequence[str]) -> Tensor:
+        """``log_precision`` with the groups of the tensors ``names`` at the declared ``precision`` (a copy).
+
+        Raises:
+            ValueError: For a scalar prior (its one group belongs to every tensor).
+        """
+        if self.structure == "scalar":
+            raise ValueError("A scalar prior has one precision for every tensor; it has no groups to reset.")
+        values = self.log_precision.detach().clone()
+        values[self._group_mask(names)] = math.log(self.initial_precision)
+        return values
 
     @property
     def params(self) -> List[Tensor]:
@@ -197,8 +262,21 @@ class GaussianPrior(nn.Module):
         return self.per_tensor(log_precision).repeat_interleave(sizes)
 
     def penalty(self) -> Tensor:
-        """``1/2 sum_g delta_g ||theta_g||^2`` at the current precision (the MAP loss term)."""
-        return 0.5 * (self.precision.detach() * self.group_sq_norms()).sum()
+        """``1/2 sum_g delta_g ||theta_g||^2`` at the current precision (the MAP loss term).
+
+        Scale-invariant tensors under the ``"decoupled"`` treatment use the constructor's
+        ``precision`` here, whatever the evidence learned for them (:meth:`treat_scale_invariant`).
+        """
+        return 0.5 * (self.weight_decay_log_precision().exp() * self.group_sq_norms()).sum()
+
+    def weight_decay_log_precision(self) -> Tensor:
+        """Log precision per group that the MAP loss uses (detached): ``log_precision``, except for
+        scale-invariant tensors under the ``"decoupled"`` treatment, which keep the initial precision."""
+        log_precision = self.log_precision.detach()
+        if self.scale_invariant and self.scale_invariant_treatment == "decoupled":
+            initial = torch.full_like(log_precision, math.log(self.initial_precision))
+            log_precision = torch.where(self._group_mask(self.scale_invariant), initial, log_precision)
+        return log_precision
 
     def extra_repr(self) -> str:
         return f"structure={self.structure!r}, groups={self.log_precision.numel()}, learn={self.learn}, fixed={self.fixed}"

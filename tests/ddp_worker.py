@@ -15,6 +15,9 @@ Modes:
                    (exit code 1) by design.
     spawn          ``ddp_spawn``: per-rank results from the workers, and what the main process
                    gets back (``spawn-main.json``).
+    train          the ``train`` part of ``popen`` alone (``train-rank<r>.json``); with
+                   ``DDP_WORKER_PACKAGE=lightning`` in the environment the worker uses
+                   ``lightning.pytorch`` and ``lightning_marglik.lightning`` throughout.
     errors [CASE ...]
                    one fit per case in which rank 1 alone fails (default ``error-setup``: a bad
                    batch, not an ``(inputs, targets)`` pair, in rank 1's evidence shard from the
@@ -40,22 +43,26 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import Callback
-from pytorch_lightning.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, SubsetRandomSampler, TensorDataset
 
-from lightning_marglik import (
-    CategoricalLikelihood,
-    GaussianLikelihood,
-    GaussianPrior,
-    MargLikCallback,
-    MargLikCheckpoint,
-    MargLikEarlyStopping,
-    map_loss,
-)
+from lightning_marglik import CategoricalLikelihood, GaussianLikelihood, GaussianPrior, map_loss
+
+# the Lightning package (and our callbacks for it) the worker runs with
+PACKAGE = os.environ.get("DDP_WORKER_PACKAGE", "pytorch_lightning")
+if PACKAGE == "lightning":
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_marglik.lightning import MargLikCallback, MargLikCheckpoint, MargLikEarlyStopping
+else:
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import Callback
+    from pytorch_lightning.strategies import DDPStrategy
+
+    from lightning_marglik import MargLikCallback, MargLikCheckpoint, MargLikEarlyStopping
 
 # A desync fails within a minute, not Lightning's default 30. The rendezvous shares this timeout:
 # rank 1 (a fresh interpreter) must import torch and Lightning within it (about 20 s at a load of 5
@@ -354,6 +361,9 @@ def run_training(out: Path) -> Dict[str, Any]:
         "best_model_path": checkpoint.best_model_path,
         "best_model_score": None if checkpoint.best_model_score is None else float(checkpoint.best_model_score),
         "max_epochs": trainer.max_epochs,
+        "package": PACKAGE,
+        "trainer_checkpoint_is_ours": trainer.checkpoint_callback is checkpoint,
+        "trainer_early_stopping_is_ours": trainer.early_stopping_callback is stopper,
     }
 
 
@@ -536,6 +546,8 @@ def main(argv: List[str]) -> None:
         popen(out)
     elif mode == "spawn":
         spawn(out)
+    elif mode == "train":
+        write(out, f"train-rank{int(os.environ.get('LOCAL_RANK', '0'))}.json", {"train": run_training(out)})
     elif mode == "errors":
         errors(out, argv[3:] or ERROR_CASES)
     else:

@@ -44,9 +44,9 @@ pytestmark = pytest.mark.skipif(
 class Run:
     """One finished worker run: return code, wall time, output and the per-rank JSON files."""
 
-    def __init__(self, args: List[str], out: Path) -> None:
+    def __init__(self, args: List[str], out: Path, package: str = "pytorch_lightning") -> None:
         env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV and not k.startswith("SLURM_")}
-        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", DDP_WORKER_PACKAGE=package)
         start = time.time()
         proc = subprocess.run(
             [sys.executable, str(WORKER), args[0], str(out), *args[1:]],
@@ -84,6 +84,22 @@ def popen_ranks(popen_run) -> List[Dict[str, Any]]:
     ranks = [popen_run.load(f"popen-rank{r}.json") for r in range(2)]
     assert [r["rank"] for r in ranks] == [0, 1]
     return ranks
+
+
+@pytest.fixture(scope="module")
+def lightning_train_ranks(tmp_path_factory) -> List[Dict[str, Any]]:
+    """The training run alone, with ``lightning.pytorch`` and ``lightning_marglik.lightning``."""
+    pytest.importorskip("lightning.pytorch", reason="the `lightning` package is not installed")
+    run = Run(["train"], tmp_path_factory.mktemp("ddp_lightning"), package="lightning").expect_success()
+    return [run.load(f"train-rank{r}.json")["train"] for r in range(2)]
+
+
+@pytest.fixture(params=["pytorch_lightning", "lightning"])
+def train_ranks(request) -> List[Dict[str, Any]]:
+    """Both ranks' results of the training run (MargLikCheckpoint, MargLikEarlyStopping), per Lightning package."""
+    if request.param == "lightning":
+        return request.getfixturevalue("lightning_train_ranks")
+    return [r["train"] for r in request.getfixturevalue("popen_ranks")]
 
 
 @pytest.fixture(scope="module")
@@ -227,8 +243,9 @@ def test_hyperparameters_bit_identical_across_ranks(popen_ranks):
     assert a["buffers"]["log_sigma"] != math.log(0.8)
 
 
-def test_checkpoint_holds_the_best_evidence_epoch(popen_ranks):
-    a, b = (r["train"] for r in popen_ranks)
+def test_checkpoint_holds_the_best_evidence_epoch(train_ranks):
+    a, b = train_ranks
+    assert a["trainer_checkpoint_is_ours"] and a["trainer_early_stopping_is_ours"]  # the Trainer's own, either package
     assert a["best_model_path"] == b["best_model_path"] != ""
     assert a["best_marglik"] == b["best_marglik"] and a["best_epoch"] == b["best_epoch"]
     path = Path(a["best_model_path"])
@@ -252,8 +269,8 @@ def test_checkpoint_holds_the_best_evidence_epoch(popen_ranks):
     assert flat == best["weights"]
 
 
-def test_early_stopping_stops_both_ranks_in_the_same_epoch(popen_ranks):
-    a, b = (r["train"] for r in popen_ranks)
+def test_early_stopping_stops_both_ranks_in_the_same_epoch(train_ranks):
+    a, b = train_ranks
     assert a["should_stop"] and b["should_stop"]
     assert a["stopped_epoch"] == b["stopped_epoch"] == a["best_epoch"] + 1  # patience 1
     assert a["current_epoch"] == b["current_epoch"] == a["stopped_epoch"] + 1 < a["max_epochs"]

@@ -182,3 +182,14 @@ def test_import_lightning_marglik_does_not_need_lightning():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[1])
     assert out.returncode == 0, out.stderr
     assert "pip install lightning" in out.stdout and "import them from lightning_marglik" in out.stdout
+
+
+@pytest.mark.parametrize("bar", ["TQDMProgressBar", "RichProgressBar"])
+def test_evidence_pass_progress_with_either_progress_bar_and_no_empty_validation_line(package, bar, tmp_path, capsys):
+    callback = package.ours.MargLikCallback(structure="diag", approx="ef", steps=2)
+    trainer = _trainer(package, [callback, getattr(package.pl.callbacks, bar)()], tmp_path, max_epochs=2,
+                       enable_progress_bar=True, enable_checkpointing=False)
+    trainer.fit(package.Regressor(), loader(regression_data()))
+    out = capsys.readouterr().out
+    assert "Evidence pass" in out and "4/4" in out  # 4 evidence batches
+    assert "Validation" not in out  # no validation loop ran: no (empty) validation line either

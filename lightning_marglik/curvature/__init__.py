@@ -40,9 +40,15 @@ __all__ = [
 
 @contextmanager
 def eval_mode(model: nn.Module) -> Iterator[None]:
-    """Put every submodule in eval mode and restore each one's own flag afterwards."""
+    """Put every submodule in eval mode and restore each one's own flag afterwards.
+
+    Sets each submodule's ``training`` flag itself: ``model.eval()`` is never called, because a
+    module's own ``train(mode)`` may do more than set flags (freeze a backbone's parameters, merge
+    adapter weights) that restoring the flags would not undo.
+    """
     flags = [(m, m.training) for m in model.modules()]
-    model.eval()
+    for module, _ in flags:
+        module.training = False
     try:
         yield
     finally:
