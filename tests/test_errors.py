@@ -340,3 +340,29 @@ def test_every_integer_label_dtype_gives_the_int64_results(dtype, structure, app
     assert results[dtype][1] == results[torch.int64][1]
     assert torch.equal(results[dtype][0], results[torch.int64][0])
     assert torch.equal(results[dtype][2], results[torch.int64][2])
+
+
+@pytest.mark.parametrize(
+    "kind,output_shape,target_shape",
+    [
+        ("gaussian", (6, 1), (6,)),
+        ("gaussian", (6, 1), (6, 1)),
+        ("gaussian", (6, 4, 3), (6, 4, 3)),
+        ("gaussian", (6, 4, 1), (6, 4)),
+        ("categorical", (6, 5), (6,)),
+        ("categorical", (6, 4, 5), (6, 4)),
+    ],
+)
+def test_count_from_the_targets_alone_equals_the_count_with_the_outputs(kind, output_shape, target_shape):
+    """The callback counts N at set-up from targets only, with the outputs of another batch (other
+    leading sizes) for the number of outputs: the count (and the checks) of the evidence pass."""
+    if kind == "gaussian":
+        lik, target = GaussianLikelihood(), torch.randn(target_shape)
+    else:
+        lik = CategoricalLikelihood()
+        target = torch.randint(0, output_shape[-1], target_shape, dtype=torch.int32)
+        target[torch.rand(target_shape) < 0.3] = -100
+    other_batch = torch.randn(2, *[s + 1 for s in output_shape[1:-1]], output_shape[-1])
+    assert lik.count_targets(target, other_batch) == lik.count(torch.randn(output_shape), target)
+    with pytest.raises(ValueError):  # a target that does not fit is refused as in the evidence pass
+        lik.count_targets(target.unsqueeze(-1).expand(*target.shape, 2).double(), other_batch)
