@@ -61,6 +61,10 @@ class MargLikCallback(MargLikCallbackCore, Callback):
     ``dataloader`` source, one eval-mode ``forward`` of one evidence batch (a single output tensor
     whose shape fits the likelihood and the targets), and hyperparameters that are finite in the
     module's dtype. Every problem raises a :class:`MargLikConfigurationError` naming the fix.
+    The targets of every evidence batch are then read once (no forward; the random state is
+    restored) to count the data ``N``, summed over ranks: data without a datum (every label
+    ``ignore_index``) are refused, and ``N`` is stored on the prior (``prior.n_data``) for
+    :func:`lightning_marglik.map_loss`, as after every estimate.
 
     Each ``fit`` starts afresh (history, best value, Adam state of the hyperparameter steps); a
     ``fit(ckpt_path=...)`` restores them from the checkpoint. If the learnable hyperparameters
