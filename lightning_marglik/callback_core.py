@@ -4,9 +4,9 @@
 ``Callback``, ``ModelCheckpoint`` and ``EarlyStopping`` classes, and a Trainer recognises only
 its own package's: as its checkpoint callback (``ckpt_path="best"``), as its early-stopping
 callback, in its LightningCLI. The mixins here hold every behaviour of the callbacks and use
-the trainer only through its attributes; :mod:`lightning_marglik.callbacks` (``pytorch_lightning``)
-and :mod:`lightning_marglik.lightning` (``lightning.pytorch``) combine each mixin with one
-package's base class and describe that package in a :class:`LightningPackage`. Nothing here
+the trainer only through its attributes; ``lightning_marglik.callbacks`` (``pytorch_lightning``)
+and ``lightning_marglik.lightning`` (``lightning.pytorch``) combine each mixin with one
+package's base class and describe that package in a ``LightningPackage``. Nothing here
 imports either package.
 """
 from __future__ import annotations
@@ -132,7 +132,7 @@ def _positive_int(value: Any, name: str, minimum: int) -> int:
 class MargLikCallbackCore:
     """The logic of ``MargLikCallback`` (Algorithm 1), combined with a package's ``Callback``.
 
-    Documented on :class:`lightning_marglik.MargLikCallback`; the subclass sets ``_package``.
+    Documented on ``lightning_marglik.MargLikCallback``; the subclass sets ``_package``.
     """
 
     _package: ClassVar[LightningPackage]
@@ -328,13 +328,11 @@ class MargLikCallbackCore:
         # the prior's names of each layer's tensors (the analysis names them from the LightningModule)
         named = [(layer, [ours[id(full[n])] for n in layer.params if id(full[n]) in ours]) for layer in layers]
         names = [n for _, group in named for n in group]
-        treatment = self.scale_invariant
+        treatment, scalar = self.scale_invariant, ""
         if names and treatment != "learn" and self.prior.structure == "scalar":
-            rank_zero_warn(
-                f"MargLikCallback(scale_invariant={treatment!r}) needs one precision per tensor, but the prior is scalar: "
-                f"the scale-invariant tensors {names} are learned with the rest; use GaussianPrior(structure='layerwise')."
-            )
             treatment = "learn"
+            scalar = (" needs one precision per tensor, but the prior is scalar (use GaussianPrior(structure="
+                      "'layerwise')), so they are learned with the rest:")
         self.prior.treat_scale_invariant(names, treatment)
         if not names:
             return
@@ -349,7 +347,7 @@ class MargLikCallbackCore:
         rank_zero_warn(
             f"MargLikCallback: the training loss is invariant to the scale of {len(named)} layer(s), each of whose output "
             f"feeds only a normalization with statistics of its input ({groups}), so the data do not determine their "
-            f"prior precision. scale_invariant={self.scale_invariant!r}: {what}"
+            f"prior precision. scale_invariant={self.scale_invariant!r}{scalar or ':'} {what}"
             + (f"; {held} keep GaussianPrior(fixed=...)" if held else "")
             + ". Choose with MargLikCallback(scale_invariant='decoupled'|'fixed'|'learn')."
         )
@@ -680,7 +678,7 @@ class _FollowsEstimates:
 class CheckpointCore(_FollowsEstimates):
     """The logic of ``MargLikCheckpoint``, combined with a package's ``ModelCheckpoint``.
 
-    Documented on :class:`lightning_marglik.MargLikCheckpoint`.
+    Documented on ``lightning_marglik.MargLikCheckpoint``.
     """
 
     def __init__(
@@ -749,7 +747,7 @@ def _all_finite(module: torch.nn.Module) -> bool:
 class EarlyStoppingCore(_FollowsEstimates):
     """The logic of ``MargLikEarlyStopping``, combined with a package's ``EarlyStopping``.
 
-    Documented on :class:`lightning_marglik.MargLikEarlyStopping`.
+    Documented on ``lightning_marglik.MargLikEarlyStopping``.
     """
 
     def __init__(self, patience: int = 3, min_delta: float = 0.0, verbose: bool = False) -> None:

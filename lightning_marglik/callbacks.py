@@ -4,9 +4,9 @@
 and takes hyperparameter steps; ``MargLikCheckpoint`` and ``MargLikEarlyStopping`` act on those
 estimates only (never on a stale or non-finite value, never during burn-in).
 
-These are the callbacks for ``pytorch_lightning``; :mod:`lightning_marglik.lightning` has the same
+These are the callbacks for ``pytorch_lightning``; ``lightning_marglik.lightning`` has the same
 ones for ``lightning.pytorch`` (``import lightning``). Their logic lives in
-:mod:`lightning_marglik.callback_core`, shared by both.
+``lightning_marglik.callback_core``, shared by both.
 """
 from __future__ import annotations
 
@@ -68,14 +68,21 @@ class MargLikCallback(MargLikCallbackCore, Callback):
 
     Each ``fit`` starts afresh (history, best value, Adam state of the hyperparameter steps); a
     ``fit(ckpt_path=...)`` restores them from the checkpoint. If the learnable hyperparameters
-    changed since the checkpoint (e.g. ``learn_temperature`` turned on), the Adam state starts
-    afresh with a warning; the rest of the state is kept.
+    changed since the checkpoint (e.g. ``learn_temperature`` turned on, or other tensors in
+    ``GaussianPrior(fixed=...)``), the Adam state starts afresh with a warning; the rest of the
+    state is kept. A tensor the checkpoint learned and the prior now fixes takes the declared
+    ``precision`` (with a warning).
 
     The LightningModule's ``forward(inputs)`` must return the network outputs (batches are
     ``(inputs, targets)`` pairs, or define ``marglik_batch(self, batch) -> (inputs, targets)``),
     its prior must cover all trainable parameters, and its loss should be
-    :func:`lightning_marglik.map_loss`. With Lightning's progress bar on, the evidence pass shows
-    its own bar.
+    :func:`lightning_marglik.map_loss`. With Lightning's progress bar on (TQDM or Rich), the
+    evidence pass shows its own line. The evidence pass and the set-up check set the submodules'
+    ``training`` flags themselves and restore them; the module's own ``train()``/``eval()`` is
+    never called.
+
+    These callbacks are for ``pytorch_lightning``; with ``import lightning``, import the same
+    ones from ``lightning_marglik.lightning``.
 
     Args:
         structure: Curvature structure, ``"kron"``, ``"diag"`` or ``"full"``.
@@ -128,7 +135,8 @@ class MargLikCheckpoint(CheckpointCore, ModelCheckpoint):
     instance (e.g. to keep the best-evidence model of several candidates in one directory).
 
     Args:
-        dirpath: Directory of the checkpoints (default: the logger's).
+        dirpath: Directory of the checkpoints (default: the logger's); one that cannot be
+            written raises a ``MargLikConfigurationError`` when training starts.
         filename: File name pattern, e.g. ``"{epoch}-{marglik:.3f}"``.
         save_top_k: How many of the best-evidence models to keep.
         save_last: Also keep ``last.ckpt`` of the latest estimation epoch with a finite estimate.

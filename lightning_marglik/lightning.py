@@ -4,10 +4,10 @@
 classes: a ``lightning.pytorch.Trainer`` takes only these for its checkpoint and early-stopping
 callbacks (``trainer.test(ckpt_path="best")``, ``trainer.early_stopping_callback``), and only
 these pass ``lightning.pytorch.cli.LightningCLI``. They take the same arguments and behave as
-:class:`lightning_marglik.MargLikCallback`, :class:`lightning_marglik.MargLikCheckpoint` and
-:class:`lightning_marglik.MargLikEarlyStopping` (one shared implementation,
-:mod:`lightning_marglik.callback_core`); everything else (prior, likelihoods, ``map_loss``, the
-engine) is imported from :mod:`lightning_marglik` for either package. Importing this module needs
+``lightning_marglik.MargLikCallback``, ``lightning_marglik.MargLikCheckpoint`` and
+``lightning_marglik.MargLikEarlyStopping`` (one shared implementation,
+``lightning_marglik.callback_core``); everything else (prior, likelihoods, ``map_loss``, the
+engine) is imported from ``lightning_marglik`` for either package. Importing this module needs
 ``lightning`` installed; ``import lightning_marglik`` does not.
 
 Example:
@@ -53,18 +53,18 @@ PACKAGE = LightningPackage(
 
 
 class MargLikCallback(MargLikCallbackCore, Callback):
-    """:class:`lightning_marglik.MargLikCallback` for ``lightning.pytorch``: the same arguments and behaviour."""
+    """``lightning_marglik.MargLikCallback`` for ``lightning.pytorch``: the same arguments and behaviour."""
 
     _package = PACKAGE
 
 
 class MargLikCheckpoint(CheckpointCore, ModelCheckpoint):
-    """:class:`lightning_marglik.MargLikCheckpoint` for ``lightning.pytorch``: the same arguments and behaviour."""
+    """``lightning_marglik.MargLikCheckpoint`` for ``lightning.pytorch``: the same arguments and behaviour."""
 
     _package = PACKAGE
 
 
 class MargLikEarlyStopping(EarlyStoppingCore, EarlyStopping):
-    """:class:`lightning_marglik.MargLikEarlyStopping` for ``lightning.pytorch``: the same arguments and behaviour."""
+    """``lightning_marglik.MargLikEarlyStopping`` for ``lightning.pytorch``: the same arguments and behaviour."""
 
     _package = PACKAGE
