@@ -28,7 +28,14 @@ files from a trusted source. ``data`` must name a ``LightningDataModule`` subcla
 candidate a ``LightningModule`` subclass; anything else is refused before it is called.
 
 Results are written after every candidate; a re-run with the same settings reuses the
-candidates that finished (``--rerun`` trains them all again).
+candidates that finished (``--rerun`` trains them all again). The results of candidates a run
+does not name are kept; an unreadable ``results.json`` is moved aside with a warning; a second
+run into a directory in use is refused, naming the process that holds it (``results.lock``).
+
+Trainer arguments are checked against ``pl.Trainer``'s signature (names and types) before
+anything is built. Test metrics read batches as the evidence does (``marglik_batch``) and score
+the positions the likelihood counts (classes last in ``(B, ..., C)``, ``ignore_index`` left out);
+the first test batch goes through them when training starts, so that a mismatch costs no training.
 """
 from __future__ import annotations
 
@@ -88,9 +95,10 @@ __all__ = [
 PREDICTIVES = ("map", "probit")
 RESULTS_JSON = "results.json"
 LOCK_FILE = "results.lock"
-# Small models on a shared CPU: with other jobs on the 2 cores (load 3-5), `marglik-select
-# configs/digits_selection.yaml --trainer.max_epochs=5` took 4 s of training with 1 thread and 83-109 s
-# with 2; the toy regression example (300 epochs) 3.0-4.3 s against 25-51 s (README, "Threads").
+# Small models on a shared CPU: with other jobs on the 2 cores (load 9-11), `marglik-select
+# configs/digits_selection.yaml --trainer.max_epochs=5` took 153 s wall clock (65 s training) with
+# 1 thread against 357 s (305 s) with 2; the toy regression example (300 epochs, load 3-5) trained
+# in 3.0-4.3 s against 25-51 s (README, "Threads").
 DEFAULT_THREADS = 1
 # What `--quick` means: one epoch of two batches and one cheap estimate per candidate. The
 # evidence pass still sees the whole training set, so a quick run exercises everything.
@@ -232,7 +240,9 @@ class _TestMetricsCheck(pl.Callback):
     """Runs the first test batch through the metrics when training starts (after the module's set-up
     hooks), so that a batch, shape or metric mistake costs no training; keeps the metrics."""
 
-    def __init__(self, loader: Any, metrics: Optional[Callable[[], Mapping[str, torchmetrics.Metric]]], predictive: str):
+    def __init__(
+        self, loader: Any, metrics: Optional[Callable[[], Mapping[str, torchmetrics.Metric]]], predictive: str
+    ) -> None:
         self.loader, self.factory, self.predictive = loader, metrics, predictive
         self.metrics: Dict[str, torchmetrics.Metric] = {}
 
@@ -296,8 +306,9 @@ def select_models(
     """Train every candidate with ``MargLikCallback`` and rank them by their final evidence.
 
     With ``output_dir``, ``results.json`` and ``results.csv`` are rewritten after every candidate
-    (ranked so far), so a killed run loses at most the candidate in training; ``evidence.png``
-    follows at the end.
+    (ranked so far, with the stored results of candidates this run does not name), so a killed
+    run loses at most the candidate in training; ``evidence.png`` follows at the end. The
+    directory is locked for the run (:func:`load_results` says what happens to an unreadable file).
 
     Which evidence to rank by (measured in ``examples/results/ranking_study.md``: 22 MLPs, CNNs and
     ResNets on MNIST-5k, 3 seeds): a Kronecker one. Train with ``structure="kron"`` (``mc_samples=1``
@@ -408,8 +419,8 @@ def select_models(
             if failure is not None:
                 where = f"; its evidence is saved in {os.path.join(output_dir, RESULTS_JSON)}" if output_dir else ""
                 raise RuntimeError(
-                    f"Candidate {name!r} trained (marglik={results[-1].marglik:.4f}{where}) but its test metrics failed: "
-                    f"{results[-1].metrics_error}. Fix the metrics or the test data; a re-run trains it again."
+                    f"Candidate {name!r} trained (marglik={results[-1].marglik:.4f}{where}) but its test metrics "
+                    f"failed: {results[-1].metrics_error}. Fix the metrics or the test data; a re-run trains it again."
                 ) from failure
             trained += 1
             training_seconds += time.perf_counter() - candidate_start
@@ -470,10 +481,10 @@ def load_results(output_dir: str) -> Dict[str, CandidateResult]:
 
 def _result_from_row(row: Any) -> CandidateResult:
     """A ``CandidateResult`` from one row of ``results.json``; TypeError on a field of the wrong type."""
-    types = {"name": str, "marglik": (int, float), "n_params": int, "train_seconds": (int, float), "epochs": int,
-             "hyperparameters": dict, "metrics": dict, "settings": dict, "metrics_error": (str, type(None))}
-    if not isinstance(row, dict) or not all(k in row for k in ("name", "marglik", "n_params", "train_seconds", "epochs")):
-        raise TypeError(f"a result must be an object with name, marglik, n_params, train_seconds and epochs, got {row!r:.200}")
+    required = {"name": str, "marglik": (int, float), "n_params": int, "train_seconds": (int, float), "epochs": int}
+    types = {**required, "hyperparameters": dict, "metrics": dict, "settings": dict, "metrics_error": (str, type(None))}
+    if not isinstance(row, dict) or not all(k in row for k in required):
+        raise TypeError(f"a result must be an object with {', '.join(required)}, got {row!r:.200}")
     for key, expected in types.items():
         if key in row and (not isinstance(row[key], expected) or isinstance(row[key], bool)):
             raise TypeError(f"result {row.get('name')!r}: {key} has the wrong type ({type(row[key]).__name__})")
@@ -497,8 +508,8 @@ def save_results(
         higher_is_better: Direction of each metric, for the plot's axis label.
     """
     os.makedirs(output_dir, exist_ok=True)
-    rows = [{**{k: v for k, v in asdict(r).items() if k not in ("metrics", "hyperparameters", "settings", "metrics_error")},
-             **r.metrics} for r in results]
+    nested = ("metrics", "hyperparameters", "settings", "metrics_error")
+    rows = [{**{k: v for k, v in asdict(r).items() if k not in nested}, **r.metrics} for r in results]
     _write_atomic(os.path.join(output_dir, RESULTS_JSON), lambda f: json.dump([asdict(r) for r in results], f, indent=2))
 
     def write_csv(f: Any) -> None:
@@ -716,8 +727,8 @@ def instantiate(spec: Mapping[str, Any], expected: type, **defaults: Any) -> Any
 def check_config(config: Mapping[str, Any]) -> None:
     """Check a selection configuration without training anything.
 
-    Every ``class_path`` must resolve to the expected kind of class, the trainer keys must be
-    ``pl.Trainer`` arguments and the callback arguments must be valid.
+    Every ``class_path`` must resolve to the expected kind of class, the trainer arguments must
+    fit ``pl.Trainer``'s signature (names and types) and the callback arguments must be valid.
 
     Raises:
         ValueError: On the first problem found (the message names the key or class_path).

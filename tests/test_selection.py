@@ -277,7 +277,7 @@ def test_test_data_that_cannot_be_scored_fails_before_training(tmp_path):
         made.append(Tokens(100, 3, dict_batches=False))
         return made[-1]
 
-    with pytest.raises(ValueError, match=r"probit.*needs \(batch, classes\) outputs, got \(16, 4, 3\).*predictive='map'"):
+    with pytest.raises(ValueError, match=r"probit.*\(batch, classes\) outputs, got \(16, 4, 3\).*predictive='map'"):
         select_models({"tokens": factory}, train_dataloader=token_loader(*train, False),
                       test_dataloader=token_loader(*test, False), callback=CALLBACK, trainer=TRAINER,
                       predictive="probit", verbose=False)
@@ -348,7 +348,8 @@ def test_a_subset_run_keeps_the_other_candidates_results(tmp_path, capsys):
     first = stored(tmp_path)
     (tmp_path / "subset").mkdir()
     subset = write_config(tmp_path / "subset", output_dir=str(tmp_path / "out"),
-                          candidates={"narrow": {"class_path": "tests.lightning_models.Classifier", "init_args": {"width": 2}}})
+                          candidates={"narrow": {"class_path": "tests.lightning_models.Classifier",
+                                                 "init_args": {"width": 2}}})
     run_command_line([subset, "--trainer.max_epochs=3"])
     after = stored(tmp_path)
     assert set(after) == {"narrow", "wide"} and after["wide"] == first["wide"] and after["narrow"]["epochs"] == 3
