@@ -396,7 +396,7 @@ def select_models(
             prior, _ = find_hyperparameters(module)
             scores: Dict[str, float] = {}
             failure: Optional[Exception] = None
-            if check is not None:
+            if check is not None and check.metrics:
                 directions.update({k: bool(m.higher_is_better) for k, m in check.metrics.items()
                                    if m.higher_is_better is not None})
                 try:
@@ -549,7 +549,7 @@ def _run_lock(output_dir: Optional[str]) -> Iterator[None]:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except BlockingIOError:  # held by another process (other OSErrors are raised as they are)
             owner = os.read(fd, 4096).decode(errors="replace").strip() or "a process that is just starting"
             os.close(fd)
             raise RuntimeError(
