@@ -117,8 +117,8 @@ def check_package(callback: Any, trainer: Trainer) -> None:
             "MargLikCheckpoint, MargLikEarlyStopping`"
         )
     raise MargLikConfigurationError(
-        f"{type(callback).__name__} from {CALLBACK_MODULES[package.name]} is a {package.name} callback, but the Trainer "
-        f"is a {kind}, which would run it without taking it for its checkpoint or early-stopping callback "
+        f"{type(callback).__name__} from {CALLBACK_MODULES[package.name]} is a {package.name} callback, but the "
+        f"Trainer is a {kind}, which would run it without taking it for its checkpoint or early-stopping callback "
         f"(ckpt_path='best' would load another model): {fix}."
     )
 
@@ -220,6 +220,13 @@ class MargLikCallbackCore:
             check_model(pl_module, self.prior, self.options)
         except ValueError as err:  # the engine's message names the module and a structure that works
             raise MargLikConfigurationError(str(err)) from err
+        if self.options.structure == "ekfac" and trainer.world_size > 1:
+            raise MargLikConfigurationError(
+                "structure='ekfac' needs the Kronecker factors summed over all processes before its second pass "
+                f"(the basis must be the same on every rank), which is not implemented; with {trainer.world_size} "
+                "processes use structure='kron', or compute the EKFAC evidence after training in one process "
+                "(LaplaceEvidence.fit(..., structure='ekfac'))."
+            )
         if type(pl_module).forward in (nn.Module.forward, self._package.lightning_module.forward):
             raise MargLikConfigurationError(
                 f"{type(pl_module).__name__} defines no forward, which the evidence pass calls for the network "
@@ -593,7 +600,9 @@ def _warn_if_limited(loader: DataLoader, max_batches: int, limit: Union[int, flo
 
 
 @contextmanager
-def _progress(trainer: Trainer, batches: Iterable, package: LightningPackage) -> Iterator[Optional[Callable[[int], None]]]:
+def _progress(
+    trainer: Trainer, batches: Iterable, package: LightningPackage
+) -> Iterator[Optional[Callable[[int], None]]]:
     """A line for the evidence pass in the trainer's progress bar, TQDM or Rich (rank 0 only, if it is on).
 
     TQDM: placed and drawn as the bar's validation line, and gone when the pass ends as that one
