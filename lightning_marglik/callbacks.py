@@ -85,7 +85,8 @@ class MargLikCallback(MargLikCallbackCore, Callback):
     ones from ``lightning_marglik.lightning``.
 
     Args:
-        structure: Curvature structure, ``"kron"``, ``"diag"`` or ``"full"``.
+        structure: Curvature structure, ``"kron"``, ``"ekfac"`` (eigenvalue-corrected Kronecker:
+            two passes over the evidence data, one process only), ``"diag"`` or ``"full"``.
         approx: ``"ggn"`` or ``"ef"``.
         frequency: Estimate every ``frequency`` epochs (``F``).
         burnin: Epochs before the first estimate (``B``).

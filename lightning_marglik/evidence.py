@@ -105,7 +105,7 @@ class LaplaceEvidence:
             dataloader: Iterable of batches covering the training set once.
             likelihood: ``GaussianLikelihood`` or ``CategoricalLikelihood``.
             prior: ``GaussianPrior`` over the network's trainable parameters.
-            structure: ``"full"``, ``"kron"`` or ``"diag"``.
+            structure: ``"full"``, ``"kron"``, ``"ekfac"`` (reads ``dataloader`` twice) or ``"diag"``.
             approx: ``"ggn"`` (generalized Gauss-Newton) or ``"ef"`` (empirical Fisher).
             mc_samples: Monte-Carlo samples per example for the GGN; 0 for the exact GGN.
             generator: Random generator for the Monte-Carlo samples.

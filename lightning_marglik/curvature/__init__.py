@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, Tuple
 
 import torch
 from torch import nn
@@ -92,7 +92,8 @@ def collect_statistics(
         dataloader: Iterable of batches covering the data once.
         likelihood: Defines the loss-Hessian factor and the likelihood statistics.
         prior: Defines which parameters the curvature covers.
-        structure: ``"full"``, ``"kron"`` or ``"diag"`` (ignored if ``options`` is given).
+        structure: ``"full"``, ``"kron"``, ``"ekfac"`` or ``"diag"`` (ignored if ``options`` is given);
+            ``"ekfac"`` reads ``dataloader`` twice.
         approx: ``"ggn"`` or ``"ef"`` (ignored if ``options`` is given).
         mc_samples: Monte-Carlo samples per example for the GGN, 0 for exact (ignored if ``options`` is given).
         generator: Random generator for the Monte-Carlo samples.
@@ -124,7 +125,16 @@ def collect_statistics(
     plan: Optional[Plan] = None
     with eval_mode(model), torch.enable_grad(), _eager(), Recorder(model) as recorder:
         recorder.keep = candidates(owners, options)
-        for index, batch in enumerate(dataloader):
+
+        def passes() -> int:
+            return max(s.passes for s in stats.structures) if stats is not None else 1
+
+        def start_pass(index: int) -> None:
+            for structure_ in stats.structures:
+                if index < structure_.passes:
+                    structure_.start_pass(index)
+
+        for pass_index, index, batch in _passes(dataloader, passes, start_pass):
             inputs, target = split_batch(batch, batch_fn)
             inputs, target = move(inputs, device, dtype), target.to(device)
             output = recorder.forward(inputs)
@@ -143,11 +153,12 @@ def collect_statistics(
                     model, [names[i] for i in plan.exact], [params[i] for i in plan.exact], list(plan.slow)
                 )
             assert stats is not None
-            stats.add_likelihood(likelihood.statistics(output.detach(), target))
+            if pass_index == 0:
+                stats.add_likelihood(likelihood.statistics(output.detach(), target))
             factor = likelihood.hessian_sqrt(output, target, options.approx, options.mc_samples, generator)
             grads = recorder.backprop(output, factor) if plan.layers else {}
             rows = None
-            if plan.exact:
+            if plan.exact and pass_index == 0:
                 with torch.no_grad():  # the rest of the network enters as constants: no graph to keep
                     rows = exact_path.rows(inputs, factor)
                 rows = rows.detach().to(compute)
@@ -157,12 +168,40 @@ def collect_statistics(
             ]
             batch_curvature = BatchCurvature(layers, rows)
             for structure_ in stats.structures:
-                structure_.accumulate(batch_curvature)
-            if on_batch is not None:
+                if pass_index < structure_.passes:
+                    structure_.accumulate(batch_curvature)
+            if on_batch is not None and pass_index == 0:
                 on_batch(index)
     if stats is None:
         raise ValueError("The data loader yielded no batches.")
     return stats
+
+
+def _passes(
+    dataloader: Iterable, count: Callable[[], int], start: Callable[[int], None]
+) -> Iterator[Tuple[int, int, Any]]:
+    """``(pass, batch index, batch)`` over ``count()`` passes of ``dataloader`` (``count`` is read
+    after each pass: the plan, made on the first batch, decides it); ``start(pass)`` runs before
+    every pass after the first.
+
+    Raises:
+        ValueError: If a later pass yields no batch (an iterator, not a re-iterable loader).
+    """
+    done = 0
+    while done < count():
+        if done:
+            start(done)
+        seen = False
+        for index, batch in enumerate(dataloader):
+            seen = True
+            yield done, index, batch
+        if done and not seen:
+            raise ValueError(
+                f"The curvature structure reads the data {count()} times (structure='ekfac': the Kronecker factors, "
+                "then the second moments in their eigenbasis), but the data iterable was exhausted after the first "
+                "pass: pass a re-iterable loader (a DataLoader or a list of batches), not an iterator."
+            )
+        done += 1
 
 
 def _cast(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -34,8 +34,8 @@ def _unsupported(net: nn.Module, owners: List[Tuple[str, nn.Module, str]], optio
     for name, module, _ in owners:
         if not isinstance(module, layers):
             return f"module '{name}' ({type(module).__name__}) is not one of {[t.__name__ for t in layers]}"
-    if options.structure == "full":
-        return "structure='full' has no BackPACK extension here"
+    if options.structure in ("full", "ekfac"):
+        return f"structure={options.structure!r} has no BackPACK extension here"
     if options.structure == "kron" and options.approx == "ef":
         return "BackPACK has no Kronecker-factored empirical Fisher"
     if not isinstance(likelihood, (GaussianLikelihood, CategoricalLikelihood)):

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 __all__ = ["APPROXIMATIONS", "BACKENDS", "STRUCTURES", "CurvatureOptions"]
 
-STRUCTURES = ("full", "kron", "diag")
+STRUCTURES = ("full", "kron", "ekfac", "diag")
 APPROXIMATIONS = ("ggn", "ef")
 BACKENDS = ("hooks", "backpack")
 
@@ -16,7 +16,9 @@ class CurvatureOptions:
 
     Args:
         structure: ``"kron"`` (Kronecker factors for Linear/Conv/Embedding layers, an exact
-            diagonal for every other parameter), ``"diag"`` or ``"full"``.
+            diagonal for every other parameter), ``"ekfac"`` (the same blocks with the Kronecker
+            eigenvalues replaced by the exact second moments in their eigenbasis, George et al.
+            2018; two passes over the data, see :mod:`.structures.ekfac`), ``"diag"`` or ``"full"``.
         approx: ``"ggn"`` (generalized Gauss-Newton) or ``"ef"`` (empirical Fisher).
         mc_samples: Monte-Carlo samples per example for the GGN; 0 for the exact GGN.
         max_memory: Largest size in bytes the ``full`` structure may allocate for its ``P x P``

@@ -10,7 +10,8 @@ Decided per module on the first batch, from the structure of the model alone:
   other modules' parameters, modules called several times, parameters used outside their module.
 
 ``kron`` gives hooked layers whose rule has Kronecker factors (Linear, Conv1d/2d, Embedding, HF
-Conv1D) Kronecker blocks and every other parameter an exact diagonal block; ``diag`` the exact diagonal everywhere; ``full`` takes the exact path.
+Conv1D) Kronecker blocks and every other parameter an exact diagonal block (``ekfac`` the same with
+eigenvalue-corrected blocks); ``diag`` the exact diagonal everywhere; ``full`` takes the exact path.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from ..hyperparameters import GaussianPrior
 from .layers import hook_reason, is_kron_layer
 from .options import CurvatureOptions
 from .statistics import LayerPlan, Structure
-from .structures import DiagStructure, FullStructure, KronStructure
+from .structures import DiagStructure, EKFACStructure, FullStructure, KronStructure
 
 __all__ = ["LayerLayout", "Plan", "candidates", "check_model", "locate", "make_plan"]
 
@@ -95,7 +96,7 @@ def check_model(model: nn.Module, prior: GaussianPrior, options: CurvatureOption
         ValueError: Naming the problem and a fix.
     """
     locate(model, prior)
-    if options.structure == "kron":
+    if options.structure in ("kron", "ekfac"):
         prior.per_tensor(prior.log_precision)
     if options.structure == "full":
         FullStructure(range(len(prior.param_sizes)), prior.param_sizes, prior.structure, options.max_memory)
@@ -135,7 +136,7 @@ def make_plan(
     if options.structure == "full":
         full = FullStructure(everything, sizes, prior.structure, options.max_memory)
         return Plan([], everything, {}, [full])
-    if options.structure == "kron":
+    if options.structure in ("kron", "ekfac"):
         prior.per_tensor(prior.log_precision)  # raises for a diagonal prior, with the explanation
     reasons: Dict[str, str] = {}  # per module: a layer takes the hook path whole or not at all
     for index, (name, module, role) in enumerate(owners):
@@ -181,7 +182,7 @@ def make_plan(
     rest = [i for i in everything if i not in set(kron_indices)]
     structures: List[Structure] = []
     if kron:
-        structures.append(KronStructure(kron_indices, sizes, kron))
+        structures.append((EKFACStructure if options.structure == "ekfac" else KronStructure)(kron_indices, sizes, kron))
     if rest:
         diag_layers = [layer for layer in hooked if not is_kron_layer(layer.module)]
         structures.append(DiagStructure(rest, sizes, diag_layers, exact))

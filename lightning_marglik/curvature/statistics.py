@@ -60,6 +60,8 @@ class Structure:
         sizes: Number of scalars of every prior tensor (all of them, in prior order).
     """
 
+    passes = 1  # passes over the data the statistics need (EKFAC: the factors, then moments in their eigenbasis)
+
     def __init__(self, indices: Sequence[int], sizes: Sequence[int]) -> None:
         self.indices = list(indices)
         self.sizes = list(sizes)
@@ -96,6 +98,10 @@ class Structure:
 
     def accumulate(self, batch: BatchCurvature) -> None:
         raise NotImplementedError
+
+    def start_pass(self, index: int) -> None:
+        """Before pass ``index`` (from 1) over the data, for a structure with ``passes > 1``; its
+        ``accumulate`` then sees that pass's batches (without the exact path's rows)."""
 
     def prepare(self) -> None:
         """Cache the decomposition every evaluation reuses (after the reduction)."""

@@ -4,7 +4,8 @@ A new structure is one file here: a :class:`..statistics.Structure` subclass dec
 statistics (``add_state``) and implementing ``accumulate``, ``prepare``, ``log_det`` and
 ``covariance``; ``make_plan`` decides which parameters it covers."""
 from .diag import DiagStructure
+from .ekfac import EKFACStructure
 from .full import FullStructure
 from .kron import KronStructure
 
-__all__ = ["DiagStructure", "FullStructure", "KronStructure"]
+__all__ = ["DiagStructure", "EKFACStructure", "FullStructure", "KronStructure"]

@@ -1,0 +1,179 @@
+"""Eigenvalue-corrected Kronecker curvature (EKFAC, George et al. 2018): ``structure="ekfac"``.
+
+Each Kronecker block keeps the eigenbasis ``U = U_G (x) U_A`` of its factors (per conv group; an
+Embedding's diagonal input factor has the identity basis), and the eigenvalue products
+``q_i w_j`` are replaced by the exact second moments of the per-example gradients in that basis:
+
+    s_ij = sum_{n,k} ((U_G^T G_nk U_A)_ij)^2,   G_nk = sum_r g_nkr a_nr^T
+
+(``k`` a loss-Hessian factor column, ``r`` a weight-sharing row), i.e. ``diag(U^T C U)`` of the
+exact curvature block ``C``; a bias takes ``s_i = sum_{n,k} ((U_G^T sum_r g_nkr)_i)^2``. Then
+``log|s_c C~ + delta I| = sum_ij log(s_c s_ij + delta)`` and ``H^-1 = U (s_c s + delta)^-1 U^T``.
+
+The basis needs the factors first, so the structure reads the data twice (``passes = 2``): the
+first pass accumulates the Kronecker factors exactly as ``kron`` does, the second the second
+moments in their eigenbasis, all at the current weights. (The previous estimate's basis would save
+the second pass but is stale by ``frequency`` epochs, depends on the training history and does
+not exist for a post-hoc evidence at trained weights.) The loader must therefore be re-iterable.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from ..layers import _embedding_diagonal, layer_rule
+from ..statistics import BatchCurvature, LayerPlan, Structure
+from .derivatives import LogDetDerivatives, separable_terms
+from .kron import KronStructure
+
+__all__ = ["EKFACStructure"]
+
+
+def _basis(matrix: Tensor) -> Tensor:
+    """Eigenvectors of a symmetric factor; NaN where it is not finite (the evidence then reports NaN)."""
+    if not Structure._guard(matrix):
+        return torch.full_like(matrix, float("nan"))
+    return torch.linalg.eigh(matrix)[1]
+
+
+class EKFACStructure(KronStructure):
+    """Second moments in the Kronecker eigenbasis of hooked Linear, Conv1d/2d, HF Conv1D and Embedding layers.
+
+    Args:
+        indices: Prior indices of the covered tensors (the layers' trainable weights and biases).
+        sizes: Sizes of all prior tensors.
+        layers: The layers, each with the prior index of its covered parameters by role.
+
+    Raises:
+        ValueError: For a registered Kronecker layer rule without ``input_rows``/``grad_rows``
+            (the per-example gradients in the basis need the layer's rows).
+    """
+
+    passes = 2
+
+    def __init__(self, indices: Sequence[int], sizes: Sequence[int], layers: List[LayerPlan]) -> None:
+        super().__init__(indices, sizes, layers)
+        for j, (layer, shape) in enumerate(zip(self.layers, self.shapes)):
+            rule = layer_rule(layer.module)
+            if not shape.diagonal_input and not (hasattr(rule, "input_rows") and hasattr(rule, "grad_rows")):
+                raise ValueError(
+                    f"structure='ekfac': the layer rule of '{layer.name}' ({type(rule).__name__}) gives Kronecker "
+                    "factors but not the layer's rows (input_rows/grad_rows), which the second moments need; "
+                    "use structure='kron' for this model."
+                )
+            if "weight" in layer.roles:
+                moments = (1, shape.inp, shape.out) if shape.diagonal_input else (
+                    shape.groups, shape.out // shape.groups, shape.inp)
+                self.add_state(f"{j}.s", torch.zeros(moments, dtype=torch.float64))
+            if "bias" in layer.roles:
+                self.add_state(f"{j}.s_bias", torch.zeros(shape.out, dtype=torch.float64))
+        self._pass = 0
+        self.bases: List[Dict[str, object]] = []
+
+    # --- the two passes -------------------------------------------------------------------------
+
+    def start_pass(self, index: int) -> None:
+        """Before the second pass: the eigenbases of the (summed) factors of the first."""
+        self._pass = index
+        self.bases = []
+        for j in range(len(self.layers)):
+            g, a = self._factors(j)
+            basis: Dict[str, object] = {"bias": _basis(g)}
+            if self.shapes[j].diagonal_input:
+                basis["g"] = [basis["bias"]]
+            else:
+                blocks = self._group_blocks(j, g)
+                basis["g"] = [basis["bias"]] if len(blocks) == 1 else [_basis(gk) for gk in blocks]
+                basis["a"] = [_basis(ak) for ak in a]
+            self.bases.append(basis)
+
+    def accumulate(self, batch: BatchCurvature) -> None:
+        if self._pass == 0:
+            super().accumulate(batch)
+            return
+        position = {layer.name: j for j, layer in enumerate(self.layers)}
+        for layer, a, g in batch.layers:
+            j = position.get(layer.name)
+            if j is not None:
+                self._second_moments(j, layer, a, g)
+
+    def _second_moments(self, j: int, layer: LayerPlan, a: Tensor, g: Tensor) -> None:
+        module, shape, basis = layer.module, self.shapes[j], self.bases[j]
+        rule = layer_rule(module)
+        if shape.diagonal_input:  # Embedding: basis I (x) U_G, the exact diagonal of the rotated gradients
+            idx, g_rows = rule._rows(a, g)
+            if "weight" in layer.roles:
+                u_g = basis["g"][0].to(g_rows.dtype)
+                self.add(f"{j}.s", _embedding_diagonal(module, idx, g_rows @ u_g).unsqueeze(0))
+            return
+        a_rows, g_rows = rule.input_rows(module, a), rule.grad_rows(module, g)  # (B, R, in), (K, B, R, out)
+        if "bias" in layer.roles:
+            rotated = g_rows.sum(2) @ basis["bias"].to(g_rows.dtype)  # (K, B, out)
+            self.add(f"{j}.s_bias", rotated.pow(2).sum((0, 1)))
+        if "weight" not in layer.roles:
+            return
+        moments = []
+        for gk, ak, u_g, u_a in zip(g_rows.chunk(shape.groups, dim=3), a_rows.chunk(shape.groups, dim=2),
+                                    basis["g"], basis["a"]):
+            g_rot, a_rot = gk @ u_g.to(gk.dtype), ak @ u_a.to(ak.dtype)
+            if a_rot.shape[1] == 1:  # no weight sharing: the per-example gradient is an outer product
+                moments.append(g_rot[:, :, 0].pow(2).sum(0).T @ a_rot[:, 0].pow(2))
+            else:  # one factor column at a time: at most B x out x in values alive
+                moments.append(sum(torch.bmm(col.transpose(1, 2), a_rot).pow_(2).sum(0) for col in g_rot))
+        self.add(f"{j}.s", torch.stack(moments))
+
+    # --- the evidence ---------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        self._weight_moments = [self.state(f"{j}.s") if "weight" in layer.roles else None
+                                for j, layer in enumerate(self.layers)]
+        self._bias_moments = [self.state(f"{j}.s_bias") if "bias" in layer.roles else None
+                              for j, layer in enumerate(self.layers)]
+
+    def _terms(self) -> List[Tuple[int, Tensor]]:
+        """``(prior index, second moments)`` of every covered tensor."""
+        terms = []
+        for layer, weight, bias in zip(self.layers, self._weight_moments, self._bias_moments):
+            if weight is not None:
+                terms.append((layer.roles["weight"], weight))
+            if bias is not None:
+                terms.append((layer.roles["bias"], bias))
+        return terms
+
+    def log_det(self, scale: Tensor, log_delta: List[Tensor]) -> Tensor:
+        total = scale.new_zeros(())
+        for index, moments in self._terms():
+            total = total + torch.log(scale * moments + log_delta[index].exp()).sum()
+        return total
+
+    def log_det_derivatives(self, scale: Tensor, log_delta: List[Tensor]) -> LogDetDerivatives:
+        out = LogDetDerivatives.zero(scale)
+        for index, moments in self._terms():
+            out.add_terms(index, *separable_terms(scale * moments, log_delta[index]))
+        return out
+
+    def covariance(self, jacobians: List[Tensor], scale: Tensor, delta: List[Tensor]) -> Tensor:
+        b, c = jacobians[self.indices[0]].shape[:2]
+        cov = jacobians[self.indices[0]].new_zeros(b, c, c)
+        for j, layer in enumerate(self.layers):
+            shape, basis = self.shapes[j], self.bases[j]
+            if "weight" in layer.roles:
+                jac, d_w = jacobians[layer.roles["weight"]], delta[layer.roles["weight"]]
+                moments = self._weight_moments[j]
+                if shape.diagonal_input:  # weight (vocabulary, dim)
+                    rotated = [jac.reshape(b, c, shape.inp, shape.out) @ basis["g"][0]]
+                else:
+                    if shape.transposed:  # weight (in, out): to (out, in) order
+                        jac = jac.reshape(b, c, shape.inp, shape.out).transpose(2, 3)
+                    per_group = jac.reshape(b, c, shape.groups, shape.out // shape.groups, shape.inp)
+                    rotated = [u_g.T @ per_group[:, :, k] @ u_a
+                               for k, (u_g, u_a) in enumerate(zip(basis["g"], basis["a"]))]
+                for rot, s_k in zip(rotated, moments):
+                    cov += torch.einsum("bcij,ij,bdij->bcd", rot, 1 / (scale * s_k + d_w), rot)
+            if "bias" in layer.roles:
+                rot = jacobians[layer.roles["bias"]] @ basis["bias"]
+                variance = 1 / (scale * self._bias_moments[j] + delta[layer.roles["bias"]])
+                cov += torch.einsum("bci,i,bdi->bcd", rot, variance, rot)
+        return cov

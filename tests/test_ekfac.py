@@ -1,0 +1,159 @@
+"""structure="ekfac" (eigenvalue-corrected Kronecker) against dense references in float64.
+
+For every Kronecker block the structure's second moments must equal ``diag(U^T C U)`` of the dense
+curvature block ``C`` built from explicit per-datum Jacobians (tests/reference.py), with ``U`` the
+structure's basis, and that basis must diagonalize the reference's own Kronecker block (it is the
+Kronecker eigenbasis). The log-determinant, its closed-form derivatives and the predictive
+covariance follow from the same dense quantities.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_marglik import CategoricalLikelihood, GaussianPrior, LaplaceEvidence, MargLikCallback
+from lightning_marglik.curvature.structures import EKFACStructure
+from tests.reference import (  # noqa: F401 (reference_env: autouse fixture)
+    GraphProblem, curvature_scale, hyper, kron, loader, reference_env, rel_err, setup,
+)
+from tests.test_derivatives import check_against, closed_form, flat_objective
+
+TOL = 1e-8
+
+
+def grouped_cnn(out: int = 3) -> nn.Sequential:
+    """Conv groups, stride, padding and a Linear without bias: every layout the structure handles."""
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3), nn.Tanh(), nn.Conv2d(4, 4, 3, stride=2, padding=1, groups=2), nn.ReLU(),
+        nn.Flatten(), nn.Linear(16, out, bias=False),
+    )
+
+
+def problem_of(model_name: str, kind: str):
+    if model_name != "grouped_cnn":
+        return setup(model_name, kind)
+    torch.manual_seed(0)
+    model = grouped_cnn().double()
+    x = torch.randn(30, 2, 6, 6)
+    y = torch.randint(0, 3, (30,)) if kind == "classification" else torch.randn(30, 3)
+    names = [n for n, _ in model.named_parameters()]
+    return model, x, y, GraphProblem(model, names, x, y, kind)
+
+
+def block_bases(structure: EKFACStructure, j: int, role: str) -> torch.Tensor:
+    """The structure's basis of layer ``j``'s ``role`` in ``param.flatten()`` order."""
+    basis = structure.bases[j]
+    if role == "bias":
+        return basis["bias"]
+    return torch.block_diag(*[kron(u_g, u_a) for u_g, u_a in zip(basis["g"], basis["a"])])
+
+
+def ekfac_of(ev: LaplaceEvidence) -> EKFACStructure:
+    (structure,) = [s for s in ev.structures if isinstance(s, EKFACStructure)]
+    return structure
+
+
+@pytest.mark.parametrize("approx", ["ggn", "ef"])
+@pytest.mark.parametrize("kind", ["regression", "classification"])
+@pytest.mark.parametrize("model_name", ["mlp_deep", "cnn", "grouped_cnn"])
+def test_moments_are_the_dense_block_in_the_kronecker_eigenbasis(model_name, kind, approx):
+    model, x, y, problem = problem_of(model_name, kind)
+    prior, lik = hyper(model, kind)
+    ev = LaplaceEvidence.fit(model, loader(x, y, 7), lik, prior, structure="ekfac", approx=approx)
+    ref_kron, ref_full = problem.reference("kron", approx), problem.reference("full", approx).full
+    structure = ekfac_of(ev)
+    offsets = torch.tensor([0] + prior.param_sizes).cumsum(0).tolist()
+    log_delta, log_sigma, log_t = ref_kron.hyper_from(prior, lik)
+    scale = curvature_scale(kind, approx, log_sigma, log_t)
+    expected_log_det, covariance = 0.0, 0.0
+    jac = problem.jac
+    checked = 0
+    for j, layer in enumerate(structure.layers):
+        for role, t in layer.roles.items():
+            lo, hi = offsets[t], offsets[t + 1]
+            u = block_bases(structure, j, role)
+            moments = torch.diagonal(u.T @ ref_full[lo:hi, lo:hi] @ u)
+            got = structure.state(f"{j}.s" if role == "weight" else f"{j}.s_bias").reshape(-1)
+            assert rel_err(got, moments) <= TOL, (layer.name, role)
+            # the basis is the eigenbasis of the reference's own Kronecker block
+            (block,) = [b for b in ref_kron.blocks if int(b.index[0]) == lo and len(b.index) == hi - lo]
+            rotated = u.T @ block.matrix @ u
+            off_diagonal = rotated - torch.diag(torch.diagonal(rotated))
+            assert off_diagonal.abs().max() <= 1e-10 * block.matrix.abs().max(), (layer.name, role)
+            delta = log_delta[lo:hi].exp()
+            expected_log_det = expected_log_det + torch.log(scale * moments + delta).sum()
+            j_t = jac[:, :, lo:hi] @ u
+            covariance = covariance + torch.einsum("ncp,p,ndp->ncd", j_t, 1 / (scale * moments + delta), j_t)
+            checked += 1
+    assert checked == len(prior.param_sizes)  # every tensor is in an eigenvalue-corrected block here
+    assert rel_err(ev.log_det(), expected_log_det) <= TOL
+    assert rel_err(ev.jacobian_covariance(jac), covariance) <= TOL
+
+
+def test_ekfac_is_exact_for_a_linear_layer_on_one_datum_and_between_kron_and_full():
+    """One datum: the per-example gradient is one outer product, so kron is exact and EKFAC equals it;
+    on many data EKFAC's log-det (a diagonal in the right basis of each block) is at least the block's."""
+    model, x, y, problem = setup("mlp_small", "classification", n=1)
+    prior, lik = hyper(model, "classification")
+    args = (model, loader(x, y), lik, prior)
+    assert rel_err(LaplaceEvidence.fit(*args, structure="ekfac").log_det(), LaplaceEvidence.fit(*args, structure="kron").log_det()) <= 1e-10
+    model, x, y, problem = setup("mlp_deep", "classification")
+    prior, lik = hyper(model, "classification")
+    blocks = problem.reference("kron", "ggn")
+    log_delta, _, log_t = blocks.hyper_from(prior, lik)
+    dense = problem.reference("full", "ggn").full
+    exact_blocks = sum(torch.logdet(dense[b.index][:, b.index] * log_t.neg().exp() + torch.diag(log_delta[b.index].exp()))
+                       for b in blocks.blocks)
+    ekfac = LaplaceEvidence.fit(model, loader(x, y), lik, prior, structure="ekfac").log_det()
+    assert ekfac >= exact_blocks - 1e-9  # Hadamard: a diagonal in any basis bounds the block's log-det from above
+
+
+@pytest.mark.parametrize("kind", ["regression", "classification"])
+def test_closed_form_derivatives_match_autograd(kind):
+    model, x, y, _ = setup("cnn", kind)
+    prior, lik = hyper(model, kind, learn=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ev = LaplaceEvidence.fit(model, loader(x, y), lik, prior, structure="ekfac")
+    objective, start, unflatten = flat_objective(ev)
+    so = closed_form(ev, start, unflatten)
+    check_against(so, objective(start), torch.autograd.functional.jacobian(objective, start),
+                  torch.autograd.functional.hessian(objective, start), rtol=1e-12)
+
+
+def test_embedding_moments_match_the_dense_reference():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(7, 3), nn.Tanh(), nn.Flatten(), nn.Linear(12, 3)).double()
+    x, y = torch.randint(0, 7, (25, 4)), torch.randint(0, 3, (25,))
+    names = [n for n, _ in model.named_parameters()]
+    problem = GraphProblem(model, names, x, y, "classification")
+    prior, lik = hyper(model, "classification")
+    ev = LaplaceEvidence.fit(model, loader(x, y, 9), lik, prior, structure="ekfac")
+    structure, dense = ekfac_of(ev), problem.reference("full", "ggn").full
+    u_g = structure.bases[0]["g"][0]
+    u = kron(torch.eye(7), u_g)  # weight (vocabulary, dim): basis I (x) U_G
+    assert rel_err(structure.state("0.s").reshape(-1), torch.diagonal(u.T @ dense[:21, :21] @ u)) <= TOL
+
+
+def test_refusals_name_the_fix():
+    model, x, y, _ = setup("mlp_small", "classification")
+    lik = CategoricalLikelihood()
+    with pytest.raises(ValueError, match="re-iterable"):
+        LaplaceEvidence.fit(model, iter(loader(x, y)), lik, GaussianPrior(model), structure="ekfac")
+    with pytest.raises(ValueError, match="diagonal prior"):
+        LaplaceEvidence.fit(model, loader(x, y), lik, GaussianPrior(model, structure="diagonal"), structure="ekfac")
+    pytest.importorskip("backpack")
+    with pytest.raises(ValueError, match="structure='ekfac' has no BackPACK"):
+        LaplaceEvidence.fit(model, loader(x, y), lik, GaussianPrior(model), structure="ekfac", backend="backpack")
+
+
+def test_callback_accepts_ekfac():
+    model = nn.Sequential(nn.Linear(2, 3))
+    assert MargLikCallback(structure="ekfac").options.structure == "ekfac"
+    with pytest.raises(ValueError, match="ekfac"):
+        MargLikCallback(structure="ekfak")
+    del model
