@@ -50,6 +50,9 @@ class LaplaceEvidence:
         likelihood: The likelihood; its hyperparameters (e.g. ``log_sigma``, ``log_temperature``)
             enter the evidence.
         prior: The prior whose ``log_precision`` enters the evidence.
+        params: The weights of the prior term ``||theta||^2`` (default: the prior's parameters, at
+            which the statistics were gathered); e.g. the linearized model's optimum
+            (:func:`lightning_marglik.linearized.linearized_evidence`).
 
     Example:
         >>> from torch.utils.data import DataLoader, TensorDataset
@@ -64,7 +67,10 @@ class LaplaceEvidence:
         >>> evidence.set_hyperparameters(solution.values)   # write them into prior and likelihood
     """
 
-    def __init__(self, stats: CurvatureStatistics, likelihood: Likelihood, prior: GaussianPrior) -> None:
+    def __init__(
+        self, stats: CurvatureStatistics, likelihood: Likelihood, prior: GaussianPrior,
+        params: Optional[List[Tensor]] = None,
+    ) -> None:
         self.likelihood = likelihood
         self.prior = prior
         self.options = stats.options
@@ -78,7 +84,8 @@ class LaplaceEvidence:
         device = prior.log_precision.device
         self._lik_stats = {k: v.to(device) for k, v in stats.likelihood.items()}
         with torch.no_grad():
-            self._sq_norms = prior.group_sq_norms([p.detach().double() for p in prior.params]).to(device)
+            weights = prior.params if params is None else params
+            self._sq_norms = prior.group_sq_norms([p.detach().double() for p in weights]).to(device)
         self._group_sizes = prior.group_sizes().to(torch.float64)
         self._tensor_groups = self._groups_of_tensors()
 
@@ -128,9 +135,13 @@ class LaplaceEvidence:
         return evidence
 
     @classmethod
-    def from_statistics(cls, stats: CurvatureStatistics, likelihood: Likelihood, prior: GaussianPrior) -> "LaplaceEvidence":
-        """Build the evidence from statistics already gathered (e.g. all-reduced across processes)."""
-        return cls(stats, likelihood, prior)
+    def from_statistics(
+        cls, stats: CurvatureStatistics, likelihood: Likelihood, prior: GaussianPrior,
+        params: Optional[List[Tensor]] = None,
+    ) -> "LaplaceEvidence":
+        """Build the evidence from statistics already gathered (e.g. all-reduced across processes);
+        ``params``: the weights of the prior term (default: the prior's parameters)."""
+        return cls(stats, likelihood, prior, params)
 
     # --- hyperparameters -----------------------------------------------------------------------
 

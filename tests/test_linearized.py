@@ -1,0 +1,81 @@
+"""linearized_evidence against closed forms from explicit Jacobians (tests/reference.py), float64.
+
+Gaussian likelihood: the linear model's MAP is a ridge regression in the Jacobian features,
+``(s J^T J + Delta) theta = s J^T (y - f* + J theta*)``, and its Laplace evidence (``full``) is
+``log p(y | f_lin)/T + log N(theta_lin; 0, Delta^-1) + P/2 log 2 pi - 1/2 log|s J^T J + Delta|``.
+Categorical: no closed form; the optimum is where the dense gradient of the linear objective
+vanishes.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from lightning_marglik import LaplaceEvidence
+from lightning_marglik.linearized import linearized_evidence
+from tests.reference import (  # noqa: F401 (reference_env: autouse fixture)
+    expand_log_precision, hyper, loader, reference_env, rel_err, setup, tempered_log_likelihood, unit_log_likelihood,
+)
+
+
+def flat(params):
+    return torch.cat([p.reshape(-1) for p in params])
+
+
+def test_gaussian_optimum_and_evidence_are_the_ridge_regression_closed_form():
+    model, x, y, problem = setup("mlp_small", "regression")
+    prior, lik = hyper(model, "regression")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        result = linearized_evidence(model, loader(x, y, 16), lik, prior, structure="full", steps=400)
+    jac, f_star, theta_star = problem.jac.reshape(-1, problem.theta.numel()), problem.f.reshape(-1), problem.theta
+    log_delta = expand_log_precision(prior.log_precision.detach(), prior.structure, problem.sizes)
+    s = torch.exp(-2 * lik.log_sigma - lik.log_temperature).detach()
+    precision = s * jac.T @ jac + torch.diag(log_delta.exp())
+    theta_lin = torch.linalg.solve(precision, s * jac.T @ (y.reshape(-1) - f_star + jac @ theta_star))
+    assert rel_err(flat(result.params), theta_lin) <= 1e-6
+    assert rel_err(flat(result.params), theta_star) > 1e-2  # the trained weights are not the linear optimum
+    f_lin = (f_star + jac @ (theta_lin - theta_star)).reshape(problem.f.shape)
+    loglik = tempered_log_likelihood(unit_log_likelihood(f_lin, y, "regression"), "regression",
+                                     lik.log_sigma.detach(), lik.log_temperature.detach())
+    expected = (loglik - 0.5 * (log_delta.exp() * theta_lin**2).sum() + 0.5 * log_delta.sum()
+                - 0.5 * torch.logdet(precision))
+    assert rel_err(result.evidence.log_marglik(), expected) <= 1e-9
+    assert result.objective[1] < result.objective[0]
+    # the network's weights and the prior are left as they were
+    assert torch.equal(flat([p.detach() for p in prior.params]), theta_star)
+
+
+def test_categorical_optimum_zeroes_the_dense_gradient_of_the_linear_objective():
+    model, x, y, problem = setup("cnn", "classification")
+    prior, lik = hyper(model, "classification")
+    result = linearized_evidence(model, loader(x, y, 16), lik, prior, structure="kron", steps=300)
+    jac, theta_star = problem.jac, problem.theta
+    log_delta = expand_log_precision(prior.log_precision.detach(), prior.structure, problem.sizes)
+    theta = flat(result.params)
+    f_lin = problem.f + torch.einsum("ncp,p->nc", jac, theta - theta_star)
+    residual = f_lin.softmax(1) - torch.nn.functional.one_hot(y, f_lin.shape[1]).to(f_lin.dtype)
+    gradient = torch.einsum("ncp,nc->p", jac, residual) / lik.temperature.detach() + log_delta.exp() * theta
+    at_star = torch.einsum("ncp,nc->p", jac, problem.f.softmax(1) - torch.nn.functional.one_hot(y, 3).to(f_lin.dtype))
+    assert gradient.abs().max() <= 1e-6 * at_star.abs().max()
+    # the evidence is the network's kron evidence with the data fit and the prior term at theta_lin
+    plain = LaplaceEvidence.fit(model, loader(x, y, 16), lik, prior, structure="kron")
+    loglik = unit_log_likelihood(f_lin, y, "classification")["loglik"] / lik.temperature.detach()
+    assert rel_err(result.evidence.log_likelihood(), loglik) <= 1e-10
+    assert rel_err(result.evidence.log_det(), plain.log_det()) <= 1e-12
+    assert rel_err(result.evidence.log_prior(), 0.5 * log_delta.sum() - 0.5 * (log_delta.exp() * theta**2).sum()
+                   - 0.5 * theta.numel() * torch.log(torch.tensor(2 * torch.pi))) <= 1e-10
+    assert result.evidence.log_marglik() > plain.log_marglik()  # the linear optimum fits its own objective better
+
+
+def test_zero_steps_is_the_evidence_at_the_trained_weights_and_bad_steps_are_refused():
+    model, x, y, _ = setup("mlp_small", "classification")
+    prior, lik = hyper(model, "classification")
+    result = linearized_evidence(model, loader(x, y), lik, prior, structure="diag", steps=0)
+    plain = LaplaceEvidence.fit(model, loader(x, y), lik, prior, structure="diag")
+    assert rel_err(result.evidence.log_marglik(), plain.log_marglik()) <= 1e-12
+    for steps in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="steps"):
+            linearized_evidence(model, loader(x, y), lik, prior, steps=steps)
