@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -236,26 +236,32 @@ class LaplaceEvidence:
         """
         return self.log_marglik_at(self.hyperparameters())
 
-    def _likelihood_derivatives(self, full: Dict[str, Tensor], names: List[str]) -> List[Tensor]:
-        """The tempered log-likelihood and ``u = log s``, each with its gradient and Hessian in the
-        likelihood's learned log hyperparameters ``names`` (at most two scalars: autograd)."""
+    def _likelihood_derivatives(
+        self, full: Dict[str, Tensor], names: List[str], ld_u: Tensor, ld_uu: Tensor
+    ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The tempered log-likelihood ``L``; the gradient and Hessian of ``L - log|H| / 2`` in the
+        likelihood's learned log hyperparameters ``names`` (at most two scalars: autograd), which
+        enter ``log|H|`` through ``u = log s`` only (``ld_u``, ``ld_uu``: its derivatives in ``u``);
+        and the gradient of ``u``."""
         if not names:
             empty = full["log_precision"].new_zeros(0)
-            loglik = self.likelihood.log_likelihood(self._lik_stats, full)
-            return [loglik, empty, empty.reshape(0, 0), torch.log(self._scale(full)), empty, empty.reshape(0, 0)]
+            return self.likelihood.log_likelihood(self._lik_stats, full), empty, empty.reshape(0, 0), empty
         leaves = [full[n].detach().reshape(()).requires_grad_(True) for n in names]
         point = {**full, **dict(zip(names, leaves))}
-        out: List[Tensor] = []
         with torch.enable_grad():
-            for value in (self.likelihood.log_likelihood(self._lik_stats, point), torch.log(self._scale(point))):
-                first = torch.autograd.grad(value, leaves, create_graph=True, allow_unused=True, materialize_grads=True)
-                rows = [
-                    torch.stack(torch.autograd.grad(g, leaves, retain_graph=True, allow_unused=True, materialize_grads=True))
-                    if g.requires_grad else torch.zeros_like(g).expand(len(leaves))
-                    for g in first
-                ]
-                out += [value.detach(), torch.stack(first).detach(), torch.stack(rows).detach()]
-        return out
+            loglik = self.likelihood.log_likelihood(self._lik_stats, point)
+            log_scale = torch.log(self._scale(point))
+            grad_l = torch.autograd.grad(loglik, leaves, create_graph=True, allow_unused=True, materialize_grads=True)
+            grad_u = torch.autograd.grad(log_scale, leaves, create_graph=True, allow_unused=True, materialize_grads=True)
+            combined = [gl - 0.5 * ld_u * gu for gl, gu in zip(grad_l, grad_u)]  # ld_u held fixed: its own change is ld_uu
+            rows = [
+                torch.stack(torch.autograd.grad(c, leaves, retain_graph=True, allow_unused=True, materialize_grads=True))
+                if c.requires_grad else torch.zeros_like(c).expand(len(leaves))
+                for c in combined
+            ]
+        u_grad = torch.stack(grad_u).detach()
+        hessian = torch.stack(rows).detach() - 0.5 * ld_uu * torch.outer(u_grad, u_grad)
+        return loglik.detach(), torch.stack(combined).detach(), hessian, u_grad
 
     def _second_order(self, current: Dict[str, Tensor], learned: Tensor, values: Dict[str, Tensor]) -> solvers.SecondOrder:
         """The log marglik with its gradient and Hessian in the learnable ``values`` (flat, in their
@@ -265,9 +271,10 @@ class LaplaceEvidence:
         names = [n for n in values if n != "log_precision"]
         full = {k: v.detach() for k, v in self._with_fixed(current, values).items()}
         log_prec = full["log_precision"]
-        loglik, lik_grad, lik_hess, log_scale, u_grad, u_hess = self._likelihood_derivatives(full, names)
         log_delta = self._log_delta(log_prec)
-        parts = [s.log_det_derivatives(log_scale.exp(), log_delta) for s in self.structures]
+        parts = [s.log_det_derivatives(self._scale(full), log_delta) for s in self.structures]
+        ld_u, ld_uu = sum(p.u for p in parts), sum(p.uu for p in parts)
+        loglik, grad_lik, hess_lik, u_grad = self._likelihood_derivatives(full, names, ld_u, ld_uu)
         first, mixed, second = (log_prec.new_zeros(log_prec.numel()) for _ in range(3))
         index = torch.cat([self._tensor_groups[t] for p in parts for t in p.rho])
         for total, store in ((first, "rho"), (mixed, "rho_u"), (second, "rho_rho")):
@@ -278,14 +285,11 @@ class LaplaceEvidence:
                 cross = log_prec.new_zeros(log_prec.numel(), log_prec.numel()) if cross is None else cross
                 at = torch.cat([self._tensor_groups[t] for t in part.cross[0]])
                 cross.index_put_((at.unsqueeze(1), at.unsqueeze(0)), part.cross[1], accumulate=True)
-        ld_u, ld_uu = sum(p.u for p in parts), sum(p.uu for p in parts)
         delta_norms = log_prec.exp() * self._sq_norms
         value = (
             loglik + 0.5 * (self._group_sizes * log_prec).sum() - 0.5 * delta_norms.sum()
             - 0.5 * sum(p.value for p in parts)
         )
-        grad_lik = lik_grad - 0.5 * ld_u * u_grad
-        hess_lik = lik_hess - 0.5 * (ld_uu * torch.outer(u_grad, u_grad) + ld_u * u_hess)
         if "log_precision" not in values:
             learned = torch.zeros_like(learned)
         grad_rho = (0.5 * self._group_sizes - 0.5 * delta_norms - 0.5 * first)[learned]

@@ -20,15 +20,41 @@ __all__ = ["KronStructure"]
 
 
 def _eigvalsh(matrix: Tensor) -> Tensor:
-    """Clamped eigenvalues; NaN where the curvature is not finite (the evidence reports it)."""
+    """Clamped eigenvalues; NaN where the curvature is not finite (the evidence reports it).
+
+    A factor is a sum of outer products, so a zero diagonal entry means a zero row and column
+    (an input feature that is zero in every row: the padding taps of a convolution on a map
+    smaller than its kernel, e.g. resnet18's last stage at 1x1 on 32x32 inputs; a dead unit).
+    Those contribute exact zero eigenvalues; the eigen-solve runs on the rest only, which cuts
+    resnet18's 4608-wide factors to 512.
+    """
     if not Structure._guard(matrix):
         return torch.full(matrix.shape[:-1], float("nan"), dtype=matrix.dtype, device=matrix.device)
-    return torch.linalg.eigvalsh(matrix).clamp(min=0)
+    used = torch.diagonal(matrix) != 0
+    if bool(used.all()):
+        return torch.linalg.eigvalsh(matrix).clamp(min=0)
+    values = torch.linalg.eigvalsh(matrix[used][:, used]).clamp(min=0)
+    return torch.cat([values.new_zeros(int((~used).sum())), values])
 
 
 def _eigh(matrix: Tensor) -> Tuple[Tensor, Tensor]:
     values, vectors = torch.linalg.eigh(matrix)
     return values.clamp(min=0), vectors
+
+
+def _nonzero_products(q: Tensor, w: Tensor) -> Tuple[Tensor, Tensor, int]:
+    """The non-zero eigenvalues of two factors and the number of zero products among ``q_i w_j``:
+    each zero product is a term ``log(0 + delta)``, summed in closed form instead of over a
+    ``len(q) x len(w)`` outer product (most of it for a factor with many zero rows, see ``_eigvalsh``).
+    NaN eigenvalues are kept, so a non-finite curvature still gives a NaN log-determinant."""
+    q_kept, w_kept = q[q != 0], w[w != 0]
+    return q_kept, w_kept, q.numel() * w.numel() - q_kept.numel() * w_kept.numel()
+
+
+def _add_zero_terms(out: LogDetDerivatives, index: int, zeros: int, log_delta: Tensor) -> None:
+    """``zeros`` terms ``log delta``: derivative 1 in ``log delta`` each, no curvature, no ``s``."""
+    if zeros:
+        out.add_terms(index, zeros * log_delta, log_delta.new_tensor(float(zeros)), log_delta.new_zeros(()), zeros)
 
 
 class KronStructure(Structure):
@@ -74,8 +100,8 @@ class KronStructure(Structure):
         return [g[k * size : (k + 1) * size, k * size : (k + 1) * size] for k in range(groups)]
 
     def prepare(self) -> None:
-        self._weight: List[List[Tuple[Tensor, Tensor]]] = []
-        self._bias: List[Optional[Tensor]] = []
+        self._weight: List[List[Tuple[Tensor, Tensor, int]]] = []
+        self._bias: List[Optional[Tuple[Tensor, int]]] = []
         for j, layer in enumerate(self.layers):
             g, a = self._factors(j)
             blocks = self._group_blocks(j, g)
@@ -86,29 +112,33 @@ class KronStructure(Structure):
                 pairs = [(q_full, _eigvalsh(a[0]))]
             else:
                 pairs = [(_eigvalsh(gk), _eigvalsh(ak)) for gk, ak in zip(blocks, a)]
-            self._weight.append(pairs if "weight" in layer.roles else [])
-            self._bias.append(q_full if "bias" in layer.roles else None)
+            self._weight.append([_nonzero_products(q, w) for q, w in pairs] if "weight" in layer.roles else [])
+            nonzero = q_full[q_full != 0]
+            self._bias.append((nonzero, q_full.numel() - nonzero.numel()) if "bias" in layer.roles else None)
 
     def log_det(self, scale: Tensor, log_delta: List[Tensor]) -> Tensor:
         total = scale.new_zeros(())
-        for layer, pairs, q_bias in zip(self.layers, self._weight, self._bias):
+        for layer, pairs, bias in zip(self.layers, self._weight, self._bias):
             if pairs:
-                delta = log_delta[layer.roles["weight"]].exp()
-                for q, w in pairs:
-                    total = total + torch.log(scale * torch.outer(q, w) + delta).sum()
-            if q_bias is not None:
-                total = total + torch.log(scale * q_bias + log_delta[layer.roles["bias"]].exp()).sum()
+                log_delta_w = log_delta[layer.roles["weight"]]
+                for q, w, zeros in pairs:
+                    total = total + torch.log(scale * torch.outer(q, w) + log_delta_w.exp()).sum() + zeros * log_delta_w
+            if bias is not None:
+                log_delta_b = log_delta[layer.roles["bias"]]
+                total = total + torch.log(scale * bias[0] + log_delta_b.exp()).sum() + bias[1] * log_delta_b
         return total
 
     def log_det_derivatives(self, scale: Tensor, log_delta: List[Tensor]) -> LogDetDerivatives:
         out = LogDetDerivatives.zero(scale)
-        for layer, pairs, q_bias in zip(self.layers, self._weight, self._bias):
-            for q, w in pairs:
+        for layer, pairs, bias in zip(self.layers, self._weight, self._bias):
+            for q, w, zeros in pairs:
                 index = layer.roles["weight"]
                 out.add_terms(index, *separable_terms(torch.outer(scale * q, w), log_delta[index]))
-            if q_bias is not None:
+                _add_zero_terms(out, index, zeros, log_delta[index])
+            if bias is not None:
                 index = layer.roles["bias"]
-                out.add_terms(index, *separable_terms(scale * q_bias, log_delta[index]))
+                out.add_terms(index, *separable_terms(scale * bias[0], log_delta[index]))
+                _add_zero_terms(out, index, bias[1], log_delta[index])
         return out
 
     def covariance(self, jacobians: List[Tensor], scale: Tensor, delta: List[Tensor]) -> Tensor:
