@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from .curvature import CurvatureOptions, check_model, collect_statistics, eval_mode
 from .curvature.batches import call_model, move, split_batch
 from .curvature.scale_invariance import find_scale_invariant
+from .curvature.training_pass import TrainingPassStatistics, mismatch
 from .distributed import evidence_loader, isolate_rng, reduce_statistics, run_on_all_ranks
 from .evidence import SOLVERS, LaplaceEvidence, require_data
 from .hyperparameters import (
@@ -164,9 +165,11 @@ class MargLikCallbackCore:
         solver: str = "newton",
         backend: str = "hooks",
         scale_invariant: str = "decoupled",
+        statistics: str = "pass",
     ) -> None:
         super().__init__()
         self.options = CurvatureOptions(structure, approx, mc_samples, backend=backend)
+        self.statistics = _check_statistics(statistics, self.options)
         self.structure = structure
         self.approx = approx
         self.frequency = _positive_int(frequency, "frequency", 1)
@@ -189,6 +192,9 @@ class MargLikCallbackCore:
         self.prior: Optional[GaussianPrior] = None
         self.likelihood: Optional[Likelihood] = None
         self.evidence: Optional[LaplaceEvidence] = None
+        self._training: Optional[TrainingPassStatistics] = None  # statistics='training': the sums of the epoch
+        self._setup_plan: Any = None  # the set-up batch's evidence-pass statistics (their structures' layout)
+        self._training_check: Any = None  # the first training batch, until its sums are checked
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -227,6 +233,8 @@ class MargLikCallbackCore:
                 "processes use structure='kron', or compute the EKFAC evidence after training in one process "
                 "(LaplaceEvidence.fit(..., structure='ekfac'))."
             )
+        if self.statistics == "training":
+            _check_training_statistics(trainer, pl_module)
         if type(pl_module).forward in (nn.Module.forward, self._package.lightning_module.forward):
             raise MargLikConfigurationError(
                 f"{type(pl_module).__name__} defines no forward, which the evidence pass calls for the network "
@@ -255,6 +263,8 @@ class MargLikCallbackCore:
         strategy = trainer.strategy
         self._record_n_data(int(strategy.reduce(torch.tensor(local, device=strategy.root_device), reduce_op="sum")))
         self._follow_changed_learnables()  # after the set-up check, which decides the scale-invariant treatment
+        if self.statistics == "training":
+            self._start_training_statistics(trainer, pl_module)
 
     def _follow_changed_learnables(self) -> None:
         """After a resume: tensors whose precision the checkpoint learned and the prior now fixes take
@@ -318,7 +328,7 @@ class MargLikCallbackCore:
             ) from err
         self._treat_scale_invariant(pl_module, move(inputs, device, dtype))
         try:  # the evidence pass itself on this batch, exact per-example path included (e.g. what vmap refuses)
-            collect_statistics(
+            self._setup_plan = collect_statistics(
                 pl_module, [batch], self.likelihood, self.prior, generator=torch.Generator().manual_seed(self.seed),
                 batch_fn=self._batch_fn(pl_module), options=self.options,
             )
@@ -413,6 +423,9 @@ class MargLikCallbackCore:
         generator = torch.Generator().manual_seed((self.seed + epoch) * world + rank) if self.mc_samples else None
 
         def local_pass():  # everything that can fail on one rank only, before the first collective
+            taken = self._take_training_statistics(trainer)
+            if taken is not None:
+                return taken
             batches = self._evidence_batches(trainer, pl_module)
             with _progress(trainer, batches, self._package) as on_batch:
                 return collect_statistics(
@@ -444,6 +457,91 @@ class MargLikCallbackCore:
             self.best_marglik, self.best_epoch = marglik, epoch - 1
         self.history.append({"epoch": epoch, "step": trainer.global_step, MONITOR: marglik})
         return marglik
+
+    # --- statistics from the training passes (statistics="training") ---------------------------
+
+    def _start_training_statistics(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Hooks for the training passes, laid out as the set-up batch's evidence pass; the first
+        training batch is checked against the evidence pass (:meth:`on_after_backward`)."""
+        assert self.likelihood is not None and self._setup_plan is not None
+        try:
+            self._training = TrainingPassStatistics(pl_module, self.likelihood, self._setup_plan, self._batch_fn(pl_module))
+        except ValueError as err:
+            raise MargLikConfigurationError(f"MargLikCallback: {err}") from err
+        self._training.attach()
+        self._training_check = True  # replaced by the first batch in on_train_batch_start
+
+    def _collects(self, trainer: Trainer) -> bool:
+        """Whether this epoch's training batches are summed: estimation epochs, and the first batch (its check)."""
+        return self._training is not None and (self._training_check is True or self.is_estimation_epoch(trainer))
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._training is not None:
+            self._training.reset()
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._collects(trainer):
+            assert self._training is not None
+            if self._training_check is True:
+                self._training.reset()  # the check compares this batch's sums alone
+                self._training_check = batch
+            self._training.begin(batch, trainer.accumulate_grad_batches)
+
+    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._training is None or self._training_check is None or self._training_check is True:
+            return
+        batch, self._training_check = self._training_check, None
+        run_on_all_ranks(trainer.strategy, lambda: self._check_training_batch(trainer, pl_module, batch))
+
+    def _check_training_batch(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
+        """The first batch's training-pass sums must equal the evidence pass's at the same weights.
+
+        Raises:
+            MargLikConfigurationError: Naming the statistic that differs and the likely causes.
+        """
+        assert self._training is not None and self.likelihood is not None and self.prior is not None
+        problems = list(self._training.problems)
+        if not problems:
+            reference = collect_statistics(
+                pl_module, [batch], self.likelihood, self.prior, batch_fn=self._batch_fn(pl_module), options=self.options
+            )
+            precision = str(trainer.precision)
+            rtol = 5e-2 if "bf16" in precision or "16" in precision else 1e-8 if "64" in precision else 1e-3
+            found = mismatch(self._training.stats, reference, rtol)
+            if found is not None:
+                problems.append(f"the first training batch's sums differ from the evidence pass's at the same weights ({found})")
+        if problems:
+            raise MargLikConfigurationError(
+                f"MargLikCallback(statistics='training'): {'; '.join(problems)}. The training backward gives the "
+                "empirical Fisher only if training_step returns map_loss(self(x), y, ...) (mean reduction, no label "
+                "smoothing or other loss terms on the outputs) of one forward call, the training forward equals the "
+                "eval-mode one (no dropout, no batch statistics) and, for (batch, positions, classes) outputs, layers "
+                "do not mix positions. Use statistics='pass' (the evidence pass) otherwise."
+            )
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._training is None:
+            return
+        self._training.end()
+        if not self.is_estimation_epoch(trainer):
+            self._training.reset()  # only the check's batch was summed
+
+    def _take_training_statistics(self, trainer: Trainer) -> Any:
+        """This rank's sums of the epoch now ending, if they cover all its batches (else ``None``:
+        the evidence pass runs, e.g. after a resume within the epoch or for a final estimate after
+        ``max_steps``)."""
+        if self._training is None:
+            return None
+        stats, batches = self._training.stats, self._training.batches
+        self._training.reset()
+        expected = trainer.num_training_batches
+        complete = batches > 0 and (not math.isfinite(expected) or batches == int(expected))
+        return stats if complete else None
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self._training is not None:
+            self._training.detach()
+            self._training = None
 
     # --- helpers -----------------------------------------------------------------------------
 
@@ -575,6 +673,42 @@ class MargLikCallbackCore:
             if key in state_dict:
                 setattr(self, attribute, state_dict[key])
         self.history = list(self.history)
+
+
+STATISTICS = ("pass", "training")
+
+
+def _check_statistics(statistics: Any, options: CurvatureOptions) -> str:
+    """Validate ``statistics``: ``"training"`` takes the empirical Fisher of ``diag`` or ``kron`` only."""
+    if statistics not in STATISTICS:
+        raise ValueError(f"`statistics` must be one of {STATISTICS}, got {statistics!r}.")
+    if statistics == "training" and (options.approx != "ef" or options.structure not in ("diag", "kron")):
+        raise ValueError(
+            f"statistics='training' takes structure='diag' or 'kron' with approx='ef', got structure="
+            f"{options.structure!r}, approx={options.approx!r}: the training backward gives one gradient of the loss "
+            "per example (the empirical Fisher), not the GGN's loss-Hessian columns, the full structure's per-example "
+            "rows or EKFAC's second pass; use statistics='pass' for those."
+        )
+    if statistics == "training" and options.backend != "hooks":
+        raise ValueError(f"statistics='training' takes backend='hooks', got backend={options.backend!r}.")
+    return statistics
+
+
+def _check_training_statistics(trainer: Trainer, pl_module: LightningModule) -> None:
+    """Refuse what statistics='training' cannot follow: manual optimization and float16 loss scaling."""
+    if not pl_module.automatic_optimization:
+        raise MargLikConfigurationError(
+            "MargLikCallback(statistics='training') reads the gradients of the loss Lightning's automatic "
+            "optimization backpropagates; with manual optimization (automatic_optimization = False, which several "
+            "optimizers need) the callback cannot know which backward is the loss's or how it is scaled: use "
+            "statistics='pass'."
+        )
+    if str(trainer.precision) == "16-mixed":
+        raise MargLikConfigurationError(
+            "MargLikCallback(statistics='training') with precision='16-mixed': the gradient scaler multiplies the "
+            "loss by a changing factor and skips steps with overflowing gradients, which would enter the curvature; "
+            "use precision='bf16-mixed' (no scaler) or statistics='pass'."
+        )
 
 
 def _warn_if_limited(loader: DataLoader, max_batches: int, limit: Union[int, float]) -> None:

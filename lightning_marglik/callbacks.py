@@ -15,6 +15,7 @@ from pytorch_lightning.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from pytorch_lightning.callbacks.early_stopping import EarlyStoppingReason
 from pytorch_lightning.callbacks.progress.tqdm_progress import Tqdm
 
+from .bound_callback_core import MargLikBoundCallbackCore
 from .callback_core import (
     CheckpointCore,
     EarlyStoppingCore,
@@ -24,7 +25,7 @@ from .callback_core import (
     find_hyperparameters,  # re-exported: lightning_marglik.selection uses it
 )
 
-__all__ = ["MargLikCallback", "MargLikCheckpoint", "MargLikConfigurationError", "MargLikEarlyStopping"]
+__all__ = ["MargLikBoundCallback", "MargLikCallback", "MargLikCheckpoint", "MargLikConfigurationError", "MargLikEarlyStopping"]
 
 PACKAGE = LightningPackage(
     name="pytorch_lightning",
@@ -111,6 +112,15 @@ class MargLikCallback(MargLikCallbackCore, Callback):
             treatment: the learned precision can grow without bound and shrink them).
             ``GaussianPrior(fixed=...)`` wins for the tensors it names. See
             ``examples/results/normalization_treatment.md``.
+        statistics: Where the curvature sums come from: ``"pass"`` (the evidence pass over the
+            data after the epoch) or ``"training"`` (``approx="ef"`` with ``structure="diag"`` or
+            ``"kron"``: the sums of the training steps' own forward and backward in estimation
+            epochs, scaled by the loss's reduction, so an estimate needs no pass over the data;
+            the weights move within the epoch). The first training batch's sums are checked
+            against the evidence pass at the same weights (the loss must be ``map_loss`` of one
+            ``forward`` call, the training forward as in eval mode); manual optimization,
+            ``precision="16-mixed"`` and parameters on the exact per-example path are refused.
+            An epoch not seen whole (a resume within it, ``max_steps``) falls back to the pass.
 
     Raises:
         ValueError: On an invalid argument (the message names it).
@@ -118,6 +128,51 @@ class MargLikCallback(MargLikCallbackCore, Callback):
     Example:
         >>> callback = MargLikCallback(structure="diag", approx="ef", frequency=5, steps=100)
         >>> trainer = pl.Trainer(max_epochs=1, callbacks=[callback], logger=False)
+    """
+
+    _package = PACKAGE
+
+
+class MargLikBoundCallback(MargLikBoundCallbackCore, Callback):
+    """Learn the hyperparameters by a stochastic lower bound of the evidence, a step every ``k`` batches.
+
+    Instead of Algorithm 1's evidence pass over the data after an epoch, after every
+    ``every_k_batches``-th training batch (from epoch ``burnin + 1`` on) the callback computes a
+    lower bound of the Laplace evidence on that batch at the current weights (Immer et al., ICML
+    2023; :mod:`lightning_marglik.bounds`), and takes one Adam step on the log hyperparameters
+    along its gradient: no pass over the data beyond training's own, a forward and the curvature
+    of one batch per step. Under DDP each process's batch is one part of the data and the
+    gradient is all-reduced once per step. The mean of an epoch's estimates (log evidence per
+    datum, a stochastic lower bound at moving weights) is logged as ``marglik`` at the epoch's
+    end, with every hyperparameter; ``MargLikCheckpoint`` and ``MargLikEarlyStopping`` act on it.
+    The per-step estimates are in ``history`` (``steps`` per epoch).
+
+    The set-up checks, the count of ``N`` stored on the prior, the treatment of scale-invariant
+    tensors and resuming (the Adam state of the steps is saved) are those of
+    :class:`MargLikCallback`; the bound's batches are the training batches (the LightningModule's
+    ``marglik_batch`` maps them, as for the evidence pass).
+
+    Args:
+        bound: ``"parametric"`` (the curvature ``structure`` of each batch, Kronecker or diagonal:
+            cheap for large networks) or ``"ntk"`` (the exact kernel of subsets of
+            ``subset_size`` examples: tighter per datum, cost ``(subset_size C)^2 P``).
+        structure: The parametric bound's structure: ``"kron"``, ``"diag"`` or ``"full"``.
+        approx: ``"ggn"`` or ``"ef"``.
+        every_k_batches: A hyperparameter step after every ``k``-th training batch of an epoch.
+        burnin: Epochs without steps.
+        lr: Adam learning rate on the log hyperparameters.
+        subset_size: ``"ntk"``: examples per kernel (default: the whole batch).
+        mc_samples: Monte-Carlo samples per example for the GGN (0: exact).
+        seed: Seed of the Monte-Carlo samples.
+        backend: ``"hooks"`` or ``"backpack"`` (``"parametric"`` only).
+        scale_invariant: As for :class:`MargLikCallback`.
+
+    Raises:
+        ValueError: On an invalid argument (the message names it and the fix).
+
+    Example:
+        >>> callback = MargLikBoundCallback(bound="parametric", structure="kron", every_k_batches=10, lr=0.05)
+        >>> trainer = pl.Trainer(max_epochs=1, callbacks=[callback, MargLikCheckpoint()], logger=False)
     """
 
     _package = PACKAGE

@@ -1,0 +1,206 @@
+"""MargLikCallback(statistics="training"): the EF sums of the training passes, in a real Trainer.
+
+Reference: at fixed weights (SGD with lr=0) the sums gathered from one epoch's training forward
+and backward equal the evidence pass's sums over the same data, in float64, and so does the log
+evidence; the set-up check refuses losses whose gradients are not the EF's columns.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_marglik import (
+    CategoricalLikelihood,
+    GaussianLikelihood,
+    GaussianPrior,
+    LaplaceEvidence,
+    MargLikCallback,
+    MargLikConfigurationError,
+    map_loss,
+)
+
+torch.set_num_threads(1)
+
+
+class Net(pl.LightningModule):
+    """An MLP (over the last dimension: ``(B, T, D)`` inputs give ``(B, T, C)`` outputs)."""
+
+    def __init__(self, likelihood, inputs: int = 3, outputs: int = 2, lr: float = 0.0, loss=None, dropout: float = 0.0):
+        super().__init__()
+        layers = [nn.Linear(inputs, 6), nn.Tanh()] + ([nn.Dropout(dropout)] if dropout else []) + [nn.Linear(6, outputs)]
+        self.net = nn.Sequential(*layers)
+        self.prior = GaussianPrior(self.net, structure="layerwise")
+        self.likelihood = likelihood
+        self.lr = lr
+        self.loss = loss
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.loss is not None:
+            return self.loss(self, x, y)
+        return map_loss(self(x), y, self.likelihood, self.prior)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def gaussian_data(n: int = 40) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 3, generator=g, dtype=torch.float64)
+    return TensorDataset(x, torch.randn(n, 2, generator=g, dtype=torch.float64))
+
+
+def categorical_data(n: int = 40) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(n, 3, generator=g, dtype=torch.float64), torch.randint(0, 2, (n,), generator=g))
+
+
+def sequence_data(n: int = 24, positions: int = 5) -> TensorDataset:
+    """``(B, T)`` labels with ignored positions (-100), some examples with several kept positions."""
+    g = torch.Generator().manual_seed(2)
+    y = torch.randint(0, 2, (n, positions), generator=g)
+    y[torch.rand(n, positions, generator=g) < 0.4] = -100
+    return TensorDataset(torch.randn(n, positions, 3, generator=g, dtype=torch.float64), y)
+
+
+@pytest.fixture
+def passes(monkeypatch):
+    """The evidence passes the callback runs: ``[number of batches]`` per call."""
+    from lightning_marglik import callback_core
+
+    calls = []
+    original = callback_core.collect_statistics
+
+    def counted(model, batches, *args, **kwargs):
+        calls.append(len(batches))
+        return original(model, batches, *args, **kwargs)
+
+    monkeypatch.setattr(callback_core, "collect_statistics", counted)
+    return calls
+
+
+def fit(module, data, callback, max_epochs=1, batch_size=8, **kwargs):
+    trainer = pl.Trainer(
+        max_epochs=max_epochs, callbacks=[callback], logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", precision="64-true", **kwargs,
+    )
+    trainer.fit(module.double(), DataLoader(data, batch_size=batch_size, shuffle=True))
+    return trainer
+
+
+CASES = [
+    ("gaussian", GaussianLikelihood, gaussian_data),
+    ("categorical", CategoricalLikelihood, categorical_data),
+]
+
+
+@pytest.mark.parametrize("structure", ["diag", "kron"])
+@pytest.mark.parametrize("name,likelihood,data", CASES, ids=[c[0] for c in CASES])
+def test_training_sums_equal_the_evidence_pass_at_fixed_weights(structure, name, likelihood, data, passes):
+    torch.manual_seed(0)
+    module = Net(likelihood())
+    callback = MargLikCallback(structure=structure, approx="ef", steps=0, statistics="training")
+    fit(module, data(), callback, batch_size=16)  # 40 = 16 + 16 + 8: an odd last batch
+    assert passes == [1, 1]  # the set-up batch and the check of the first training batch: no data pass
+    ours = callback.evidence
+    reference = LaplaceEvidence.fit(module.net, DataLoader(data(), batch_size=40), module.likelihood,
+                                    GaussianPrior(module.net, structure="layerwise"), structure=structure, approx="ef")
+    assert ours.n_data == reference.n_data == 40
+    for mine, theirs in zip(ours.structures, reference.structures):
+        for key, value in theirs.states().items():
+            torch.testing.assert_close(mine.states()[key], value, rtol=1e-10, atol=1e-12, msg=key)
+    for key, value in reference._lik_stats.items():
+        torch.testing.assert_close(ours._lik_stats[key].double(), value.double(), rtol=1e-10, atol=1e-12)
+    assert math.isclose(ours.log_marglik().item(), reference.log_marglik().item(), rel_tol=1e-10)
+
+
+def test_sequence_outputs_with_ignored_positions_kron(passes):
+    """(B, T, C) outputs of a position-wise network: every output row's gradient comes from one term."""
+    torch.manual_seed(0)
+    module = Net(CategoricalLikelihood())
+    callback = MargLikCallback(structure="kron", approx="ef", steps=0, statistics="training")
+    fit(module, sequence_data(), callback)
+    assert passes == [1, 1]
+    reference = LaplaceEvidence.fit(module.net, DataLoader(sequence_data(), batch_size=24), module.likelihood,
+                                    GaussianPrior(module.net, structure="layerwise"), structure="kron", approx="ef")
+    assert callback.evidence.n_data == reference.n_data
+    for mine, theirs in zip(callback.evidence.structures, reference.structures):
+        for key, value in theirs.states().items():
+            torch.testing.assert_close(mine.states()[key], value, rtol=1e-10, atol=1e-12, msg=key)
+    assert math.isclose(callback.evidence.log_marglik().item(), reference.log_marglik().item(), rel_tol=1e-10)
+
+
+def test_sequence_outputs_diag_are_refused_by_the_check():
+    """diag-EF takes each position as a datum: a sequence's summed gradient has cross terms."""
+    module = Net(CategoricalLikelihood())
+    callback = MargLikCallback(structure="diag", approx="ef", steps=0, statistics="training")
+    with pytest.raises(MargLikConfigurationError, match="differ from the evidence pass"):
+        fit(module, sequence_data(), callback)
+
+
+def test_gradient_accumulation_is_accounted_for(passes):
+    torch.manual_seed(0)
+    module = Net(GaussianLikelihood())
+    callback = MargLikCallback(structure="kron", approx="ef", steps=0, statistics="training")
+    fit(module, gaussian_data(), callback, accumulate_grad_batches=2)
+    assert passes == [1, 1]
+    reference = LaplaceEvidence.fit(module.net, DataLoader(gaussian_data(), batch_size=40), module.likelihood,
+                                    GaussianPrior(module.net, structure="layerwise"), structure="kron", approx="ef")
+    assert math.isclose(callback.evidence.log_marglik().item(), reference.log_marglik().item(), rel_tol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "likelihood,data,loss",
+    [
+        (GaussianLikelihood, gaussian_data, lambda m, x, y: nn.functional.mse_loss(m(x), y, reduction="sum")),
+        (CategoricalLikelihood, categorical_data,
+         lambda m, x, y: nn.functional.cross_entropy(m(x), y, label_smoothing=0.1) + m.prior.penalty() / 40),
+        (GaussianLikelihood, gaussian_data, lambda m, x, y: 2 * map_loss(m(x), y, m.likelihood, m.prior)),
+    ],
+    ids=["sum-reduction", "label-smoothing", "scaled"],
+)
+def test_the_check_refuses_a_loss_that_is_not_map_loss(likelihood, data, loss):
+    module = Net(likelihood(), loss=loss)
+    callback = MargLikCallback(structure="kron", approx="ef", statistics="training")
+    with pytest.raises(MargLikConfigurationError, match="differ from the evidence pass"):
+        fit(module, data(), callback)
+
+
+def test_the_check_refuses_dropout():
+    module = Net(GaussianLikelihood(), dropout=0.5)
+    with pytest.raises(MargLikConfigurationError, match="no dropout"):
+        fit(module, gaussian_data(), MargLikCallback(structure="diag", approx="ef", statistics="training"))
+
+
+def test_bad_values_are_refused_at_init():
+    with pytest.raises(ValueError, match="`statistics` must be one of"):
+        MargLikCallback(structure="kron", approx="ef", statistics="train")
+    with pytest.raises(ValueError, match="approx='ef'"):
+        MargLikCallback(structure="kron", approx="ggn", statistics="training")
+    with pytest.raises(ValueError, match="structure='diag' or 'kron'"):
+        MargLikCallback(structure="full", approx="ef", statistics="training")
+
+
+def test_manual_optimization_is_refused():
+    class Manual(Net):
+        def __init__(self):
+            super().__init__(GaussianLikelihood())
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            optimizer = self.optimizers()
+            loss = super().training_step(batch, batch_idx)
+            self.manual_backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+
+    with pytest.raises(MargLikConfigurationError, match="manual optimization"):
+        fit(Manual(), gaussian_data(), MargLikCallback(structure="diag", approx="ef", statistics="training"))
