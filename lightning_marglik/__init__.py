@@ -1,5 +1,6 @@
 """Model selection for PyTorch Lightning by the Laplace marginal likelihood (Immer et al., ICML 2021)."""
-from .callbacks import MargLikCallback, MargLikCheckpoint, MargLikConfigurationError, MargLikEarlyStopping
+from .bounds import BoundOptimizer, EvidenceBound
+from .callbacks import MargLikBoundCallback, MargLikCallback, MargLikCheckpoint, MargLikConfigurationError, MargLikEarlyStopping
 from .curvature import CurvatureOptions, CurvatureStatistics, collect_statistics
 from .curvature.layers import KronShape, KronSums, LayerRule, register_layer_rule
 from .evidence import LaplaceEvidence
@@ -16,6 +17,7 @@ from .hyperparameters import (
 from .solvers import Solution
 
 __all__ = [
+    "BoundOptimizer",
     "CandidateResult",
     "CategoricalLikelihood",
     "CurvatureOptions",
@@ -24,8 +26,10 @@ __all__ = [
     "GaussianPrior",
     "KronShape",
     "KronSums",
+    "EvidenceBound",
     "LaplaceEvidence",
     "LayerRule",
+    "MargLikBoundCallback",
     "MargLikCallback",
     "MargLikCheckpoint",
     "MargLikConfigurationError",

@@ -346,7 +346,7 @@ class BoundOptimizer:
         """Adam's leaves holding ``values``; a new optimizer where the learnable hyperparameters changed."""
         if [(n, t.shape) for n, t in self._leaves.items()] != [(n, t.shape) for n, t in values.items()]:
             self._leaves = {n: t.detach().to(torch.float64).clone().requires_grad_(True) for n, t in values.items()}
-            self._optimizer = torch.optim.Adam(list(self._leaves.values()), lr=self.lr)
+            self._optimizer = torch.optim.Adam(list(self._leaves.items()), lr=self.lr)  # named, as solvers.adam's
             if self._pending_state:
                 self._optimizer.load_state_dict(self._pending_state)
             self._pending_state = None

@@ -31,6 +31,7 @@ from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.callbacks.early_stopping import EarlyStoppingReason
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
+from .bound_callback_core import MargLikBoundCallbackCore
 from .callback_core import (
     CheckpointCore,
     EarlyStoppingCore,
@@ -39,7 +40,7 @@ from .callback_core import (
     MargLikConfigurationError,
 )
 
-__all__ = ["MargLikCallback", "MargLikCheckpoint", "MargLikConfigurationError", "MargLikEarlyStopping"]
+__all__ = ["MargLikBoundCallback", "MargLikCallback", "MargLikCheckpoint", "MargLikConfigurationError", "MargLikEarlyStopping"]
 
 PACKAGE = LightningPackage(
     name="lightning.pytorch",
@@ -54,6 +55,12 @@ PACKAGE = LightningPackage(
 
 class MargLikCallback(MargLikCallbackCore, Callback):
     """``lightning_marglik.MargLikCallback`` for ``lightning.pytorch``: the same arguments and behaviour."""
+
+    _package = PACKAGE
+
+
+class MargLikBoundCallback(MargLikBoundCallbackCore, Callback):
+    """``lightning_marglik.MargLikBoundCallback`` for ``lightning.pytorch``: the same arguments and behaviour."""
 
     _package = PACKAGE
 

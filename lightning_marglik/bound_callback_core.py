@@ -1,0 +1,118 @@
+"""The logic of ``MargLikBoundCallback``: a hyperparameter step on a stochastic evidence bound
+every ``k`` training batches (Immer et al., ICML 2023), shared by both Lightning packages.
+
+It is ``MargLikCallback``'s logic (set-up checks, the count of ``N``, the scale-invariant
+treatment, resume, the estimates ``MargLikCheckpoint`` and ``MargLikEarlyStopping`` act on) with
+the epoch-end evidence pass replaced: every ``k``-th batch, :class:`~.bounds.BoundOptimizer`
+computes the bound on that training batch at the current weights, all-reduces its gradient over
+processes (each process's batch is one part of the data) and takes one Adam step. At the end
+of each epoch past ``burnin`` the mean of that epoch's estimates is the epoch's ``marglik``.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from .bounds import BoundOptimizer, check_bound_options
+from .callback_core import MONITOR, LightningModule, MargLikCallbackCore, Trainer, _positive_int
+from .curvature import CurvatureOptions
+
+__all__ = ["MargLikBoundCallbackCore"]
+
+
+class MargLikBoundCallbackCore(MargLikCallbackCore):
+    """The logic of ``MargLikBoundCallback``, combined with a package's ``Callback``.
+
+    Documented on ``lightning_marglik.MargLikBoundCallback``; the subclass sets ``_package``.
+    """
+
+    def __init__(
+        self,
+        bound: str = "parametric",
+        structure: str = "kron",
+        approx: str = "ggn",
+        every_k_batches: int = 1,
+        burnin: int = 0,
+        lr: float = 0.1,
+        subset_size: Optional[int] = None,
+        mc_samples: int = 0,
+        seed: int = 0,
+        backend: str = "hooks",
+        scale_invariant: str = "decoupled",
+    ) -> None:
+        check_bound_options(bound, structure, subset_size)
+        if bound == "ntk" and backend != "hooks":
+            raise ValueError("bound='ntk' computes its Jacobians with torch.func; `backend` applies to bound='parametric' only.")
+        super().__init__(
+            structure=structure if bound == "parametric" else "full", approx=approx, burnin=burnin, lr=lr,
+            mc_samples=mc_samples, seed=seed, solver="adam", backend=backend, scale_invariant=scale_invariant,
+        )
+        if bound == "ntk":  # the set-up check's evidence pass on one batch: kernel form, never refused for P
+            self.options = CurvatureOptions("full", approx, mc_samples, max_memory=sys.maxsize)
+        self.bound = bound
+        self.subset_size = subset_size
+        self.every_k_batches = _positive_int(every_k_batches, "every_k_batches", 1)
+        self._optimizer: Optional[BoundOptimizer] = None
+        self._epoch_values: List[float] = []
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)  # set-up checks, N on the prior, a changed set of learnables
+        assert self.prior is not None and self.likelihood is not None
+        self._optimizer = BoundOptimizer(
+            self.likelihood, self.prior, bound=self.bound, structure=self.structure, approx=self.approx,
+            mc_samples=self.mc_samples, subset_size=self.subset_size, lr=self.lr,
+            batch_fn=self._batch_fn(pl_module), backend=self.options.backend,
+        )
+        self._optimizer.load_state_dict(self._optimizer_state)
+        self._epoch_values = []
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.current_epoch < self.burnin or (batch_idx + 1) % self.every_k_batches:
+            return
+        assert self._optimizer is not None
+        strategy = trainer.strategy
+        rank, world = trainer.global_rank, trainer.world_size
+        # distinct Monte-Carlo draws on every rank, reproducible for a given (seed, step, rank)
+        generator = torch.Generator().manual_seed((self.seed + trainer.global_step) * world + rank) if self.mc_samples else None
+
+        def all_reduce(flat: torch.Tensor) -> torch.Tensor:
+            return strategy.reduce(flat.to(strategy.root_device), reduce_op="sum")
+
+        value = self._optimizer.step(pl_module, batch, generator, all_reduce if world > 1 else None)
+        self._optimizer_signature = self._learnable_signature()
+        self._epoch_values.append(value)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self._epoch_values:  # burn-in, or fewer than k batches
+            return
+        marglik = self._close_epoch(trainer, epoch=trainer.current_epoch + 1)
+        for key, value in self.logged_values(marglik).items():
+            pl_module.log(key, value, prog_bar=key == MONITOR, on_step=False, on_epoch=True, sync_dist=True)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """No evidence pass: the final value is that of the last (possibly partial) epoch's steps."""
+        if self._epoch_values:  # training stopped within an epoch (max_steps, max_time)
+            self._close_epoch(trainer, epoch=trainer.current_epoch + 1)
+        self.final_marglik = self.last_marglik
+
+    def _close_epoch(self, trainer: Trainer, epoch: int) -> float:
+        """The mean of the epoch's bound estimates per datum as its ``marglik`` (NaN if none is finite)."""
+        finite = [v for v in self._epoch_values if math.isfinite(v)]
+        marglik = sum(finite) / len(finite) if finite else math.nan
+        self.estimations += 1
+        self._last_estimate_step = trainer.global_step
+        self.last_estimate_epoch = epoch - 1
+        self.last_marglik = marglik
+        if marglik > self.best_marglik:  # False for NaN
+            self.best_marglik, self.best_epoch = marglik, epoch - 1
+        self.history.append({"epoch": epoch, "step": trainer.global_step, MONITOR: marglik, "steps": len(self._epoch_values)})
+        self._epoch_values = []
+        return marglik
+
+    def state_dict(self) -> Dict[str, Any]:
+        if self._optimizer is not None:
+            self._optimizer_state = self._optimizer.state_dict()
+        return super().state_dict()

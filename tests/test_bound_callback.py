@@ -1,0 +1,83 @@
+"""MargLikBoundCallback in a real Trainer (CPU): its steps are BoundOptimizer's on the training batches."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import pytorch_lightning as pl
+import torch
+
+from lightning_marglik import BoundOptimizer, MargLikBoundCallback, MargLikCheckpoint
+from tests.lightning_models import Regressor, loader, regression_data, trainer
+
+
+def _fit(callbacks, max_epochs, model=None, **kwargs):
+    pl.seed_everything(0, verbose=False)
+    model = model or Regressor()
+    t = trainer(callbacks, max_epochs, **kwargs)
+    t.fit(model, loader(regression_data()))
+    return model, t
+
+
+@pytest.mark.parametrize("bound", ["parametric", "ntk"])
+def test_steps_are_bound_optimizer_steps_on_every_kth_batch(bound):
+    """Weights held fixed (lr=0): the callback's hyperparameters after an epoch equal BoundOptimizer's
+    steps by hand on batches 2 and 4 (every_k_batches=2) of the 4."""
+    options = dict(bound=bound, structure="kron" if bound == "parametric" else "full", subset_size=4 if bound == "ntk" else None)
+    callback = MargLikBoundCallback(every_k_batches=2, lr=0.05, **options)
+    model, t = _fit([callback], max_epochs=1, model=Regressor(lr=0.0))
+    pl.seed_everything(0, verbose=False)
+    by_hand = Regressor(lr=0.0)
+    optimizer = BoundOptimizer(by_hand.likelihood, by_hand.prior, n_data=64, lr=0.05, **options)
+    values = [optimizer.step(by_hand, batch) for i, batch in enumerate(loader(regression_data())) if i % 2 == 1]
+    assert torch.allclose(model.prior.log_precision, by_hand.prior.log_precision, atol=1e-6)
+    assert torch.allclose(model.likelihood.log_sigma, by_hand.likelihood.log_sigma, atol=1e-6)
+    assert not torch.allclose(model.prior.log_precision, torch.zeros(4))  # the steps moved them
+    assert callback.history == [{"epoch": 1, "step": 4, "marglik": pytest.approx(sum(values) / 2, rel=1e-5), "steps": 2}]
+    assert t.callback_metrics["marglik"].item() == pytest.approx(sum(values) / 2, rel=1e-5)
+    assert callback.final_marglik == callback.last_marglik
+
+
+def test_learns_the_noise_and_checkpoints_the_best_epoch(tmp_path):
+    callback = MargLikBoundCallback(bound="parametric", structure="kron", every_k_batches=1, lr=0.1)
+    checkpoint = MargLikCheckpoint(dirpath=tmp_path, save_top_k=1)
+    model, t = _fit([callback, checkpoint], max_epochs=12)
+    assert model.likelihood.log_sigma.item() < math.log(0.9)  # the noise is 0.1: sigma shrinks from 1
+    assert torch.isfinite(model.prior.log_precision).all()
+    assert [h["epoch"] for h in callback.history] == list(range(1, 13))
+    assert checkpoint.best_model_path and callback.best_marglik == max(h["marglik"] for h in callback.history)
+    assert callback.state_dict()["optimizer_state"]["state"]  # Adam's moments travel with checkpoints
+
+
+def test_burnin_epochs_take_no_step():
+    callback = MargLikBoundCallback(structure="diag", burnin=2, every_k_batches=3)
+    model, _ = _fit([callback], max_epochs=3)
+    assert [(h["epoch"], h["steps"]) for h in callback.history] == [(3, 1)]
+
+
+def test_resume_continues_adam(tmp_path):
+    """Two epochs in one fit equal one epoch, a checkpoint, and a resumed second epoch."""
+    callback = MargLikBoundCallback(structure="diag", every_k_batches=1, lr=0.05)
+    straight, _ = _fit([callback], max_epochs=2)
+    first = MargLikBoundCallback(structure="diag", every_k_batches=1, lr=0.05)
+    _, t = _fit([first], max_epochs=1)
+    t.save_checkpoint(tmp_path / "one.ckpt")
+    pl.seed_everything(0, verbose=False)
+    resumed_callback = MargLikBoundCallback(structure="diag", every_k_batches=1, lr=0.05)
+    resumed = Regressor()
+    trainer([resumed_callback], 2).fit(resumed, loader(regression_data()), ckpt_path=tmp_path / "one.ckpt")
+    assert torch.allclose(resumed.prior.log_precision, straight.prior.log_precision, atol=1e-6)
+    assert [h["epoch"] for h in resumed_callback.history] == [1, 2]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(every_k_batches=0), "`every_k_batches` must be an int >= 1"),
+    (dict(bound="kernel"), "`bound` must be one of"),
+    (dict(structure="ekfac"), "bound='parametric' takes structure"),
+    (dict(subset_size=8), "`subset_size` splits batches for bound='ntk'"),
+    (dict(bound="ntk", backend="backpack"), "applies to bound='parametric' only"),
+    (dict(lr=-1.0), "`lr` must be a positive finite number"),
+])
+def test_bad_arguments_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MargLikBoundCallback(**kwargs)
