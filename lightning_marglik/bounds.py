@@ -39,8 +39,8 @@ import torch
 from torch import Tensor, nn
 
 from .curvature import CurvatureOptions, CurvatureStatistics, _eager, collect_statistics, eval_mode, locate
-from .curvature.batches import BatchFn, call_model, move, split_batch
-from .curvature.functional import jacobian_rows
+from .curvature.batches import BatchFn, batch_size, call_model, move, split_batch
+from .curvature.functional import _in_dims, jacobian_rows
 from .curvature.statistics import BatchCurvature
 from .curvature.structures import FullStructure
 from .evidence import LaplaceEvidence
@@ -234,31 +234,44 @@ def _kernel_statistics(
     batch_fn: Optional[BatchFn],
 ) -> List[CurvatureStatistics]:
     """Per subset of ``subset_size`` examples of ``batch``: its likelihood statistics and its rows
-    ``L^T J`` (one forward and one ``vmap`` of vector-Jacobian products for the whole batch) in a
-    ``full`` structure, which takes the kernel form while it holds fewer rows than parameters."""
+    ``L^T J`` (one ``vmap`` of vector-Jacobian products per subset: ``subset_size K x P`` rows at a
+    time) in a ``full`` structure, which takes the kernel form while it holds fewer rows than
+    parameters."""
     names, _ = locate(model, prior)
     params = prior.params
     device, dtype = params[0].device, params[0].dtype
     inputs, target = split_batch(batch, batch_fn)
     inputs, target = move(inputs, device, dtype), target.to(device)
+    n = batch_size(inputs)
+    dims = _in_dims(inputs, n)
+    size = n if subset_size is None else subset_size
+    options = CurvatureOptions("full", approx, mc_samples, max_memory=sys.maxsize)
+    out = []
     with eval_mode(model), _eager():
         with torch.no_grad():
             output = call_model(model, inputs)
         factor = likelihood.hessian_sqrt(output, target, approx, mc_samples, generator)
-        rows = jacobian_rows(model, names, params, inputs, factor).detach()
-    size = output.shape[0] if subset_size is None else subset_size
-    rows = rows.reshape(output.shape[0], factor.shape[2], -1)
-    options = CurvatureOptions("full", approx, mc_samples, max_memory=sys.maxsize)
-    out = []
-    for start in range(0, output.shape[0], size):
-        part = slice(start, start + size)
-        # P x P only when a subset has at least P rows, i.e. for networks smaller than the subset's kernel
-        structure = FullStructure(range(len(prior.param_sizes)), prior.param_sizes, prior.structure, options.max_memory)
-        structure.to(device).accumulate(BatchCurvature([], rows[part].reshape(-1, rows.shape[2])))
-        stats = CurvatureStatistics(options, names, [structure])
-        stats.add_likelihood(likelihood.statistics(output[part], target[part]))
-        out.append(stats)
+        for start in range(0, n, size):
+            part = slice(start, start + size)
+            rows = jacobian_rows(model, names, params, _take(inputs, dims, part), factor[part]).detach()
+            # P x P only when a subset has at least P rows, i.e. for networks smaller than the subset's kernel
+            structure = FullStructure(range(len(prior.param_sizes)), prior.param_sizes, prior.structure, options.max_memory)
+            structure.to(device).accumulate(BatchCurvature([], rows))
+            stats = CurvatureStatistics(options, names, [structure])
+            stats.add_likelihood(likelihood.statistics(output[part], target[part]))
+            out.append(stats)
     return out
+
+
+def _take(inputs: Any, dims: Any, part: slice) -> Any:
+    """The examples ``part`` of ``inputs`` (tensors with the batch dimension are sliced, the rest kept)."""
+    if isinstance(inputs, Tensor):
+        return inputs[part] if dims == 0 else inputs
+    if isinstance(inputs, tuple):
+        return tuple(_take(v, d, part) for v, d in zip(inputs, dims))
+    if isinstance(inputs, dict):
+        return {k: _take(v, dims[k], part) for k, v in inputs.items()}
+    return inputs
 
 
 class BoundOptimizer:
