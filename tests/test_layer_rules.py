@@ -308,3 +308,52 @@ def test_a_layout_that_only_looked_batch_first_on_the_first_batch_is_refused():
     prior, lik = hyperparameters(model, "regression")
     with pytest.raises(ValueError, match="Module 'fc' was called with input .* on a batch of 3 examples"):
         fit(model, batches(x, y, 4), lik, prior, "kron")  # batches of 4 (= T) and 3
+
+
+# --- in-place operations after a hooked layer ---------------------------------------------------
+
+
+class InPlaceNet(nn.Module):
+    """timm/torchvision style: ``ReLU(inplace=True)`` on hooked outputs and ``+=`` of a shortcut onto a
+    BatchNorm output; ``inplace=False`` is the same function written out of place."""
+
+    def __init__(self, inplace: bool) -> None:
+        super().__init__()
+        self.inplace = inplace
+        self.fc = nn.Linear(3, 4)
+        self.act = nn.ReLU(inplace=inplace)
+        self.inner = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.act(self.fc(x))
+        out = self.bn(self.inner(h))
+        if self.inplace:
+            out += h
+        else:
+            out = out + h
+        return self.head(self.act(out))
+
+
+def _in_place_twins():
+    torch.manual_seed(0)
+    plain = InPlaceNet(inplace=False).double()
+    plain.bn.running_mean.normal_()
+    plain.bn.running_var.uniform_(0.5, 2.0)
+    twin = InPlaceNet(inplace=True).double()
+    twin.load_state_dict(plain.state_dict())
+    return plain.eval(), twin.eval()
+
+
+@pytest.mark.parametrize("structure", ["diag", "kron"])
+def test_in_place_operations_after_hooked_layers_change_nothing(structure):
+    plain, twin = _in_place_twins()
+    x, y = torch.randn(20, 3), torch.randint(0, 2, (20,))
+    prior, lik = hyperparameters(twin, "classification")
+    ev = fit(twin, batches(x, y, 8), lik, prior, structure)
+    assert ev.slow == {}  # every layer stays on the hook path
+    if structure == "diag":  # the reference's kron eligibility runs under torch.func, which refuses in-place ops
+        check_against_reference(ev, graph_problem(twin, x, y, "classification").reference(structure, "ggn"), prior, lik)
+    plain_prior, plain_lik = hyperparameters(plain, "classification")
+    check_same_evidence(ev, fit(plain, batches(x, y, 8), plain_lik, plain_prior, structure))

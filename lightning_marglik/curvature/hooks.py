@@ -14,6 +14,13 @@ layer: the output with and without the expansion must agree, else the layer is l
 (the exact path) or, after the first batch, an error is raised. Only a leading size 1 is expanded:
 it keeps the rank, so every broadcast downstream is unchanged; a 1-D index vector ``(T,)`` cannot
 be told apart from one index per example when ``T`` equals the batch size and stays exact.
+
+In-place operations after a recorded layer (``ReLU(inplace=True)``, ``x += shortcut``, as in timm's
+and torchvision's ResNets) would turn the recorded output into the *post-op* tensor, whose gradient
+misses the op's Jacobian, and could overwrite a recorded input. Every forward checks the version
+counters of what it recorded; a layer whose input or output was modified in place is recorded again
+from a copy (its output replaced by a clone, so the in-place op acts on the clone), which costs one
+copy per such layer and one more forward when it is first seen.
 """
 from __future__ import annotations
 
@@ -48,6 +55,8 @@ class Recorder:
         self._expanded: Set[str] = set()  # layers whose shared input was expanded in this forward
         self._verified: Set[str] = set()  # ... and whose expansion was checked to change no value
         self._unshared: Set[str] = set()  # ... and whose expansion changed the output: never again
+        self._copied: Set[str] = set()  # layers whose input or output a later in-place op modifies
+        self._versions: Dict[str, Tuple[int, int]] = {}
 
     def __enter__(self) -> "Recorder":
         for name, module in self.model.named_modules():
@@ -75,7 +84,7 @@ class Recorder:
         return pre_hook
 
     def _hook(self, name: str):
-        def hook(module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> None:
+        def hook(module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Optional[Tensor]:
             if not self._active:
                 return
             self.counts[name] += 1
@@ -95,8 +104,14 @@ class Recorder:
                         "output led with the batch dimension. Use the same layout for every batch (a first batch of "
                         "one example cannot show a shared or sequence-first layout: drop_last or a larger batch)."
                     )
+                if name in self._copied:
+                    self.inputs[name] = inputs[0].detach().clone()
+                    self.outputs[name] = output
+                    return output.clone()
                 self.inputs[name] = inputs[0].detach()
                 self.outputs[name] = output
+                self._versions[name] = (inputs[0]._version, output._version)
+            return None
 
         return hook
 
@@ -124,13 +139,26 @@ class Recorder:
             self._unshared |= new  # its rows cannot be told apart by example: the plan sends it to the exact path
             output = self._record(inputs)
         self._verified |= new
+        modified = self._modified_in_place()
+        if modified:
+            self._copied |= modified
+            output = self._record(inputs)
         assert output is not None
         return output
+
+    def _modified_in_place(self) -> Set[str]:
+        """Recorded layers whose input or output an in-place operation changed after the layer ran."""
+        return {
+            name
+            for name, (v_in, v_out) in self._versions.items()
+            if name in self.outputs and (self.inputs[name]._version, self.outputs[name]._version) != (v_in, v_out)
+        }
 
     def _record(self, inputs: Inputs) -> Tensor:
         self.counts.clear()
         self.inputs.clear()
         self.outputs.clear()
+        self._versions.clear()
         self._expanded = set()
         self._active = True
         try:
