@@ -101,6 +101,7 @@ class TrainingPassStatistics:
         self._scale: Optional[float] = None
         self._batch = 0
         self._called: Dict[str, int] = {}
+        self._calls: List[bool] = []  # per model call in progress: whether it contains another model call
         self.reset()
 
     def reset(self) -> None:
@@ -116,6 +117,7 @@ class TrainingPassStatistics:
             return
         for layer in self.layers:
             self._handles.append(layer.module.register_forward_hook(self._layer_hook(layer)))
+        self._handles.append(self.model.register_forward_pre_hook(self._enter_model))
         self._handles.append(self.model.register_forward_hook(self._output_hook))
 
     def detach(self) -> None:
@@ -136,6 +138,7 @@ class TrainingPassStatistics:
         self._divisor = loss_divisor
         self._scale = None
         self._called = {}
+        self._calls = []
         self._active = True
 
     def end(self) -> None:
@@ -145,8 +148,16 @@ class TrainingPassStatistics:
         self._active = False
         self._target = None
 
+    def _enter_model(self, module: nn.Module, args: Any) -> None:
+        if self._calls:
+            self._calls[-1] = True
+        self._calls.append(False)
+
     def _output_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not self._active or not torch.is_grad_enabled():
+        # A call that contains another call of the model is Lightning's redirection of training_step
+        # through the model's __call__ (DDP and other wrapping strategies): its output is the loss.
+        wraps = self._calls.pop() if self._calls else False
+        if wraps or not self._active or not torch.is_grad_enabled():
             return
         if self._scale is not None:
             self._problem("the model's forward was called more than once in one training step")
