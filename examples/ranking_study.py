@@ -9,7 +9,7 @@ Adam (lr 1e-3, batch 128), layerwise prior learned online by
 
 Post hoc, at the weights after 10 %, 30 % and 100 % of training (epochs 3, 9 and the last), the
 evidence is re-estimated with each approximation -- kron-GGN exact and Monte-Carlo (1 sample),
-diag-GGN, kron-EF, diag-EF, eigenvalue-corrected Kronecker (ekfac-GGN, ekfac-EF), the evidence of
+diag-GGN, kron-EF, diag-EF, eigenvalue-corrected Kronecker (ekfac-GGN exact and Monte-Carlo, ekfac-EF), the evidence of
 the linearized network at its own optimum (kron-GGN linearized: ``LINEARIZED_STEPS`` L-BFGS
 iterations from the trained weights) and the g-prior (kron-GGN/EF g-prior: one precision times each
 tensor's mean curvature diagonal) -- with the hyperparameters re-optimised on that approximation's own
@@ -103,6 +103,7 @@ APPROXIMATIONS: Dict[str, Tuple[str, str, int, str]] = {
     "kron-EF": ("kron", "ef", 0, "map"),
     "diag-EF": ("diag", "ef", 0, "map"),
     "ekfac-GGN": ("ekfac", "ggn", 0, "map"),
+    "ekfac-GGN-MC": ("ekfac", "ggn", 1, "map"),
     "ekfac-EF": ("ekfac", "ef", 0, "map"),
     "kron-GGN linearized": ("kron", "ggn", 0, "linearized"),
     "kron-GGN g-prior": ("kron", "ggn", 0, "g-prior"),

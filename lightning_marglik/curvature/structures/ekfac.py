@@ -109,15 +109,19 @@ class EKFACStructure(KronStructure):
                 self.add(f"{j}.s", _embedding_diagonal(module, idx, g_rows @ u_g).unsqueeze(0))
             return
         a_rows, g_rows = rule.input_rows(module, a), rule.grad_rows(module, g)  # (B, R, in), (K, B, R, out)
+        if shape.groups == 1:  # one rotation of the gradients serves the weight and the bias (the K B R out^2 part)
+            g_rotated = [g_rows @ basis["bias"].to(g_rows.dtype)]
+            bias_rotated = g_rotated[0].sum(2)
+        else:
+            g_rotated = [gk @ u_g.to(gk.dtype) for gk, u_g in zip(g_rows.chunk(shape.groups, dim=3), basis["g"])]
+            bias_rotated = g_rows.sum(2) @ basis["bias"].to(g_rows.dtype) if "bias" in layer.roles else None
         if "bias" in layer.roles:
-            rotated = g_rows.sum(2) @ basis["bias"].to(g_rows.dtype)  # (K, B, out)
-            self.add(f"{j}.s_bias", rotated.pow(2).sum((0, 1)))
+            self.add(f"{j}.s_bias", bias_rotated.pow(2).sum((0, 1)))  # (K, B, out) summed over K and B
         if "weight" not in layer.roles:
             return
         moments = []
-        for gk, ak, u_g, u_a in zip(g_rows.chunk(shape.groups, dim=3), a_rows.chunk(shape.groups, dim=2),
-                                    basis["g"], basis["a"]):
-            g_rot, a_rot = gk @ u_g.to(gk.dtype), ak @ u_a.to(ak.dtype)
+        for g_rot, ak, u_a in zip(g_rotated, a_rows.chunk(shape.groups, dim=2), basis["a"]):
+            a_rot = ak @ u_a.to(ak.dtype)
             if a_rot.shape[1] == 1:  # no weight sharing: the per-example gradient is an outer product
                 moments.append(g_rot[:, :, 0].pow(2).sum(0).T @ a_rot[:, 0].pow(2))
             else:  # one factor column at a time: at most B x out x in values alive
