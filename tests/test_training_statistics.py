@@ -273,3 +273,18 @@ def test_only_estimation_epochs_are_summed_and_a_partial_epoch_takes_the_pass(pa
     callback = MargLikCallback(structure="diag", approx="ef", frequency=2, steps=5, statistics="training")
     fit(Net(GaussianLikelihood(), lr=1e-2), gaussian_data(), callback, max_epochs=10, max_steps=17, batch_size=8)
     assert [h["epoch"] for h in callback.history] == [2, 4] and passes == [1, 1, 5]  # the final estimate: a pass
+
+
+def test_in_place_activation_after_a_hooked_layer(passes):
+    """A hooked layer's output modified in place (ReLU(inplace=True)): the tensor hook gets the
+    gradient of the layer's output, not of the activation."""
+    torch.manual_seed(0)
+    module = Net(CategoricalLikelihood())
+    module.net[1] = nn.ReLU(inplace=True)
+    callback = MargLikCallback(structure="diag", approx="ef", steps=0, statistics="training")
+    fit(module, categorical_data(), callback, batch_size=16)
+    assert passes == [1, 1]
+    reference = LaplaceEvidence.fit(module.net, DataLoader(categorical_data(), batch_size=40), module.likelihood,
+                                    GaussianPrior(module.net, structure="layerwise"), structure="diag", approx="ef")
+    torch.testing.assert_close(callback.evidence.structures[0].states()["diag"], reference.structures[0].states()["diag"],
+                               rtol=1e-10, atol=1e-12)
