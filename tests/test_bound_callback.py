@@ -81,3 +81,48 @@ def test_resume_continues_adam(tmp_path):
 def test_bad_arguments_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         MargLikBoundCallback(**kwargs)
+
+
+_LAUNCH_ENV = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+               "PL_GLOBAL_SEED", "TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE")
+
+
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="needs gloo")
+def test_ddp_steps_sum_both_ranks_batches(tmp_path):
+    """2 processes (real DDP, gloo): each step's bound is over both ranks' batches (one part each),
+    as BoundOptimizer with the other rank's pieces added; the hyperparameters are identical on both ranks."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from torch.utils.data import DistributedSampler
+
+    from lightning_marglik.hyperparameters import learnable_values
+    from tests import bound_ddp_worker as worker
+
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV and not k.startswith("SLURM_")}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "tests" / "bound_ddp_worker.py"), str(tmp_path)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=420)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1]
+    # by hand: Lightning's DistributedSampler (shuffled with seed 0) gives each rank its examples; steps after batches 2 and 4
+    pl.seed_everything(0, verbose=False)
+    model = Regressor(lr=0.0)
+    x, y = regression_data().tensors
+    shards = [torch.tensor(list(DistributedSampler(regression_data(), num_replicas=2, rank=r, shuffle=True, seed=0))) for r in (0, 1)]
+    optimizer = BoundOptimizer(model.likelihood, model.prior, n_data=64, structure="kron", lr=worker.LR)
+    other = BoundOptimizer(model.likelihood, model.prior, n_data=64, structure="kron")
+    values = []
+    for t in (1, 3):
+        batches = [(x[shard[t * 8 : (t + 1) * 8]], y[shard[t * 8 : (t + 1) * 8]]) for shard in shards]
+        leaves = other._leaves_for({n: v.double() for n, v in learnable_values(model.prior, model.likelihood).items()})
+        pieces, _ = other._local_pieces(model, batches[1], leaves, None)
+        values.append(optimizer.step(model, batches[0], all_reduce=lambda v: v + torch.cat([pieces, v.new_zeros(1)])))
+    assert ranks[0]["log_precision"] == pytest.approx(model.prior.log_precision.tolist(), abs=1e-6)
+    assert ranks[0]["log_sigma"] == pytest.approx(model.likelihood.log_sigma.item(), abs=1e-6)
+    assert ranks[0]["history"][0]["marglik"] == pytest.approx(sum(values) / 2, rel=1e-5)

@@ -273,3 +273,27 @@ def test_wrong_target_shape_is_named():
     for bound in ("parametric", "ntk"):
         with pytest.raises(ValueError, match="target shape"):
             BoundOptimizer(lik, prior, n_data=40, bound=bound, structure="diag" if bound == "parametric" else "kron").step(model, (x[:10], y[:10, :1].repeat(1, 3)))
+
+
+class _TwoInputs(torch.nn.Module):
+    """forward(x, shift) with a per-example ``x`` and a shift shared by the batch (not sliced into subsets)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+
+    def forward(self, x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        return self.net(x + shift)
+
+
+def test_ntk_subsets_of_tuple_inputs_equal_parametric_full_batches():
+    """The NTK subsets of a tuple-input batch (a shared tensor kept whole) equal the full structure
+    on batches of the subset size (Sylvester), the last subset short."""
+    torch.manual_seed(0)
+    model = _TwoInputs()
+    prior, lik = hyper(model, "classification")
+    x, y, shift = torch.randn(13, 3), torch.randint(0, 2, (13,)), torch.randn(1, 3)
+    ntk = EvidenceBound.fit(model, [((x, shift), y)], lik, prior, bound="ntk", subset_size=5)
+    batches = [((x[i : i + 5], shift), y[i : i + 5]) for i in range(0, 13, 5)]
+    full = EvidenceBound.fit(model, batches, lik, prior, bound="parametric", structure="full")
+    assert ntk.n_partitions == 3 and rel_err(ntk.log_marglik(), full.log_marglik()) <= TOL
