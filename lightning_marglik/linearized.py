@@ -74,7 +74,8 @@ def linearized_evidence(
 
     Args:
         model: The network at its trained weights ``theta*`` (evaluated in eval mode).
-        dataloader: Re-iterable batches covering the training set once (read once per evaluation).
+        dataloader: Batches covering the training set once; read once and held in memory (on the
+            parameters' device) for the L-BFGS evaluations and the evidence pass.
         likelihood: The likelihood (its temperature and noise enter the objective).
         prior: The prior (its current precisions enter the objective).
         structure: Curvature structure of the evidence (``"kron"``, ``"ekfac"``, ``"diag"``, ``"full"``).
