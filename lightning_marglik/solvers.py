@@ -337,19 +337,20 @@ class _AscentStep:
         floor = max(1e-10 * scale, torch.finfo(grad.dtype).tiny ** 0.5)
         self.d = -diagonal.abs().clamp(min=floor)
         self.c = c
-        eigenvalues, vectors = torch.linalg.eigh(b - (c / self.d) @ c.T)
-        self.s = (vectors * -eigenvalues.abs().clamp(min=floor)) @ vectors.T
+        coupling = (c / self.d) @ c.T
+        eigenvalues, vectors = torch.linalg.eigh(b - coupling)
+        self.s_coupled = (vectors * -eigenvalues.abs().clamp(min=floor)) @ vectors.T + coupling
+        self.g_s, self.g_l = grad[dense], grad[rest]
+        self.eye = torch.eye(len(dense), dtype=grad.dtype, device=grad.device)
         self.newton = self(0.0)
 
     def __call__(self, mu: float) -> Tensor:
-        g_s, g_l = self.grad[self.dense], self.grad[self.rest]
         d_mu = self.d - mu
-        eye = torch.eye(len(self.dense), dtype=self.grad.dtype, device=self.grad.device)
-        schur = self.s + (self.c / self.d) @ self.c.T - mu * eye - (self.c / d_mu) @ self.c.T
-        step_s = torch.linalg.solve(schur, -g_s + self.c @ (g_l / d_mu))
+        schur = self.s_coupled - mu * self.eye - (self.c / d_mu) @ self.c.T
+        step_s = torch.linalg.solve(schur, -self.g_s + self.c @ (self.g_l / d_mu))
         step = torch.empty_like(self.grad)
         step[self.dense] = step_s
-        step[self.rest] = (-g_l - self.c.T @ step_s) / d_mu
+        step[self.rest] = (-self.g_l - self.c.T @ step_s) / d_mu
         return step
 
     def within(self, radius: float) -> Tensor:
@@ -430,7 +431,8 @@ def newton(
     coordinate, and above ``DENSE_LIMIT`` coordinates (e.g. a diagonal prior over many
     parameters), the Hessian diagonal of the tensors that do not fit (one extra product, see
     ``_derivatives``), coupled exactly to the small ones. The Hessian is modified to be negative definite (absolute
-    eigenvalues), the step is damped to change no coordinate by more than ``TRUST_RADIUS`` and an
+    eigenvalues), the step is damped to change no coordinate by more than ``TRUST_RADIUS`` (after a
+    backtracked step, by more than twice the change accepted) and an
     Armijo backtracking line search accepts it only if the objective rises; trial points where the
     objective is non-finite or raises ``torch.linalg.LinAlgError`` are rejected like any other.
 
@@ -473,6 +475,7 @@ def newton(
         return _failed_start(initial, {})
     start, evaluations, trace = value.detach(), 1, [value.item()]
     converged = diverged = False
+    radius = TRUST_RADIUS
     while True:
         grad, rows, diagonal, dense = oracle.derivatives()
         if not (torch.isfinite(grad).all() and torch.isfinite(rows).all() and torch.isfinite(diagonal).all()):
@@ -485,7 +488,7 @@ def newton(
             break
         if evaluations >= max_evaluations:
             break
-        step = ascent.within(TRUST_RADIUS)
+        step = ascent.within(radius)
         slope = float(grad @ step)
         alpha, accepted = 1.0, None
         while evaluations < max_evaluations and alpha * step.abs().max().item() > _noise(point.abs().max()):
@@ -505,6 +508,11 @@ def newton(
             break
         point, value = accepted
         trace.append(value.item())
+        # a backtracked step means the quadratic model held only that far: the next step stays within
+        # twice the distance that was accepted (an exponential in a log hyperparameter, e.g. sigma's
+        # data term, would otherwise be overshot and backtracked again); a full step lets it grow back
+        taken = alpha * step.abs().max().item()
+        radius = min(TRUST_RADIUS, 2 * taken if alpha < 1 else max(radius, 2 * taken))
 
     return Solution(
         values=_detached(flat.unflatten(point)),
