@@ -173,7 +173,11 @@ class EvidenceBound:
                 stats = [collect_statistics(model, [batch], likelihood, prior, generator=generator, batch_fn=batch_fn, options=options)]
             else:
                 stats = _kernel_statistics(model, batch, likelihood, prior, approx, mc_samples, subset_size, generator, batch_fn)
-            parts += [LaplaceEvidence.from_statistics(s, likelihood, prior) for s in stats if s.n_data > 0]
+            for part in stats:
+                if part.n_data > 0:
+                    parts.append(LaplaceEvidence.from_statistics(part, likelihood, prior))
+                    if bound == "ntk":
+                        _drop_rows(part)
         return cls(parts, n_data)
 
     # --- evaluation ---------------------------------------------------------------------------
@@ -261,6 +265,17 @@ def _kernel_statistics(
             stats.add_likelihood(likelihood.statistics(output[part], target[part]))
             out.append(stats)
     return out
+
+
+def _drop_rows(stats: CurvatureStatistics) -> None:
+    """Free a prepared kernel part's ``R x P`` rows where its log-determinant no longer reads them:
+    with one precision per tensor it reads the per-tensor ``R x R`` Gram matrices and the row count
+    only (:meth:`FullStructure._log_det_low_rank`), so a bound over many subsets of a large network
+    holds ``T R^2`` numbers per subset instead of ``R P``."""
+    for structure in stats.structures:
+        if isinstance(structure, FullStructure) and structure.gram is None and structure.prior_structure != "diagonal":
+            if structure.rows is not None:
+                structure.rows = structure.rows.new_zeros(structure.rows.shape[0], 0)
 
 
 def _take(inputs: Any, dims: Any, part: slice) -> Any:

@@ -139,6 +139,8 @@ def test_ntk_bound_is_the_block_diagonal_kernel(kind, approx, subset_size):
     stats = unit_log_likelihood(problem.f, problem.y, problem.kind)
     fit_term = tempered_log_likelihood(stats, problem.kind, log_sigma, log_t) - 0.5 * (log_delta.exp() * problem.theta**2).sum()
     assert bound.n_partitions == len(blocks)
+    # a layerwise prior reads the per-tensor Gram matrices only: the R x P rows are not kept
+    assert all(s.rows.shape[1] == 0 for part in bound.parts for s in part.structures if s.gram is None)
     assert rel_err(bound.log_marglik(), fit_term - 0.5 * block_log_det) <= TOL
     exact = fit_term - 0.5 * torch.logdet(torch.eye(len(kernel)) + kernel)
     assert bound.log_marglik() < exact
