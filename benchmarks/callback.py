@@ -238,7 +238,14 @@ def profile_estimate(name: str, n: int, quick: bool, options: Dict[str, Any], so
 
 def report(data: Dict[str, Any], quick: bool) -> str:
     models = [m for m in ("mlp", "cnn") if m in data.get("models", {})]
-    lines = ["# MargLikCallback cost in a real Trainer", ""]
+    lines = [
+        "# MargLikCallback cost in a real Trainer",
+        "",
+        "statistics='training' (EF sums from the training passes, F=1, side by side with the pass and plain "
+        "training): `training_statistics.md` (cost) and `training_statistics_accuracy.md` (hyperparameters against "
+        "the pass).",
+        "",
+    ]
     for m in models:
         res = data["models"][m]
         lines.append(f"- {m.upper()}: `{res['command']}` on {res['date']}; load average (1 min) at start / end "
