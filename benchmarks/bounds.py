@@ -140,7 +140,10 @@ CONFIGS = [  # (label, callback factory)
     ("bound parametric kron-ggn, k=1", lambda: MargLikBoundCallback(structure="kron", every_k_batches=1, lr=0.1)),
     ("bound parametric kron-ggn, k=10", lambda: MargLikBoundCallback(structure="kron", every_k_batches=10, lr=0.1)),
     ("bound parametric diag-ef, k=1", lambda: MargLikBoundCallback(structure="diag", approx="ef", every_k_batches=1, lr=0.1)),
-    ("bound ntk S=8, k=10", lambda: MargLikBoundCallback(bound="ntk", subset_size=8, every_k_batches=10, lr=0.1)),
+    ("Algorithm 1, kron-ef, statistics='training', F=1",
+     lambda: MargLikCallback(structure="kron", approx="ef", frequency=1, steps=20, statistics="training")),
+    ("bound parametric kron-ef, k=1", lambda: MargLikBoundCallback(structure="kron", approx="ef", every_k_batches=1, lr=0.1)),
+    ("bound ntk S=8, k=40", lambda: MargLikBoundCallback(bound="ntk", subset_size=8, every_k_batches=40, lr=0.1)),
     ("plain", lambda: None),
 ]
 
