@@ -99,11 +99,8 @@ def linearized_evidence(
     device, dtype = star[0].device, star[0].dtype
     batches = [split_batch(batch, batch_fn) for batch in dataloader]
     batches = [(move(inputs, device, dtype), target.to(device)) for inputs, target in batches]
-    precision = prior.per_tensor(prior.log_precision.detach()) if prior.structure != "diagonal" else None
-    diagonal = (
-        [d.reshape(p.shape) for d, p in zip(torch.split(prior.log_precision.detach().exp(), prior.param_sizes), star)]
-        if prior.structure == "diagonal" else [precision[t].exp() for t in range(len(star))]
-    )
+    precision = torch.split(prior.per_parameter(prior.log_precision.detach()).exp(), prior.param_sizes)
+    diagonal = [d.reshape(p.shape) for d, p in zip(precision, star)]
     inverse_temperature = likelihood.temperature.detach().reciprocal()
     theta = [p.clone().requires_grad_(True) for p in star]
 

@@ -24,9 +24,10 @@ def flat(params):
     return torch.cat([p.reshape(-1) for p in params])
 
 
-def test_gaussian_optimum_and_evidence_are_the_ridge_regression_closed_form():
+@pytest.mark.parametrize("prior_structure", ["layerwise", "scalar", "diagonal"])
+def test_gaussian_optimum_and_evidence_are_the_ridge_regression_closed_form(prior_structure):
     model, x, y, problem = setup("mlp_small", "regression")
-    prior, lik = hyper(model, "regression")
+    prior, lik = hyper(model, "regression", prior_structure=prior_structure)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         result = linearized_evidence(model, loader(x, y, 16), lik, prior, structure="full", steps=400)
