@@ -288,3 +288,22 @@ def test_in_place_activation_after_a_hooked_layer(passes):
                                     GaussianPrior(module.net, structure="layerwise"), structure="diag", approx="ef")
     torch.testing.assert_close(callback.evidence.structures[0].states()["diag"], reference.structures[0].states()["diag"],
                                rtol=1e-10, atol=1e-12)
+
+
+class Scale(nn.Module):
+    """A layer without a hook rule: its parameter takes the exact per-example path."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        return self.weight * x
+
+
+def test_exact_path_parameters_are_refused_naming_the_module():
+    module = Net(GaussianLikelihood())
+    module.net.insert(1, Scale(6))
+    module.prior = GaussianPrior(module.net, structure="layerwise")
+    with pytest.raises(MargLikConfigurationError, match=r"'net\.1': Scale has no hook rule.*register_layer_rule"):
+        fit(module, gaussian_data(), MargLikCallback(structure="kron", approx="ef", statistics="training"))
