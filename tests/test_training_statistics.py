@@ -307,3 +307,25 @@ def test_exact_path_parameters_are_refused_naming_the_module():
     module.prior = GaussianPrior(module.net, structure="layerwise")
     with pytest.raises(MargLikConfigurationError, match=r"'net\.1': Scale has no hook rule.*register_layer_rule"):
         fit(module, gaussian_data(), MargLikCallback(structure="kron", approx="ef", statistics="training"))
+
+
+def test_lightning_pytorch_package(passes):
+    """``lightning.pytorch``'s Trainer with ``lightning_marglik.lightning.MargLikCallback``: the same sums."""
+    L = pytest.importorskip("lightning.pytorch")
+    from lightning_marglik.lightning import MargLikCallback as LightningMargLikCallback
+    from tests.lightning_models import RegressorSteps
+
+    class Regressor(RegressorSteps, L.LightningModule):
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.net.parameters(), lr=0.0)
+
+    torch.manual_seed(0)
+    module = Regressor(n_data=40).double()
+    data = TensorDataset(torch.linspace(-2, 2, 40).unsqueeze(1), torch.sin(torch.linspace(-2, 2, 40)).unsqueeze(1))
+    callback = LightningMargLikCallback(structure="kron", approx="ef", steps=0, statistics="training")
+    L.Trainer(max_epochs=1, callbacks=[callback], logger=False, enable_progress_bar=False, enable_model_summary=False,
+              enable_checkpointing=False, accelerator="cpu", precision="64-true").fit(module, DataLoader(data, batch_size=16))
+    assert passes == [1, 1]
+    reference = LaplaceEvidence.fit(module.net, DataLoader(data, batch_size=40), module.likelihood,
+                                    GaussianPrior(module.net), structure="kron", approx="ef")
+    assert math.isclose(callback.evidence.log_marglik().item(), reference.log_marglik().item(), rel_tol=1e-10)
