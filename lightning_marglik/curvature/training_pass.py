@@ -99,7 +99,6 @@ class TrainingPassStatistics:
         self._target: Optional[Tensor] = None
         self._divisor = 1
         self._scale: Optional[float] = None
-        self._batch = 0
         self._called: Dict[str, int] = {}
         self._calls: List[bool] = []  # per model call in progress: whether it contains another model call
         self.reset()
@@ -168,7 +167,6 @@ class TrainingPassStatistics:
         assert self._target is not None
         stats = self.likelihood.statistics(output.detach(), self._target.to(output.device))
         self.stats.add_likelihood(stats)
-        self._batch = output.shape[0]
         values = {name: value.detach().double() for name, value in self.likelihood.hyperparameters().items()}
         unit = values["log_temperature"].exp() / self.likelihood.curvature_scale("ef", values)
         self._scale = int(stats["n_data"]) * self._divisor * math.sqrt(float(unit))
