@@ -5,6 +5,7 @@ Run from the repository root::
     python benchmarks/real_scale.py --quick                         # smoke test (a minute), prints only
     python benchmarks/real_scale.py --models resnet18 --sizes 512,2048
     python benchmarks/real_scale.py --models vit_tiny --sizes 512   # each run updates real_scale.md
+    python benchmarks/real_scale.py --render                        # rewrite it from its embedded data
 
 What is measured, single-threaded (``torch.set_num_threads(1)``), process CPU seconds, on N random
 3x32x32 images with random labels 0..9, batch size 128, ``CategoricalLikelihood``, layerwise prior:
@@ -162,8 +163,9 @@ products has a zero row wherever its diagonal is zero; dead units add more). `kr
 solves the eigenproblem of the non-zero part only (4608 -> about 400 after the ReLUs) and adds the
 zeros exactly: 28.7 s -> 4.4 s, with eigenvalues equal to the full solve's to 2.5e-15 relative
 (measured per layer). The log-determinant and its derivatives then also skip the zero products
-`q_i w_j = 0` (terms `log delta`, summed in closed form), which makes each solver evaluation about
-3x cheaper on resnet18. Not done: a cheaper dtype for the eigen-solve (float32 eigenvalues carry an
+`q_i w_j = 0` (terms `log delta`, summed in closed form), so a solver evaluation runs over the
+non-zero eigenvalue pairs only. The solve: Newton on closed-form derivatives (the log-det's gradient
+and arrowhead Hessian from the cached eigenvalues) where the autograd Hessian took 94-167 s. Not done: a cheaper dtype for the eigen-solve (float32 eigenvalues carry an
 absolute error of about 1e-7 ||A||, which enters `log(s q w + delta)` unbounded relative to a small
 delta; not provably accurate, so float64 stays), and the shifted cross-correlation form of the conv
 input factor (it changes `layers.py`'s rule objects, being restructured in parallel).
@@ -175,7 +177,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smoke test: both models at N=64, prints only")
     parser.add_argument("--models", default="resnet18", help=f"comma-separated, from {MODELS}")
     parser.add_argument("--sizes", default="512", help="comma-separated N")
+    parser.add_argument("--render", action="store_true", help="rewrite real_scale.md from its embedded data")
     args = parser.parse_args()
+    if args.render:
+        data = read_data(OUTPUT)
+        write_with_data(OUTPUT, report(data), data)
+        return
     torch.set_num_threads(THREADS)
     models = MODELS if args.quick else tuple(args.models.split(","))
     sizes = [64] if args.quick else [int(n) for n in args.sizes.split(",")]

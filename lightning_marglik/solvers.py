@@ -432,7 +432,7 @@ def newton(
     parameters), the Hessian diagonal of the tensors that do not fit (one extra product, see
     ``_derivatives``), coupled exactly to the small ones. The Hessian is modified to be negative definite (absolute
     eigenvalues), the step is damped to change no coordinate by more than ``TRUST_RADIUS`` (after a
-    backtracked step, by more than twice the change accepted) and an
+    backtracked step, by more than twice the change accepted; a full step doubles it back) and an
     Armijo backtracking line search accepts it only if the objective rises; trial points where the
     objective is non-finite or raises ``torch.linalg.LinAlgError`` are rejected like any other.
 
