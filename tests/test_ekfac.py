@@ -191,3 +191,26 @@ def test_callback_refuses_ekfac_across_processes_before_training():
         ddp = pl.Trainer(strategy="ddp", devices=2, accelerator="cpu", logger=False)  # not launched: set-up only
     with pytest.raises(MargLikConfigurationError, match="structure='kron'"):
         MargLikCallback(structure="ekfac").setup(ddp, Regressor(), "fit")
+
+
+def test_hf_conv1d_weight_stored_in_out_moments_and_covariance():
+    """Hugging Face's Conv1D stores its weight (in, out): the basis is U_A (x) U_G in weight.flatten() order."""
+    conv1d = pytest.importorskip("transformers.pytorch_utils").Conv1D
+    torch.manual_seed(0)
+    model = nn.Sequential(conv1d(4, 3), nn.Tanh(), nn.Linear(4, 3)).double()  # Conv1D(nf=out, nx=in)
+    x, y = torch.randn(25, 3), torch.randint(0, 3, (25,))
+    problem = GraphProblem(model, [n for n, _ in model.named_parameters()], x, y, "classification")
+    prior, lik = hyper(model, "classification")
+    ev = LaplaceEvidence.fit(model, loader(x, y, 9), lik, prior, structure="ekfac")
+    structure, dense = ekfac_of(ev), problem.reference("full", "ggn").full
+    basis = structure.bases[0]
+    u = kron(basis["a"][0], basis["g"][0])
+    moments = torch.diagonal(u.T @ dense[:12, :12] @ u)  # (in, out) order
+    assert rel_err(structure.state("0.s")[0].T.reshape(-1), moments) <= TOL
+    log_delta = problem.reference("kron", "ggn").hyper_from(prior, lik)[0]
+    scale = lik.log_temperature.detach().neg().exp()
+    j_w = problem.jac[:, :, :12] @ u
+    expected = torch.einsum("ncp,p,ndp->ncd", j_w, 1 / (scale * moments + log_delta[:12].exp()), j_w)
+    only_weight = problem.jac.clone()
+    only_weight[:, :, 12:] = 0  # the other tensors' terms are checked by the tests above
+    assert rel_err(ev.jacobian_covariance(only_weight), expected) <= TOL
