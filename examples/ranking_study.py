@@ -16,6 +16,8 @@ tensor's mean curvature diagonal) -- with the hyperparameters re-optimised on th
 curvature (``optimize(solver="newton")``, converged). One evidence pass per approximation and
 checkpoint costs about one to eight training epochs, far less than training every candidate again
 online with each approximation. (At 10 % and 30 % only the three cheap approximations are run.)
+The six added at 100 % (ekfac, linearized, g-prior) cost together about 11 kron-GGN evaluations per
+run, the linearized one alone 5.5-5.8 (``benchmarks/results/approximation_costs.md``).
 
 Then: Spearman rho between the (seed-averaged) evidence and the test accuracy / test
 log-likelihood of the MAP softmax, with a 95 % bootstrap interval over test examples and seeds;
