@@ -52,6 +52,7 @@ from lightning_marglik import (  # noqa: E402
 
 OUTPUT = RESULTS / "bounds.md"
 GRID = [x / 4 for x in range(-12, 25)]  # log precision -3 ... 6
+BATCHES = 40  # training batches per epoch of the cost part (--quick: 4; every_k_batches is capped there)
 
 
 # --- part 1: slack --------------------------------------------------------------------------------
@@ -138,12 +139,12 @@ CONFIGS = [  # (label, callback factory)
     ("Algorithm 1, kron-ggn, F=1", lambda: MargLikCallback(structure="kron", frequency=1, steps=20)),
     ("Algorithm 1, kron-ggn, F=5", lambda: MargLikCallback(structure="kron", frequency=5, steps=20)),
     ("bound parametric kron-ggn, k=1", lambda: MargLikBoundCallback(structure="kron", every_k_batches=1, lr=0.1)),
-    ("bound parametric kron-ggn, k=10", lambda: MargLikBoundCallback(structure="kron", every_k_batches=10, lr=0.1)),
+    ("bound parametric kron-ggn, k=10", lambda: MargLikBoundCallback(structure="kron", every_k_batches=min(10, BATCHES), lr=0.1)),
     ("bound parametric diag-ef, k=1", lambda: MargLikBoundCallback(structure="diag", approx="ef", every_k_batches=1, lr=0.1)),
     ("Algorithm 1, kron-ef, statistics='training', F=1",
      lambda: MargLikCallback(structure="kron", approx="ef", frequency=1, steps=20, statistics="training")),
     ("bound parametric kron-ef, k=1", lambda: MargLikBoundCallback(structure="kron", approx="ef", every_k_batches=1, lr=0.1)),
-    ("bound ntk S=8, k=40", lambda: MargLikBoundCallback(bound="ntk", subset_size=8, every_k_batches=40, lr=0.1)),
+    ("bound ntk S=8, k=40", lambda: MargLikBoundCallback(bound="ntk", subset_size=8, every_k_batches=min(40, BATCHES), lr=0.1)),
     ("plain", lambda: None),
 ]
 
@@ -239,6 +240,8 @@ def main() -> None:
         part1 = slack(600, 500, [600, 300, 100, 50, 20, 10], [600, 100, 50, 20, 10, 5, 1])
     for r in part1["rows"]:
         print(f"  {r['label']} [{r['size']}]: {r['value']:.4f} (argmax {r['argmax']:.2f})", flush=True)
+    global BATCHES
+    BATCHES = 4 if args.quick else 40
     dtype = torch.get_default_dtype()
     part2 = cost(1024 if args.quick else 10_000, 2 if args.quick else 10, args.quick)
     torch.set_default_dtype(dtype)

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .bounds import BoundOptimizer, check_bound_options
-from .callback_core import MONITOR, LightningModule, MargLikCallbackCore, Trainer, _positive_int
+from .callback_core import MONITOR, LightningModule, MargLikCallbackCore, MargLikConfigurationError, Trainer, _positive_int
 from .curvature import CurvatureOptions
 
 __all__ = ["MargLikBoundCallbackCore"]
@@ -61,6 +61,13 @@ class MargLikBoundCallbackCore(MargLikCallbackCore):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_start(trainer, pl_module)  # set-up checks, N on the prior, a changed set of learnables
         assert self.prior is not None and self.likelihood is not None
+        batches = trainer.num_training_batches
+        if math.isfinite(batches) and batches < self.every_k_batches:
+            raise MargLikConfigurationError(
+                f"MargLikBoundCallback(every_k_batches={self.every_k_batches}), but an epoch has {int(batches)} training "
+                f"batches: the count restarts every epoch, so no hyperparameter step would ever be taken; choose "
+                f"every_k_batches <= {int(batches)}."
+            )
         self._optimizer = BoundOptimizer(
             self.likelihood, self.prior, bound=self.bound, structure=self.structure, approx=self.approx,
             mc_samples=self.mc_samples, subset_size=self.subset_size, lr=self.lr,

@@ -7,7 +7,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from lightning_marglik import BoundOptimizer, MargLikBoundCallback, MargLikCheckpoint
+from lightning_marglik import BoundOptimizer, MargLikBoundCallback, MargLikCheckpoint, MargLikConfigurationError
 from tests.lightning_models import Regressor, loader, regression_data, trainer
 
 
@@ -68,6 +68,14 @@ def test_resume_continues_adam(tmp_path):
     trainer([resumed_callback], 2).fit(resumed, loader(regression_data()), ckpt_path=tmp_path / "one.ckpt")
     assert torch.allclose(resumed.prior.log_precision, straight.prior.log_precision, atol=1e-6)
     assert [h["epoch"] for h in resumed_callback.history] == [1, 2]
+
+
+def test_every_k_beyond_an_epoch_is_refused_before_training():
+    model = Regressor()
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(MargLikConfigurationError, match="every_k_batches=5.*an epoch has 4 training batches"):
+        _fit([MargLikBoundCallback(every_k_batches=5)], max_epochs=1, model=model)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
 @pytest.mark.parametrize("kwargs,match", [
