@@ -70,6 +70,23 @@ def test_resume_continues_adam(tmp_path):
     assert [h["epoch"] for h in resumed_callback.history] == [1, 2]
 
 
+def test_lightning_pytorch_package():
+    """The same callback for ``lightning.pytorch`` (``import lightning``) steps in its Trainer."""
+    lightning_pl = pytest.importorskip("lightning.pytorch")
+    from lightning_marglik.lightning import MargLikBoundCallback as LightningBoundCallback
+    from tests.lightning_models import RegressorSteps
+
+    class LightningRegressor(RegressorSteps, lightning_pl.LightningModule):
+        pass
+
+    callback = LightningBoundCallback(structure="diag", every_k_batches=2)
+    t = lightning_pl.Trainer(max_epochs=1, callbacks=[callback], logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+    model = LightningRegressor()
+    t.fit(model, loader(regression_data()))
+    assert callback.history[0]["steps"] == 2 and not torch.allclose(model.prior.log_precision, torch.zeros(4))
+
+
 def test_every_k_beyond_an_epoch_is_refused_before_training():
     model = Regressor()
     before = [p.clone() for p in model.parameters()]
