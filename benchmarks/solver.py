@@ -337,7 +337,7 @@ def summary(rows: List[Dict[str, object]], online: List[Dict[str, object]], regr
         f"{span([r['newton_per_adam_10'] for r in regression], '.2f')}. Newton slower than 10 Adam steps in: "
         f"{', '.join(slower) or 'none'}. Newton's gradient and Hessian are closed-form (the structures' "
         f"`log_det_derivatives`): one pass over the cached eigenvalues or diagonals under kron, diag and a full "
-        f"curvature with one precision; `H^-1` (Woodbury in the low-rank form) for a full curvature with several.",
+        f"curvature with one precision; for a full curvature with several, `H^-1` blocks from its cached Schur decomposition (Gram form), or an m x m Woodbury inverse in the largest tensor's eigenbasis (low-rank form).",
         f"- (c) the paper's regression protocol (full GGN, N = {BOSTON_N} < P = {regression[0]['P']}): Newton "
         f"{span([r['newton_ms'] for r in regression], '.1f')} ms per estimate in "
         f"{span([r['newton_evals'] for r in regression], 'd')} evaluations (converged in "
