@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -105,13 +106,9 @@ def split(rows: List[Dict[str, Any]]) -> Dict[str, float]:
     span = high["n"] - low["n"]
     per_example = (high["collect_s"] - low["collect_s"]) / span
     epoch_per_example = (high["epoch_s"] - low["epoch_s"]) / span
-    fixed = statistics_mean([r["prepare_s"] for r in rows]) + low["collect_s"] - per_example * low["n"]
+    fixed = statistics.mean([r["prepare_s"] for r in rows]) + low["collect_s"] - per_example * low["n"]
     return {"per_example_ms": 1e3 * per_example, "epoch_per_example_ms": 1e3 * epoch_per_example, "fixed_s": fixed,
             "ratio_at": (fixed + per_example * EXTRAPOLATE_N) / (epoch_per_example * EXTRAPOLATE_N)}
-
-
-def statistics_mean(values: List[float]) -> float:
-    return sum(values) / len(values)
 
 
 def report(data: Dict[str, Any]) -> str:

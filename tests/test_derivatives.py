@@ -2,7 +2,7 @@
 input) against autograd and finite differences of ``log_marglik_at``, in float64."""
 import itertools
 import warnings
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, Tuple
 
 import pytest
 import torch
@@ -116,7 +116,6 @@ def test_newton_with_closed_form_reaches_the_autograd_optimum(structure):
 
     ev = evidence("regression", structure, "layerwise", 40, False)
     closed = ev.optimize(solver="newton", tol=1e-10, max_evaluations=100)
-    objective, start, unflatten = flat_objective(ev)
     initial = ev._learnable_values()
     reference = solvers.newton(lambda v: ev.log_marglik_at(ev._with_fixed(ev._current(), v)), initial, tol=1e-10,
                                max_evaluations=100)
