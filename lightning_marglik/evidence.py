@@ -273,6 +273,9 @@ class LaplaceEvidence:
         log_prec = full["log_precision"]
         log_delta = self._log_delta(log_prec)
         parts = [s.log_det_derivatives(self._scale(full), log_delta) for s in self.structures]
+        if not all(bool(torch.isfinite(p.value)) for p in parts):
+            # non-finite curvature or a failed factorisation: no derivatives, the solver rejects the point
+            raise torch.linalg.LinAlgError("the log-determinant is not finite at this point")
         ld_u, ld_uu = sum(p.u for p in parts), sum(p.uu for p in parts)
         loglik, grad_lik, hess_lik, u_grad = self._likelihood_derivatives(full, names, ld_u, ld_uu)
         first, mixed, second = (log_prec.new_zeros(log_prec.numel()) for _ in range(3))
