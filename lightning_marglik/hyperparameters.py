@@ -61,7 +61,9 @@ class GaussianPrior(nn.Module):
         fixed: Names of parameters (``fnmatch`` patterns, e.g. ``"*.conv*.weight"``) whose
             precision stays at ``precision`` while the others are learned, e.g. weights followed by
             BatchNorm: their scale does not change the fit, so a learned precision grows without
-            bound (``examples/results/resnet_bn.md``).
+            bound (``examples/results/resnet_bn.md``). ``MargLikCallback`` finds such tensors itself
+            and treats them (``scale_invariant=``, see :meth:`treat_scale_invariant`); ``fixed`` wins
+            for the tensors it names.
 
     Raises:
         ValueError: On an unknown structure, a non-positive precision, a model without trainable
