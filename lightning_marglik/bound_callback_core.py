@@ -109,15 +109,8 @@ class MargLikBoundCallbackCore(MargLikCallbackCore):
         """The mean of the epoch's bound estimates per datum as its ``marglik`` (NaN if none is finite)."""
         finite = [v for v in self._epoch_values if math.isfinite(v)]
         marglik = sum(finite) / len(finite) if finite else math.nan
-        self.estimations += 1
-        self._last_estimate_step = trainer.global_step
-        self.last_estimate_epoch = epoch - 1
-        self.last_marglik = marglik
-        if marglik > self.best_marglik:  # False for NaN
-            self.best_marglik, self.best_epoch = marglik, epoch - 1
-        self.history.append({"epoch": epoch, "step": trainer.global_step, MONITOR: marglik, "steps": len(self._epoch_values)})
-        self._epoch_values = []
-        return marglik
+        steps, self._epoch_values = len(self._epoch_values), []
+        return self._record_estimate(trainer, epoch, marglik, steps=steps)
 
     def state_dict(self) -> Dict[str, Any]:
         if self._optimizer is not None:

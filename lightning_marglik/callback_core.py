@@ -449,13 +449,17 @@ class MargLikCallbackCore:
             # rank 0's values everywhere: bit-identical hyperparameters on every rank
             evidence.set_hyperparameters(strategy.broadcast(solution.values, src=0))
             marglik = solution.value.item() / evidence.n_data
+        return self._record_estimate(trainer, epoch, marglik)
+
+    def _record_estimate(self, trainer: Trainer, epoch: int, marglik: float, **extra: Any) -> float:
+        """Book an estimate after ``epoch`` (counted from 1): history, last and best (never NaN)."""
         self.estimations += 1
         self._last_estimate_step = trainer.global_step
         self.last_estimate_epoch = epoch - 1
         self.last_marglik = marglik
         if marglik > self.best_marglik:  # False for NaN
             self.best_marglik, self.best_epoch = marglik, epoch - 1
-        self.history.append({"epoch": epoch, "step": trainer.global_step, MONITOR: marglik})
+        self.history.append({"epoch": epoch, "step": trainer.global_step, MONITOR: marglik, **extra})
         return marglik
 
     # --- statistics from the training passes (statistics="training") ---------------------------
