@@ -39,6 +39,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from _common import RESULTS, cpu_name, freeze_startup, load_avg, now, package_version, timed  # noqa: E402
+from callback import Module  # noqa: E402 - the same classifier as the callback benchmark (SGD, lr 1e-2)
 from engine import make_problem  # noqa: E402
 from lightning_marglik import (  # noqa: E402
     CategoricalLikelihood,
@@ -113,25 +114,6 @@ def slack(n: int, steps: int, batch_sizes: List[int], subset_sizes: List[int]) -
 
 
 # --- part 2: cost ----------------------------------------------------------------------------------
-
-
-class Module(pl.LightningModule):
-    def __init__(self, net: nn.Module, n_data: int) -> None:
-        super().__init__()
-        self.net = net
-        self.prior = GaussianPrior(net)
-        self.likelihood = CategoricalLikelihood()
-        self.n_data = n_data
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return map_loss(self(x), y, self.likelihood, self.prior, self.n_data)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.net.parameters(), lr=1e-2)
 
 
 CONFIGS = [  # (label, callback factory)
