@@ -395,23 +395,30 @@ class _Autograd:
 
 
 class _ClosedForm:
-    """Values and derivatives from one call of the caller's ``derivatives`` per point."""
+    """Values and derivatives from one call of the caller's ``derivatives`` per point.
 
-    def __init__(self, derivatives: Derivatives, flat: _Flat) -> None:
-        self.function, self.flat = derivatives, flat
+    The closed form may fail where the objective itself is finite (a factorisation of its own
+    that breaks at extreme hyperparameters): such a point is evaluated by ``fallback`` (autograd
+    on the objective), so the closed form never rejects a point the objective accepts.
+    """
+
+    def __init__(self, derivatives: Derivatives, fallback: _Autograd) -> None:
+        self.function, self.fallback = derivatives, fallback
+        self.last: Optional[SecondOrder] = None
 
     def value(self, vector: Tensor) -> Optional[Tensor]:
         try:
-            self.last: Optional[SecondOrder] = self.function(self.flat.unflatten(vector.detach()))
+            self.last = self.function(self.fallback.flat.unflatten(vector.detach()))
         except torch.linalg.LinAlgError:
             self.last = None
-        if self.last is None:
-            return None
-        value = self.last.value.detach().reshape(())
-        return value if bool(torch.isfinite(value)) else None
+        if self.last is not None and bool(torch.isfinite(self.last.value)):
+            return self.last.value.detach().reshape(())
+        self.last = None
+        return self.fallback.value(vector)
 
     def derivatives(self) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-        assert self.last is not None
+        if self.last is None:
+            return self.fallback.derivatives()
         last = self.last
         return last.gradient.detach(), last.rows.detach(), last.diagonal.detach(), last.dense
 
@@ -427,7 +434,7 @@ def newton(
 
     All tensors of ``initial`` are flattened into one vector. At each accepted point the gradient
     and the Hessian come from ``derivatives`` where given (every evaluation then calls it instead
-    of ``objective``), else from autograd: the exact Hessian by one Hessian-vector product per
+    of ``objective``, except at points where it fails and ``objective`` is finite), else from autograd: the exact Hessian by one Hessian-vector product per
     coordinate, and above ``DENSE_LIMIT`` coordinates (e.g. a diagonal prior over many
     parameters), the Hessian diagonal of the tensors that do not fit (one extra product, see
     ``_derivatives``), coupled exactly to the small ones. The Hessian is modified to be negative definite (absolute
@@ -468,7 +475,7 @@ def newton(
         return _nothing_to_optimize(objective)
 
     flat = _Flat(initial)
-    oracle = _Autograd(objective, flat) if derivatives is None else _ClosedForm(derivatives, flat)
+    oracle = _Autograd(objective, flat) if derivatives is None else _ClosedForm(derivatives, _Autograd(objective, flat))
     point = flat.vector.clone()
     value = oracle.value(point)
     if value is None:

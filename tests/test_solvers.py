@@ -401,3 +401,21 @@ def test_any_start_gives_a_finite_point_no_worse_than_it(start, structure):
             check_solution(solution, initial)
         else:  # the start's Cholesky failed (full structure at extreme values): nothing to improve
             assert all(torch.equal(solution.values[n], initial[n]) for n in initial)
+
+
+def test_closed_form_newton_falls_back_to_the_objective_where_its_derivatives_fail():
+    """A closed form that fails (e.g. a factorisation of its own at extreme hyperparameters) where the
+    objective is finite must not reject the point: Newton then takes autograd derivatives there."""
+
+    def objective(p):
+        return -((p["x"] - 2.0) ** 2).sum() - (p["x"][0] * p["x"][1]) ** 2
+
+    def failing(p):
+        raise torch.linalg.LinAlgError("the closed form's own factorisation failed")
+
+    start = {"x": torch.tensor([0.5, -1.0], dtype=torch.float64)}
+    plain = newton(objective, start, max_evaluations=30)
+    fallback = newton(objective, start, max_evaluations=30, derivatives=failing)
+    assert math.isfinite(fallback.value) and fallback.value >= fallback.start == plain.start
+    assert torch.allclose(fallback.values["x"], plain.values["x"], atol=1e-10)
+    assert fallback.converged == plain.converged
