@@ -178,7 +178,13 @@ def parse(options: argparse.ArgumentParser, argv: Optional[Sequence[str]], quick
 
 
 def library_state() -> str:
-    """``HEAD <commit>`` and whether ``lightning_marglik/`` has uncommitted changes (read-only git calls)."""
+    """``HEAD <commit>`` and whether ``lightning_marglik/`` had uncommitted changes when this process
+    imported the library: read once at import, since a run saved later executes the code imported then,
+    whatever was committed in between."""
+    return _LIBRARY_STATE
+
+
+def _read_library_state() -> str:
     import subprocess
 
     try:
@@ -188,6 +194,9 @@ def library_state() -> str:
     except OSError:
         return "unknown"
     return f"HEAD {head}" + (" with uncommitted changes in lightning_marglik/" if dirty else "")
+
+
+_LIBRARY_STATE = _read_library_state()
 
 @torch.no_grad()
 def accuracy_and_nll(model: nn.Module, x: Tensor, y: Tensor) -> Dict[str, float]:
