@@ -657,21 +657,6 @@ def layer_records(model: nn.Module, inputs, modules: Dict[str, nn.Module]) -> Li
             finally:
                 handle.remove()
         a, z = seen["a"], seen["z"]
-        if a.shape[0] == 1 and z.shape[0] == 1 and n > 1 and isinstance(module, nn.Embedding):
-            # indices shared by the batch (positions (1, T)): every example's rows are the one
-            # broadcast output; B_n = d f_n / d z, the input expanded to one copy per example
-            def f_shared(zz: Tensor, module=module) -> Tensor:
-                handle = module.register_forward_hook(lambda m, i, o: zz)
-                try:
-                    return call(model, inputs).reshape(n, -1)
-                finally:
-                    handle.remove()
-
-            with eval_mode(model):
-                shared = jacrev(f_shared)(z).detach()  # (N, O, 1, *z.shape[1:])
-            records.append(LayerRecord(name, module, a.expand(n, *a.shape[1:]), z.expand(n, *z.shape[1:]), shared.squeeze(2)))
-            continue
-        assert a.shape[0] == n and z.shape[0] == n, (name, a.shape, z.shape)
 
         def f(zz: Tensor, module=module) -> Tensor:
             handle = module.register_forward_hook(lambda m, i, o: zz)
@@ -679,6 +664,15 @@ def layer_records(model: nn.Module, inputs, modules: Dict[str, nn.Module]) -> Li
                 return call(model, inputs).reshape(n, -1)
             finally:
                 handle.remove()
+
+        if a.shape[0] == 1 and z.shape[0] == 1 and n > 1 and isinstance(module, nn.Embedding):
+            # indices shared by the batch (positions (1, T)): every example's rows are the one
+            # broadcast output; B_n = d f_n / d z, the input expanded to one copy per example
+            with eval_mode(model):
+                shared = jacrev(f)(z).detach()  # (N, O, 1, *z.shape[1:])
+            records.append(LayerRecord(name, module, a.expand(n, *a.shape[1:]), z.expand(n, *z.shape[1:]), shared.squeeze(2)))
+            continue
+        assert a.shape[0] == n and z.shape[0] == n, (name, a.shape, z.shape)
 
         with eval_mode(model):
             full = jacrev(f)(z).detach()  # (N, O, N, *z.shape[1:])
