@@ -30,6 +30,7 @@ Usage::
     python examples/ranking_study.py --results          # write examples/results/ranking_study.{md,png}
     python examples/ranking_study.py --analyse          # analysis of the cached runs only, no training
     python examples/ranking_study.py --quick            # smoke test: 4 small candidates, 500 images, 3 epochs
+    python examples/ranking_study.py --shard 0/2 & python examples/ranking_study.py --shard 1/2  # two processes
 
 Trained runs are cached, one JSON per (candidate, seed), in ``outputs/ranking_study/runs/`` (ignored
 by git): a killed study resumes where it stopped. Needs ``pip install mlxtend``.
@@ -444,10 +445,16 @@ def cache_path(cache: str, name: str, seed: int) -> str:
     return os.path.join(cache, f"{name}_seed{seed}.json")
 
 
-def train_all(names: Sequence[str], seeds: Sequence[int], recipe: Dict[str, Any], cache: str, data) -> None:
-    """Train every (candidate, seed) not in the cache, seed by seed (a cut study keeps whole seeds)."""
+def train_all(names: Sequence[str], seeds: Sequence[int], recipe: Dict[str, Any], cache: str, data,
+              shard: Tuple[int, int] = (0, 1)) -> None:
+    """Train every (candidate, seed) not in the cache, seed by seed (a cut study keeps whole seeds).
+
+    ``shard=(k, n)``: only every n-th (candidate, seed) from the k-th, so that n processes sharing one cache
+    train the study together.
+    """
     os.makedirs(cache, exist_ok=True)
-    todo = [(s, n) for s in seeds for n in names if not _cached(cache, n, s, recipe)]
+    every = [(s, n) for s in seeds for n in names]
+    todo = [(s, n) for s, n in every[shard[0]::shard[1]] if not _cached(cache, n, s, recipe)]
     start = time.perf_counter()
     for i, (seed, name) in enumerate(todo, 1):
         result = run_candidate(name, seed, data, recipe)
@@ -776,9 +783,17 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     options.add_argument("--cache", help="run cache (default outputs/ranking_study/runs, quick: .../quick)")
     options.add_argument("--bootstrap", type=int, default=2000)
     options.add_argument("--threads", type=int, default=1)
+    options.add_argument("--shard", default="0/1", metavar="K/N",
+                         help="train only every N-th run from the K-th (N processes share one cache), then analyse")
     options.add_argument("--diagnose", metavar="CANDIDATE",
                          help="only trace one candidate (seed: the first of --seeds) with the learned and a fixed prior")
     args = options.parse_args(argv)
+    try:
+        shard = tuple(int(v) for v in args.shard.split("/"))
+        if len(shard) != 2 or not 0 <= shard[0] < shard[1]:
+            raise ValueError
+    except ValueError:
+        options.error(f"--shard {args.shard!r}: expected K/N with 0 <= K < N, e.g. 0/2 and 1/2 for two processes")
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     recipe = copy.deepcopy(RECIPE)
@@ -803,7 +818,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     if not args.analyse:
         data = load_mnist(recipe["n_train"], recipe["image_size"], recipe["split_seed"], recipe.get("n_total"))
         with quiet_lightning():
-            train_all(names, args.seeds, recipe, cache, data)
+            train_all(names, args.seeds, recipe, cache, data, shard)
     runs = load_runs(cache, names, args.seeds, recipe)
     out = analyse(runs, names, args.seeds, args.bootstrap)
     out["diagnostics"] = load_diagnostics(cache)
