@@ -820,6 +820,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         with quiet_lightning():
             train_all(names, args.seeds, recipe, cache, data, shard)
     runs = load_runs(cache, names, args.seeds, recipe)
+    if shard[1] > 1 and len(runs) < len(names) * len(args.seeds):
+        print(f"shard {args.shard} done; {len(runs)} of {len(names) * len(args.seeds)} runs cached: analyse with --analyse "
+              "once every shard has finished", flush=True)
+        return {}
     out = analyse(runs, names, args.seeds, args.bootstrap)
     out["diagnostics"] = load_diagnostics(cache)
     os.makedirs(output_dir, exist_ok=True)
