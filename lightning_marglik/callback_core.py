@@ -166,10 +166,12 @@ class MargLikCallbackCore:
         backend: str = "hooks",
         scale_invariant: str = "decoupled",
         statistics: str = "pass",
+        statistics_fraction: float = 1.0,
     ) -> None:
         super().__init__()
         self.options = CurvatureOptions(structure, approx, mc_samples, backend=backend)
         self.statistics = _check_statistics(statistics, self.options)
+        self.statistics_fraction = _check_fraction(statistics_fraction, self.statistics)
         self.structure = structure
         self.approx = approx
         self.frequency = _positive_int(frequency, "frequency", 1)
@@ -476,6 +478,12 @@ class MargLikCallbackCore:
             raise MargLikConfigurationError(f"MargLikCallback: {err}") from err
         self._training.attach()
         self._training_check = True  # replaced by the first batch in on_train_batch_start
+        if self.statistics_fraction < 1 and not math.isfinite(trainer.num_training_batches):
+            raise MargLikConfigurationError(
+                f"MargLikCallback(statistics_fraction={self.statistics_fraction}) sums the last part of each "
+                "estimation epoch's batches, but the training dataloader has no length (an iterable dataset): "
+                "give it a __len__, or use statistics_fraction=1."
+            )
 
     def _collects(self, trainer: Trainer) -> bool:
         """Whether this epoch's training batches are summed: estimation epochs, and the first batch (its check)."""
@@ -488,10 +496,18 @@ class MargLikCallbackCore:
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self._collects(trainer):
             assert self._training is not None
+            layers = self._training_check is True or batch_idx >= self._first_summed_batch(trainer)
             if self._training_check is True:
                 self._training.reset()  # the check compares this batch's sums alone
                 self._training_check = batch
-            self._training.begin(batch, trainer.accumulate_grad_batches)
+            self._training.begin(batch, trainer.accumulate_grad_batches, layers)
+
+    def _first_summed_batch(self, trainer: Trainer) -> int:
+        """The first batch of an epoch whose layer products are summed (``statistics_fraction``)."""
+        batches = trainer.num_training_batches
+        if self.statistics_fraction == 1 or not math.isfinite(batches):
+            return 0
+        return int(batches) - math.ceil(self.statistics_fraction * int(batches))
 
     def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._training is None or self._training_check is None or self._training_check is True:
@@ -548,7 +564,7 @@ class MargLikCallbackCore:
             raise MargLikConfigurationError(
                 f"MargLikCallback(statistics='training'): {'; '.join(self._training.problems)}; use statistics='pass'."
             )
-        stats, batches = self._training.stats, self._training.batches
+        stats, batches = self._training.take(), self._training.batches
         self._training.reset()
         expected = trainer.num_training_batches
         complete = batches > 0 and (not math.isfinite(expected) or batches == int(expected))
@@ -708,6 +724,18 @@ def _check_statistics(statistics: Any, options: CurvatureOptions) -> str:
     if statistics == "training" and options.backend != "hooks":
         raise ValueError(f"statistics='training' takes backend='hooks', got backend={options.backend!r}.")
     return statistics
+
+
+def _check_fraction(fraction: Any, statistics: str) -> float:
+    """Validate ``statistics_fraction``: a number in (0, 1], below 1 only with statistics='training'."""
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise ValueError(f"`statistics_fraction` must be a number in (0, 1], got {fraction!r}.")
+    if fraction < 1 and statistics != "training":
+        raise ValueError(
+            f"`statistics_fraction`={fraction} subsamples the training passes' sums: it needs statistics='training', "
+            f"got statistics={statistics!r}."
+        )
+    return float(fraction)
 
 
 def _check_training_statistics(trainer: Trainer, pl_module: LightningModule) -> None:

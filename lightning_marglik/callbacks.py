@@ -121,6 +121,11 @@ class MargLikCallback(MargLikCallbackCore, Callback):
             ``forward`` call, the training forward as in eval mode); manual optimization,
             ``precision="16-mixed"`` and parameters on the exact per-example path are refused.
             An epoch not seen whole (a resume within it, ``max_steps``) falls back to the pass.
+        statistics_fraction: With ``statistics="training"``: the fraction of an estimation epoch's
+            batches whose layer products are summed, its last ``ceil(fraction * batches)`` (the
+            weights nearest the estimate's), scaled to all the epoch's data; the likelihood's
+            statistics still come from every batch. Below 1 the curvature is a subsample's
+            estimate at a fraction of the products' cost; it needs a sized training dataloader.
 
     Raises:
         ValueError: On an invalid argument (the message names it).

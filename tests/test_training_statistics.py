@@ -180,9 +180,81 @@ def test_the_check_refuses_dropout():
         fit(module, gaussian_data(), MargLikCallback(structure="diag", approx="ef", statistics="training"))
 
 
+@pytest.mark.parametrize("structure", ["diag", "kron"])
+def test_a_fraction_sums_the_last_batches_scaled_to_all_data(structure, passes):
+    """statistics_fraction=0.4 of 5 batches: the layer sums of the last 2 (16 data) times 40 / 16, the
+    likelihood's sums of all 40; at fixed weights in float64, against the evidence pass of those batches."""
+    torch.manual_seed(0)
+    module = Net(CategoricalLikelihood()).double()
+    data = categorical_data()
+    callback = MargLikCallback(structure=structure, approx="ef", steps=0, frequency=2, statistics="training",
+                               statistics_fraction=0.4)
+    trainer = pl.Trainer(max_epochs=2, callbacks=[callback], logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", precision="64-true")
+    trainer.fit(module, DataLoader(data, batch_size=8))  # not shuffled: the last two batches are data[24:]
+    assert passes == [1, 1] and [h["epoch"] for h in callback.history] == [2]
+    prior = GaussianPrior(module.net, structure="layerwise")
+    last = LaplaceEvidence.fit(module.net, DataLoader(TensorDataset(*data[24:]), batch_size=16), module.likelihood,
+                               prior, structure=structure, approx="ef")
+    every = LaplaceEvidence.fit(module.net, DataLoader(data, batch_size=40), module.likelihood, prior,
+                                structure=structure, approx="ef")
+    ours = callback.evidence
+    assert ours.n_data == 40
+    for mine, theirs in zip(ours.structures, last.structures):
+        for key, value in theirs.states().items():
+            factor = 40 / 16 if key == "diag" or key.endswith(".g") else 1  # kron: A and its row count are a mean
+            torch.testing.assert_close(mine.states()[key], value * factor, rtol=1e-10, atol=1e-12, msg=key)
+    for key, value in every._lik_stats.items():
+        torch.testing.assert_close(ours._lik_stats[key].double(), value.double(), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("structure,approx", [("diag", "ef"), ("kron", "ef"), ("ekfac", "ggn")])
+def test_rescaled_sums_equal_the_sums_of_the_data_repeated(structure, approx):
+    """``Structure.rescale(2)``: the log-determinant of every block as if each datum were there twice."""
+    torch.manual_seed(0)
+    net = Net(CategoricalLikelihood()).double().net
+    data = categorical_data()
+    twice = TensorDataset(*(torch.cat([t, t]) for t in data.tensors))
+    prior = GaussianPrior(net, structure="layerwise")
+    once = LaplaceEvidence.fit(net, DataLoader(data, batch_size=16), CategoricalLikelihood(), prior,
+                               structure=structure, approx=approx)
+    double = LaplaceEvidence.fit(net, DataLoader(twice, batch_size=16), CategoricalLikelihood(), prior,
+                                 structure=structure, approx=approx)
+    log_delta = [torch.tensor(v, dtype=torch.float64) for v in (-1.0, 0.5, 1.5, 2.0)]
+    scale = torch.tensor(0.7, dtype=torch.float64)
+    for mine, theirs in zip(once.structures, double.structures):
+        before = mine.log_det(scale, log_delta)
+        mine.rescale(2.0)
+        mine.prepare()
+        after = mine.log_det(scale, log_delta)
+        torch.testing.assert_close(after, theirs.log_det(scale, log_delta), rtol=1e-10, atol=1e-10)
+        assert not torch.isclose(before, after)  # the test can fail: rescaling changes the block
+
+
+def test_a_fraction_needs_a_sized_training_dataloader():
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(zip(*categorical_data().tensors))
+
+    callback = MargLikCallback(structure="diag", approx="ef", statistics="training", statistics_fraction=0.5,
+                               dataloader=DataLoader(categorical_data(), batch_size=8))
+    trainer = pl.Trainer(max_epochs=1, callbacks=[callback], logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", precision="64-true")
+    module = Net(CategoricalLikelihood(), lr=1.0).double()
+    start = [p.detach().clone() for p in module.parameters()]
+    with pytest.raises(MargLikConfigurationError, match="statistics_fraction=0.5.*no length"):
+        trainer.fit(module, DataLoader(Stream(), batch_size=8))
+    assert all(torch.equal(p, q) for p, q in zip(module.parameters(), start))  # refused before any step
+
+
 def test_bad_values_are_refused_at_init():
     with pytest.raises(ValueError, match="`statistics` must be one of"):
         MargLikCallback(structure="kron", approx="ef", statistics="train")
+    for fraction in (0, -0.5, 1.5, float("nan"), float("inf"), True, "0.5", None):
+        with pytest.raises(ValueError, match="`statistics_fraction` must be a number in"):
+            MargLikCallback(structure="kron", approx="ef", statistics="training", statistics_fraction=fraction)
+    with pytest.raises(ValueError, match="needs statistics='training'"):
+        MargLikCallback(structure="kron", approx="ef", statistics_fraction=0.5)
     with pytest.raises(ValueError, match="approx='ef'"):
         MargLikCallback(structure="kron", approx="ggn", statistics="training")
     with pytest.raises(ValueError, match="structure='diag' or 'kron'"):

@@ -99,6 +99,15 @@ class Structure:
     def accumulate(self, batch: BatchCurvature) -> None:
         raise NotImplementedError
 
+    def rescale(self, factor: float) -> None:
+        """Multiply the curvature these sums describe by ``factor`` (a subsample's sums taken to the
+        whole data). Only the EF structures of ``statistics="training"`` subsample.
+
+        Raises:
+            NotImplementedError: For a structure without it.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot rescale its sums")
+
     def start_pass(self, index: int) -> None:
         """Before pass ``index`` (from 1) over the data, for a structure with ``passes > 1``; its
         ``accumulate`` then sees that pass's batches (without the exact path's rows)."""

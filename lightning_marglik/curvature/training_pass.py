@@ -93,9 +93,11 @@ class TrainingPassStatistics:
                 layers.setdefault(layer.name, layer)
         self.layers = list(layers.values())
         self.batches = 0  # training batches accumulated since reset()
+        self.layer_data = 0  # data terms of the batches whose layer products are in the sums
         self.problems: List[str] = []  # what the hooks saw that breaks the sums (reported by the set-up check)
         self._handles: list = []
         self._active = False
+        self._layers = True
         self._target: Optional[Tensor] = None
         self._divisor = 1
         self._scale: Optional[float] = None
@@ -109,6 +111,7 @@ class TrainingPassStatistics:
             self.plan.options, list(self.plan.names), [_fresh(s) for s in self.plan.structures]
         )
         self.batches = 0
+        self.layer_data = 0
 
     def attach(self) -> None:
         """Install the forward hooks (idle outside :meth:`begin` ... :meth:`end`)."""
@@ -126,15 +129,18 @@ class TrainingPassStatistics:
         self._handles.clear()
         self._active = False
 
-    def begin(self, batch: Any, loss_divisor: int = 1) -> None:
+    def begin(self, batch: Any, loss_divisor: int = 1, layers: bool = True) -> None:
         """Record the training batch about to run (its forward and backward).
 
         Args:
             batch: The training batch, as the training step gets it.
             loss_divisor: What the training loop divides the loss by (gradient accumulation).
+            layers: Whether to sum the batch's layer products too (else only its likelihood
+                statistics: :meth:`take` scales the layers' sums to all the data).
         """
         _, self._target = split_batch(batch, self.batch_fn)
         self._divisor = loss_divisor
+        self._layers = layers
         self._scale = None
         self._called = {}
         self._calls = []
@@ -146,6 +152,16 @@ class TrainingPassStatistics:
             self.batches += 1
         self._active = False
         self._target = None
+
+    def take(self) -> CurvatureStatistics:
+        """The sums since :meth:`reset`, the layers' scaled by ``n_data / layer_data`` where only some
+        batches summed their layer products (an unbiased estimate of the whole data's sums when
+        those batches are a uniform sample of it)."""
+        n_data = self.stats.n_data
+        if 0 < self.layer_data < n_data:
+            for structure in self.stats.structures:
+                structure.rescale(n_data / self.layer_data)
+        return self.stats
 
     def _enter_model(self, module: nn.Module, args: Any) -> None:
         if self._calls:
@@ -170,10 +186,12 @@ class TrainingPassStatistics:
         values = {name: value.detach().double() for name, value in self.likelihood.hyperparameters().items()}
         unit = values["log_temperature"].exp() / self.likelihood.curvature_scale("ef", values)
         self._scale = int(stats["n_data"]) * self._divisor * math.sqrt(float(unit))
+        if self._layers:
+            self.layer_data += int(stats["n_data"])
 
     def _layer_hook(self, layer: LayerPlan):
         def hook(module: nn.Module, inputs: Any, output: Any) -> None:
-            if not self._active or not torch.is_grad_enabled() or not isinstance(output, Tensor):
+            if not self._active or not self._layers or not torch.is_grad_enabled() or not isinstance(output, Tensor):
                 return
             if not output.requires_grad:
                 return

@@ -52,6 +52,9 @@ class DiagStructure(Structure):
             for index, value in zip(self.exact, torch.split(squares, [self.sizes[i] for i in self.exact])):
                 self._add_slice(index, value)
 
+    def rescale(self, factor: float) -> None:
+        self.state("diag").mul_(factor)
+
     def prepare(self) -> None:
         self._blocks = {i: self.state("diag")[lo:hi] for i, (lo, hi) in self.offsets.items()}
 

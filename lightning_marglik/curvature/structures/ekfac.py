@@ -72,6 +72,13 @@ class EKFACStructure(KronStructure):
         self._pass = 0
         self.bases: List[Dict[str, object]] = []
 
+    def rescale(self, factor: float) -> None:
+        super().rescale(factor)  # the factors: their eigenbasis does not change
+        for j in range(len(self.layers)):
+            for name in (f"{j}.s", f"{j}.s_bias"):
+                if name in self.states():
+                    self.state(name).mul_(factor)
+
     # --- the two passes -------------------------------------------------------------------------
 
     def start_pass(self, index: int) -> None:

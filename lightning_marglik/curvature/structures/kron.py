@@ -88,6 +88,11 @@ class KronStructure(Structure):
             self.add(f"{j}.a", sums.a)
             self.add(f"{j}.rows", sums.rows)
 
+    def rescale(self, factor: float) -> None:
+        # the block is G kron (A / rows): A and the row count are a mean, G carries the sum
+        for j in range(len(self.layers)):
+            self.state(f"{j}.g").mul_(factor)
+
     def _factors(self, j: int) -> Tuple[Tensor, Tensor]:
         """``G`` and the input factor ``A`` (mean over rows) of layer ``j``."""
         rows = max(int(self.state(f"{j}.rows")), 1)
