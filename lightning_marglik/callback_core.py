@@ -423,20 +423,7 @@ class MargLikCallbackCore:
         rank, world = trainer.global_rank, trainer.world_size
         # distinct Monte-Carlo draws on every rank, reproducible for a given (seed, epoch, rank)
         generator = torch.Generator().manual_seed((self.seed + epoch) * world + rank) if self.mc_samples else None
-
-        def local_pass():  # everything that can fail on one rank only, before the first collective
-            taken = self._take_training_statistics(trainer)
-            if taken is not None:
-                return taken
-            batches = self._evidence_batches(trainer, pl_module)
-            with _progress(trainer, batches, self._package) as on_batch:
-                return collect_statistics(
-                    pl_module, batches, self.likelihood, self.prior, generator=generator,
-                    batch_fn=self._batch_fn(pl_module), on_batch=on_batch, options=self.options,
-                )
-
-        stats = reduce_statistics(run_on_all_ranks(strategy, local_pass), strategy)
-        evidence = LaplaceEvidence.from_statistics(stats, self.likelihood, self.prior)
+        evidence = self._evidence(trainer, pl_module, self.options, generator)
         self.evidence = evidence
         self._record_n_data(evidence.n_data)  # the N of map_loss follows the evidence (e.g. a stream's new masks)
         if not torch.isfinite(evidence.log_marglik().detach()):
@@ -452,6 +439,57 @@ class MargLikCallbackCore:
             evidence.set_hyperparameters(strategy.broadcast(solution.values, src=0))
             marglik = solution.value.item() / evidence.n_data
         return self._record_estimate(trainer, epoch, marglik)
+
+    def _evidence(
+        self, trainer: Trainer, pl_module: LightningModule, options: CurvatureOptions,
+        generator: Optional[torch.Generator],
+    ) -> LaplaceEvidence:
+        """The evidence of the curvature ``options`` at the current weights, summed over all ranks:
+        this epoch's training-pass sums where they are the callback's own and complete, else one
+        evidence pass over this rank's evidence batches."""
+        assert self.prior is not None and self.likelihood is not None
+
+        def local_pass():  # everything that can fail on one rank only, before the first collective
+            taken = self._take_training_statistics(trainer) if options is self.options else None
+            if taken is not None:
+                return taken
+            batches = self._evidence_batches(trainer, pl_module)
+            with _progress(trainer, batches, self._package) as on_batch:
+                return collect_statistics(
+                    pl_module, batches, self.likelihood, self.prior, generator=generator,
+                    batch_fn=self._batch_fn(pl_module), on_batch=on_batch, options=options,
+                )
+
+        stats = reduce_statistics(run_on_all_ranks(trainer.strategy, local_pass), trainer.strategy)
+        return LaplaceEvidence.from_statistics(stats, self.likelihood, self.prior)
+
+    def evidence_with(self, trainer: Trainer, pl_module: LightningModule, structure: str, approx: str) -> float:
+        """The log evidence per datum at the current weights with another curvature approximation.
+
+        One evidence pass over the callback's evidence data with ``structure`` and ``approx``
+        (exact, no Monte-Carlo), then the learnable hyperparameters re-optimised on that curvature
+        by Newton from their current values, as after training for ranking models
+        (:func:`lightning_marglik.select_models`, ``rank_by``). Nothing is written: the
+        hyperparameters and the callback's state stay as they are.
+
+        Args:
+            trainer: The trainer that trained ``pl_module`` (its data and strategy).
+            pl_module: The trained module.
+            structure: ``"kron"``, ``"ekfac"``, ``"diag"`` or ``"full"``.
+            approx: ``"ggn"`` or ``"ef"``.
+
+        Returns:
+            The re-optimised log evidence per datum (NaN if the evidence is not finite).
+
+        Raises:
+            ValueError: On an unknown ``structure`` or ``approx``.
+        """
+        options = CurvatureOptions(structure, approx, 0, backend=self.options.backend)
+        evidence = self._evidence(trainer, pl_module, options, None)
+        if not torch.isfinite(evidence.log_marglik().detach()):
+            return math.nan
+        solution = evidence.optimize(solver="newton", max_evaluations=50)
+        return solution.value.item() / evidence.n_data
 
     def _record_estimate(self, trainer: Trainer, epoch: int, marglik: float, **extra: Any) -> float:
         """Book an estimate after ``epoch`` (counted from 1): history, last and best (never NaN)."""

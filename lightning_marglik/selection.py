@@ -93,6 +93,9 @@ __all__ = [
 ]
 
 PREDICTIVES = ("map", "probit")
+# what ranks the candidates: the callback's final evidence, or "<structure>-<approx>" re-estimated at the final weights
+RANK_BY = ("online",) + tuple(f"{s}-{a}" for s in ("kron", "ekfac", "diag", "full") for a in ("ef", "ggn"))
+DEFAULT_RANK_BY = "kron-ef"
 RESULTS_JSON = "results.json"
 LOCK_FILE = "results.lock"
 # Small models on a shared CPU: with other jobs on the 2 cores (load 9-11), `marglik-select
@@ -121,7 +124,7 @@ class CandidateResult:
     """
 
     name: str
-    marglik: float  # log evidence per datum (higher is better)
+    marglik: float  # log evidence per datum by which the candidates are ranked (higher is better)
     n_params: int
     train_seconds: float
     epochs: int
@@ -129,6 +132,7 @@ class CandidateResult:
     metrics: Dict[str, float] = field(default_factory=dict)
     settings: Dict[str, Any] = field(default_factory=dict)
     metrics_error: Optional[str] = None
+    online_marglik: Optional[float] = None  # the callback's final evidence (= marglik with rank_by="online")
 
 
 class NegativeLogLikelihood(torchmetrics.Metric):
@@ -302,6 +306,7 @@ def select_models(
     verbose: bool = True,
     resume: bool = False,
     settings: Optional[Mapping[str, Any]] = None,
+    rank_by: str = DEFAULT_RANK_BY,
 ) -> List[CandidateResult]:
     """Train every candidate with ``MargLikCallback`` and rank them by their final evidence.
 
@@ -337,14 +342,19 @@ def select_models(
         resume: Reuse a candidate's result from ``output_dir/results.json`` when it was trained
             with the same settings (the data are compared only as far as ``settings`` describe them).
         settings: JSON-able description of each candidate (name to e.g. its class and arguments),
-            stored with its result and compared on ``resume``; the trainer, callback, seed and
-            predictive are always part of it.
+            stored with its result and compared on ``resume``; the trainer, callback, seed,
+            predictive and ``rank_by`` are always part of it.
+        rank_by: The evidence that ranks the candidates: ``"<structure>-<approx>"`` (e.g.
+            ``"kron-ef"``, the default) re-estimated at the final weights, one more evidence pass
+            per candidate with its hyperparameters re-optimised by Newton
+            (:meth:`MargLikCallback.evidence_with`), or ``"online"``, the callback's final estimate.
+            Either way ``online_marglik`` of a result holds the callback's.
 
     Returns:
         The results, best evidence first.
 
     Raises:
-        ValueError: On no candidates, no training data, an unknown ``predictive``, ``trainer``
+        ValueError: On no candidates, no training data, an unknown ``predictive`` or ``rank_by``, ``trainer``
             arguments that do not fit ``pl.Trainer``, or (when training starts) test data and
             metrics that do not fit the candidate.
         RuntimeError: If ``output_dir`` is in use by another run, or the test metrics fail
@@ -356,13 +366,15 @@ def select_models(
         raise ValueError("Give exactly one of `train_dataloader` and `datamodule`.")
     if predictive not in PREDICTIVES:
         raise ValueError(f"`predictive` must be one of {PREDICTIVES}, got {predictive!r}.")
+    if rank_by not in RANK_BY:
+        raise ValueError(f"`rank_by` must be one of {RANK_BY}, got {rank_by!r}.")
     trainer = check_trainer_arguments(trainer or {})
     if test_dataloader is None and datamodule is not None and _has_test_data(datamodule):
         datamodule.setup("test")
         test_dataloader = datamodule.test_dataloader()
     wanted = {
         name: _jsonable({"candidate": (settings or {}).get(name), "trainer": trainer, "callback": callback or {},
-                         "seed": seed, "predictive": predictive})
+                         "seed": seed, "predictive": predictive, "rank_by": rank_by})
         for name in candidates
     }
     with _run_lock(output_dir):
@@ -392,6 +404,11 @@ def select_models(
             fit_trainer = pl.Trainer(callbacks=[cb, *own, *([check] if check else [])], **kwargs)
             fit_start = time.perf_counter()
             fit_trainer.fit(module, train_dataloaders=train_dataloader, datamodule=datamodule)
+            if rank_by == "online":
+                marglik = cb.final_marglik
+            else:
+                structure, approx = rank_by.split("-")
+                marglik = cb.evidence_with(fit_trainer, module, structure, approx)
             seconds = time.perf_counter() - fit_start
             prior, _ = find_hyperparameters(module)
             scores: Dict[str, float] = {}
@@ -405,7 +422,8 @@ def select_models(
                     failure = error
             results.append(CandidateResult(
                 name=name,
-                marglik=cb.final_marglik,
+                marglik=marglik,
+                online_marglik=cb.final_marglik,
                 n_params=prior.n_params,
                 train_seconds=seconds,
                 epochs=fit_trainer.current_epoch,
@@ -482,7 +500,8 @@ def load_results(output_dir: str) -> Dict[str, CandidateResult]:
 def _result_from_row(row: Any) -> CandidateResult:
     """A ``CandidateResult`` from one row of ``results.json``; TypeError on a field of the wrong type."""
     required = {"name": str, "marglik": (int, float), "n_params": int, "train_seconds": (int, float), "epochs": int}
-    types = {**required, "hyperparameters": dict, "metrics": dict, "settings": dict, "metrics_error": (str, type(None))}
+    types = {**required, "hyperparameters": dict, "metrics": dict, "settings": dict, "metrics_error": (str, type(None)),
+             "online_marglik": (int, float, type(None))}
     if not isinstance(row, dict) or not all(k in row for k in required):
         raise TypeError(f"a result must be an object with {', '.join(required)}, got {row!r:.200}")
     for key, expected in types.items():
@@ -741,6 +760,8 @@ def check_config(config: Mapping[str, Any]) -> None:
         resolve_class(_class_path(spec, f"candidates.{name}"), pl.LightningModule)
     check_trainer_arguments(config.get("trainer") or {})
     MargLikCallback(**(config.get("callback") or {}))  # raises ValueError naming a bad argument
+    if config.get("rank_by", DEFAULT_RANK_BY) not in RANK_BY:
+        raise ValueError(f"`rank_by` must be one of {RANK_BY}, got {config['rank_by']!r}.")
 
 
 def check_trainer_arguments(trainer: Mapping[str, Any]) -> Dict[str, Any]:
@@ -803,7 +824,7 @@ def select_from_config(config: Mapping[str, Any], resume: bool = False, verbose:
 
     Args:
         config: ``data``, ``candidates`` and optionally ``trainer``, ``callback``, ``seed``,
-            ``predictive``, ``output_dir``.
+            ``predictive``, ``rank_by``, ``output_dir``.
         resume: Reuse results in ``output_dir`` of candidates trained with the same settings.
         verbose: Print one line per candidate.
 
@@ -824,6 +845,7 @@ def select_from_config(config: Mapping[str, Any], resume: bool = False, verbose:
         callback=config.get("callback"),
         trainer=config.get("trainer"),
         predictive=config.get("predictive", "map"),
+        rank_by=config.get("rank_by", DEFAULT_RANK_BY),
         output_dir=config.get("output_dir"),
         seed=config.get("seed", 0),
         verbose=verbose,
@@ -884,6 +906,9 @@ def build_parser() -> Any:
                         help="Where results.json, results.csv and evidence.png go.")
     parser.add_argument("--predictive", type=Literal["map", "probit"], default="map",
                         help="Predictive of the test metrics (never used to select).")
+    parser.add_argument("--rank_by", "--rank-by", type=Literal[RANK_BY], default=DEFAULT_RANK_BY,
+                        help="The evidence that ranks the candidates: STRUCTURE-APPROX re-estimated at the final "
+                             "weights (hyperparameters re-optimised), or 'online' (the callback's final estimate).")
     parser.add_argument("--trainer", type=Dict[str, Any], default={},
                         help="pl.Trainer arguments, e.g. --trainer.max_epochs=5; names and types are checked "
                              "against pl.Trainer's signature before anything is built. Defaults here: "
@@ -929,6 +954,7 @@ def run_command_line(argv: Optional[Sequence[str]] = None) -> Tuple[List[Candida
         "seed": cfg.seed,
         "output_dir": cfg.output_dir,
         "predictive": cfg.predictive,
+        "rank_by": cfg.rank_by,
         "trainer": dict(cfg.trainer),
         "callback": cfg.callback.as_dict(),
         "data": cfg.data.as_dict(),

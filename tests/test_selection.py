@@ -17,9 +17,11 @@ import yaml
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_marglik import CategoricalLikelihood, GaussianPrior, NegativeLogLikelihood, map_loss, select_models
+from lightning_marglik import (
+    CategoricalLikelihood, GaussianPrior, LaplaceEvidence, NegativeLogLikelihood, map_loss, select_models,
+)
 from lightning_marglik.selection import build_parser, label_points, load_results, run_command_line
-from tests.lightning_models import BlobData, Classifier
+from tests.lightning_models import BlobData, Classifier, blobs
 
 CALLBACK = {"structure": "diag", "approx": "ggn", "steps": 50}
 TRAINER = {"max_epochs": 8, "enable_progress_bar": False}
@@ -87,6 +89,35 @@ def test_probit_predictive_metrics_differ_from_map(tmp_path):
     assert runs["map"].metrics["nll"] != runs["probit"].metrics["nll"]
 
 
+@pytest.mark.parametrize("rank_by", ["kron-ef", "diag-ggn"])
+def test_rank_by_reestimates_the_evidence_at_the_final_weights(rank_by):
+    """``rank_by="<structure>-<approx>"``: the evidence of that curvature at the trained weights, the
+    learned hyperparameters re-optimised by Newton (reference: LaplaceEvidence by hand); nothing is
+    written back, and the callback's own evidence is kept as ``online_marglik``."""
+    made = []
+
+    def factory():
+        made.append(Classifier(60, width=8))
+        return made[-1]
+
+    result = select_models({"mlp": factory}, datamodule=BlobData(), callback=CALLBACK, trainer=TRAINER,
+                           rank_by=rank_by, verbose=False)[0]
+    module = made[0]
+    logged = {k: v for k, v in result.hyperparameters.items() if k.startswith("prior_precision/")}
+    precision = module.prior.per_tensor(module.prior.log_precision).exp()
+    assert [logged[f"prior_precision/{n}"] for n in module.prior.param_names] == pytest.approx(precision.tolist())
+    structure, approx = rank_by.split("-")
+    evidence = LaplaceEvidence.fit(module, DataLoader(blobs(60, 0), batch_size=60), module.likelihood, module.prior,
+                                   structure=structure, approx=approx)
+    expected = evidence.optimize(solver="newton", max_evaluations=50).value.item() / 60
+    assert result.marglik == pytest.approx(expected, rel=1e-5)
+    assert expected > evidence.log_marglik().item() / 60  # re-optimised: not the callback's hyperparameters' value
+    online = select_models({"mlp": lambda: Classifier(60, width=8)}, datamodule=BlobData(), callback=CALLBACK,
+                           trainer=TRAINER, rank_by="online", verbose=False)[0]
+    assert online.marglik == online.online_marglik == result.online_marglik  # same training, same seed
+    assert result.marglik != result.online_marglik
+
+
 def test_negative_log_likelihood_metric():
     metric = NegativeLogLikelihood()
     metric.update(torch.tensor([[0.5, 0.5], [0.25, 0.75]]), torch.tensor([0, 1]))
@@ -110,9 +141,11 @@ def test_command_line_entry_point(tmp_path):
 def test_command_line_overrides(tmp_path, capsys):
     path = write_config(tmp_path)
     results, _ = run_command_line([path, "--trainer.max_epochs=3", "--callback.structure=kron", "--seed=5",
-                                "--data.n_train=45", f"--output_dir={tmp_path / 'other'}"])
+                                "--data.n_train=45", f"--output_dir={tmp_path / 'other'}", "--rank_by=online"])
     assert {r.epochs for r in results} == {3}
+    assert all(r.marglik == r.online_marglik for r in results)
     settings = results[0].settings
+    assert settings["rank_by"] == "online"
     assert settings["callback"]["structure"] == "kron" and settings["callback"]["steps"] == 50  # YAML kept
     assert settings["seed"] == 5 and settings["candidate"]["data"]["init_args"]["n_train"] == 45
     assert set(stored(tmp_path, "other")) == {"narrow", "wide"} and not (tmp_path / "out").exists()
@@ -121,6 +154,9 @@ def test_command_line_overrides(tmp_path, capsys):
     with pytest.raises(SystemExit):
         run_command_line([path, "--trainer.max_epoch=5"])
     assert "not pl.Trainer arguments: ['max_epoch']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        run_command_line([path, "--rank_by=kron"])
+    assert "rank_by" in capsys.readouterr().err
 
 
 def test_quick_mode_writes_apart_and_later_overrides_win(tmp_path):
@@ -184,6 +220,9 @@ def test_bad_arguments():
         select_models({"a": lambda: Classifier(60)})
     with pytest.raises(ValueError, match="predictive.*'mc'"):
         select_models({"a": lambda: Classifier(60)}, datamodule=BlobData(), predictive="mc")
+    for rank_by in ("kron", "KRON-EF", "kron-mc", "best", None):
+        with pytest.raises(ValueError, match="`rank_by` must be one of"):
+            select_models({"a": lambda: Classifier(60)}, datamodule=BlobData(), rank_by=rank_by)
 
 
 # --- issue 17: test metrics, results files, trainer overrides, help ---------------------------
