@@ -81,6 +81,23 @@ def test_closed_form_matches_autograd(kind, structure, prior_structure, n, tempe
         assert len(so.diagonal) == int(ev.prior.learned_groups().sum())  # arrowhead: precisions on the diagonal
 
 
+@pytest.mark.parametrize("form", ["woodbury", "grams"])
+@pytest.mark.parametrize("kind", ["regression", "classification"])
+def test_both_low_rank_forms_of_the_full_structure_match_autograd(kind, form, monkeypatch):
+    """The full structure's low-rank derivatives (rows < P) by either way to the traces."""
+    from lightning_marglik.curvature.structures.full import FullStructure
+
+    monkeypatch.setattr(FullStructure, "_low_rank_form", lambda self: form)
+    ev = evidence(kind, "full", "layerwise", 10, temperature=False)
+    (structure,) = ev.structures
+    assert structure.rows.shape[0] < structure.n_params  # the low-rank form
+    objective, start, unflatten = flat_objective(ev)
+    so = closed_form(ev, start, unflatten)
+    grad = torch.autograd.functional.jacobian(objective, start)
+    hessian = torch.autograd.functional.hessian(objective, start)
+    check_against(so, objective(start), grad, hessian, rtol=1e-12)
+
+
 @pytest.mark.parametrize("kind,structure", [("regression", "kron"), ("classification", "full"), ("regression", "diag")])
 def test_closed_form_matches_finite_differences(kind, structure):
     """Central differences of the closed-form gradient give its Hessian (and of the value, its gradient)."""

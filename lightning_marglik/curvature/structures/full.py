@@ -258,50 +258,33 @@ class FullStructure(Structure):
             self._basis = (first, rest, values.clamp(min=0), rotated)
         return self._basis
 
+    def _low_rank_form(self) -> str:
+        """The cheaper way to the low-rank derivatives: ``"woodbury"`` in the largest tensor's
+        eigenbasis, ``O(R m^2 + m^3)`` per evaluation for ``m`` parameters outside it, or ``"grams"``
+        from the ``R x R`` row Gram of every tensor, ``O(n R^3 + n^2 R^2)`` for ``n`` tensors (several
+        tensors of similar size, e.g. an MLP's hidden layers, make ``m`` about ``P / 2``)."""
+        assert self.rows is not None
+        rows, n = self.rows.shape[0], len(self.indices)
+        m = self.n_params - max(self.sizes[i] for i in self.indices)
+        return "woodbury" if rows * m * m + m**3 <= n * rows**3 + n * n * rows * rows else "grams"
+
     def _low_rank_derivatives(self, scale: Tensor, log_delta: List[Tensor]) -> LogDetDerivatives:
         """Derivatives of ``log|H| = sum_t P_t rho_t + log|K|``, ``K = I + sum_t w_t K_t``,
         ``w_t = s / delta_t``, ``K_t = U_t U_t^T`` (determinant lemma, rows ``R < P``).
 
         With ``phi_t = w_t tr(K^-1 K_t)`` and ``psi_tr = [t = r] phi_t - w_t w_r tr(K^-1 K_t K^-1 K_r)``
-        (derivatives of ``log|K|`` in ``log w``), the traces come from the eigenbasis of the largest
-        tensor's ``K_1 = V diag(l) V^T``: ``V^T K V = diag(g) + U~ W U~^T`` with ``g = 1 + w_1 l`` and the
-        other ``m`` columns ``U~``, whose inverse is ``m x m`` by Woodbury (``B = W^-1 + U~^T diag(g)^-1 U~``).
-        A step costs ``O(R m^2 + m^3)`` instead of ``O(R^2 P)``.
+        (derivatives of ``log|K|`` in ``log w``); the traces by :meth:`_low_rank_form`'s cheaper way.
         """
         out = LogDetDerivatives.zero(scale)
-        first, rest, values, rotated = self._low_rank_basis()
         sizes = torch.tensor([self.sizes[i] for i in self.indices], dtype=scale.dtype, device=scale.device)
         rho = torch.stack([log_delta[i].reshape(()) for i in self.indices])
         w = scale * torch.exp(-rho)
-        g = 1 + w[first] * values
-        rest_sizes = sizes[rest].to(torch.long) if rest else sizes[:0].to(torch.long)
-        w_cols = torch.repeat_interleave(w[rest], rest_sizes)
-        f = rotated / g.unsqueeze(1)  # diag(g)^-1 U~
-        a = rotated.T @ f
-        chol, info = torch.linalg.cholesky_ex(torch.diag(1 / w_cols) + a)
-        if int(info) != 0:
+        traced = self._woodbury_traces(w) if self._low_rank_form() == "woodbury" else self._gram_traces(w)
+        if traced is None:
             out.value = scale * float("nan")
             return out
-        b_inv = torch.cholesky_inverse(chol)
-        out.value = (sizes * rho).sum() + torch.log(g).sum() + torch.log(w_cols).sum() + 2 * torch.log(torch.diagonal(chol)).sum()
-        n = len(self.indices)
-        traces, products = sizes.new_zeros(n), sizes.new_zeros(n, n)  # tr(K^-1 K_t), tr(K^-1 K_t K^-1 K_r)
-        fb = f @ b_inv
-        diag_fbf = (fb * f).sum(1)
-        traces[first] = (values * (1 / g - diag_fbf)).sum()
-        q = f.T @ (values.unsqueeze(1) * f)
-        bq = b_inv @ q
-        products[first, first] = (values**2 / g**2).sum() - 2 * (values**2 / g * diag_fbf).sum() + (bq * bq.T).sum()
-        if rest:
-            owner = torch.repeat_interleave(torch.arange(len(rest), device=scale.device), rest_sizes)
-            one_hot = torch.nn.functional.one_hot(owner, len(rest)).to(scale.dtype)  # (m, tensors)
-            z = a - a @ b_inv @ a  # U~^T K^-1 U~
-            k_inv_u = f - fb @ a  # K^-1 U~ in the rotated basis
-            index = torch.tensor(rest, device=scale.device)
-            traces[index] = torch.diagonal(z) @ one_hot
-            products[index.unsqueeze(1), index.unsqueeze(0)] = one_hot.T @ (z * z) @ one_hot
-            with_first = (values.unsqueeze(1) * k_inv_u * k_inv_u).sum(0) @ one_hot
-            products[first, index], products[index, first] = with_first, with_first
+        log_det_k, traces, products = traced  # log|K|, tr(K^-1 K_t), tr(K^-1 K_t K^-1 K_r)
+        out.value = (sizes * rho).sum() + log_det_k
         phi = w * traces
         psi = torch.diag(phi) - torch.outer(w, w) * products
         out.u, out.uu = phi.sum(), psi.sum()
@@ -309,6 +292,54 @@ class FullStructure(Structure):
             out.rho[t], out.rho_u[t], out.rho_rho[t] = sizes[k] - phi[k], -psi[k].sum(), psi[k, k]
         out.cross = (list(self.indices), psi - torch.diag(torch.diagonal(psi)))
         return out
+
+    def _gram_traces(self, w: Tensor) -> Optional[Tuple[Tensor, Tensor, Tensor]]:
+        """``log|K|`` and the traces from the cached row Grams: ``A_t = K^-1 K_t`` by one Cholesky."""
+        chol, info = torch.linalg.cholesky_ex(
+            torch.eye(self._row_grams.shape[1], dtype=w.dtype, device=w.device)
+            + torch.einsum("t,trs->rs", w, self._row_grams)
+        )
+        if int(info) != 0:
+            return None
+        a = torch.cholesky_solve(self._row_grams, chol)  # (n, R, R)
+        flat = a.reshape(len(a), -1)
+        products = flat @ a.transpose(1, 2).reshape(len(a), -1).T  # tr(A_t A_r) = sum_ij A_t[i, j] A_r[j, i]
+        return 2 * torch.log(torch.diagonal(chol)).sum(), torch.diagonal(a, dim1=1, dim2=2).sum(1), products
+
+    def _woodbury_traces(self, w: Tensor) -> Optional[Tuple[Tensor, Tensor, Tensor]]:
+        """``log|K|`` and the traces in the eigenbasis of the largest tensor's ``K_1 = V diag(l) V^T``:
+        ``V^T K V = diag(g) + U~ W U~^T`` with ``g = 1 + w_1 l`` and the other ``m`` columns ``U~``, whose
+        inverse is ``m x m`` by Woodbury (``B = W^-1 + U~^T diag(g)^-1 U~``)."""
+        first, rest, values, rotated = self._low_rank_basis()
+        g = 1 + w[first] * values
+        rest_sizes = torch.tensor([self.sizes[self.indices[t]] for t in rest], dtype=torch.long, device=w.device)
+        w_cols = torch.repeat_interleave(w[rest], rest_sizes)
+        f = rotated / g.unsqueeze(1)  # diag(g)^-1 U~
+        a = rotated.T @ f
+        chol, info = torch.linalg.cholesky_ex(torch.diag(1 / w_cols) + a)
+        if int(info) != 0:
+            return None
+        b_inv = torch.cholesky_inverse(chol)
+        log_det_k = torch.log(g).sum() + torch.log(w_cols).sum() + 2 * torch.log(torch.diagonal(chol)).sum()
+        n = len(self.indices)
+        traces, products = w.new_zeros(n), w.new_zeros(n, n)
+        fb = f @ b_inv
+        diag_fbf = (fb * f).sum(1)
+        traces[first] = (values * (1 / g - diag_fbf)).sum()
+        q = f.T @ (values.unsqueeze(1) * f)
+        bq = b_inv @ q
+        products[first, first] = (values**2 / g**2).sum() - 2 * (values**2 / g * diag_fbf).sum() + (bq * bq.T).sum()
+        if rest:
+            owner = torch.repeat_interleave(torch.arange(len(rest), device=w.device), rest_sizes)
+            one_hot = torch.nn.functional.one_hot(owner, len(rest)).to(w.dtype)  # (m, tensors)
+            z = a - a @ b_inv @ a  # U~^T K^-1 U~
+            k_inv_u = f - fb @ a  # K^-1 U~ in the rotated basis
+            index = torch.tensor(rest, device=w.device)
+            traces[index] = torch.diagonal(z) @ one_hot
+            products[index.unsqueeze(1), index.unsqueeze(0)] = one_hot.T @ (z * z) @ one_hot
+            with_first = (values.unsqueeze(1) * k_inv_u * k_inv_u).sum(0) @ one_hot
+            products[first, index], products[index, first] = with_first, with_first
+        return log_det_k, traces, products
 
     def _inverse(self, scale: Tensor, per_param: Tensor) -> Optional[Tuple[Tensor, Tensor, Tensor, Tensor]]:
         """``(H^-1, log|H|, per_param, owner)`` with ``H = s C + diag(exp(per_param))`` in prior order (see
