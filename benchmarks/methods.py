@@ -271,8 +271,10 @@ def render(results: Dict[str, Any], commit: str) -> str:
         lines += ["", f"## {name} ({problem['task']}, N={problem['n_train']}, {problem['epochs']} epochs)", "",
                   f"| method | CPU s | ratio | {metrics} | mean log δ | evidence |",
                   "|---|---:|---:|" + "---:|" * (3 if regression else 2) + "---:|---:|"]
-        plain = problem["rows"]["plain training (δ = 1)"]["cpu"]
-        for label, row in problem["rows"].items():
+        plain_label = METHODS[0][0]
+        plain = problem["rows"][plain_label]["cpu"]
+        ordered = {plain_label: problem["rows"][plain_label], **problem["rows"]}  # plain training first
+        for label, row in ordered.items():
             if "missing" in row:
                 lines.append(f"| {label} | not run: {row['missing']} |")
                 continue
