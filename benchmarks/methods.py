@@ -48,6 +48,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
+import callback as bench  # noqa: E402  (benchmarks/callback.py)
 from _common import RESULTS, cpu_name, freeze_startup, load_avg, now, package_version, timed, write_with_data  # noqa: E402
 from lightning_marglik import (  # noqa: E402
     CategoricalLikelihood,
@@ -56,7 +57,6 @@ from lightning_marglik import (  # noqa: E402
     LaplaceEvidence,
     MargLikBoundCallback,
     MargLikCallback,
-    map_loss,
 )
 
 OUTPUT = RESULTS / "methods.md"
@@ -100,20 +100,15 @@ def diabetes(quick: bool) -> Dict[str, Any]:
     }
 
 
-class Module(pl.LightningModule):
+class Module(bench.Module):
+    """The callback benchmark's classifier (``map_loss`` with a layerwise prior), with Adam and, for
+    regression, a Gaussian likelihood whose sigma is learned."""
+
     def __init__(self, net: nn.Module, task: str, n_data: int, lr: float) -> None:
-        super().__init__()
-        self.net = net
-        self.prior = GaussianPrior(net, structure="layerwise")
-        self.likelihood = CategoricalLikelihood() if task == "classification" else GaussianLikelihood()
-        self.n_data, self.lr = n_data, lr
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return map_loss(self(x), y, self.likelihood, self.prior, self.n_data)
+        super().__init__(net, n_data)
+        if task == "regression":
+            self.likelihood = GaussianLikelihood()
+        self.lr = lr
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.net.parameters(), lr=self.lr)
