@@ -446,17 +446,21 @@ def cache_path(cache: str, name: str, seed: int) -> str:
 
 
 def train_all(names: Sequence[str], seeds: Sequence[int], recipe: Dict[str, Any], cache: str, data,
-              shard: Tuple[int, int] = (0, 1)) -> None:
+              shard: Tuple[int, int] = (0, 1), reverse: bool = False) -> None:
     """Train every (candidate, seed) not in the cache, seed by seed (a cut study keeps whole seeds).
 
     ``shard=(k, n)``: only every n-th (candidate, seed) from the k-th, so that n processes sharing one cache
-    train the study together.
+    train the study together. ``reverse``: from the last one, so that a second process can take a shard
+    from its other end (the cache is read again before every run).
     """
     os.makedirs(cache, exist_ok=True)
     every = [(s, n) for s in seeds for n in names]
     todo = [(s, n) for s, n in every[shard[0]::shard[1]] if not _cached(cache, n, s, recipe)]
+    todo = todo[::-1] if reverse else todo
     start = time.perf_counter()
     for i, (seed, name) in enumerate(todo, 1):
+        if _cached(cache, name, seed, recipe):  # trained meanwhile by another process
+            continue
         result = run_candidate(name, seed, data, recipe)
         result["recipe"] = recipe
         result["library"] = library_state()
@@ -785,6 +789,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     options.add_argument("--threads", type=int, default=1)
     options.add_argument("--shard", default="0/1", metavar="K/N",
                          help="train only every N-th run from the K-th (N processes share one cache), then analyse")
+    options.add_argument("--reverse", action="store_true", help="train the (shard's) runs from the last one")
     options.add_argument("--diagnose", metavar="CANDIDATE",
                          help="only trace one candidate (seed: the first of --seeds) with the learned and a fixed prior")
     args = options.parse_args(argv)
@@ -818,7 +823,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     if not args.analyse:
         data = load_mnist(recipe["n_train"], recipe["image_size"], recipe["split_seed"], recipe.get("n_total"))
         with quiet_lightning():
-            train_all(names, args.seeds, recipe, cache, data, shard)
+            train_all(names, args.seeds, recipe, cache, data, shard, args.reverse)
     runs = load_runs(cache, names, args.seeds, recipe)
     if shard[1] > 1 and len(runs) < len(names) * len(args.seeds):
         print(f"shard {args.shard} done; {len(runs)} of {len(names) * len(args.seeds)} runs cached: analyse with --analyse "
