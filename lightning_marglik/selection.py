@@ -64,6 +64,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from .callbacks import MargLikCallback, find_hyperparameters
+from .curvature import CurvatureOptions, check_model
 from .curvature.batches import call_model, move, split_batch
 from .evidence import LaplaceEvidence
 from .hyperparameters import CategoricalLikelihood
@@ -358,8 +359,9 @@ def select_models(
 
     Raises:
         ValueError: On no candidates, no training data, an unknown ``predictive`` or ``rank_by``, ``trainer``
-            arguments that do not fit ``pl.Trainer``, or (when training starts) test data and
-            metrics that do not fit the candidate.
+            arguments that do not fit ``pl.Trainer``, a candidate ``rank_by`` cannot score (before
+            it is trained), or (when training starts) test data and metrics that do not fit the
+            candidate.
         RuntimeError: If ``output_dir`` is in use by another run, or the test metrics fail
             after training (the trained result is saved first).
     """
@@ -369,8 +371,7 @@ def select_models(
         raise ValueError("Give exactly one of `train_dataloader` and `datamodule`.")
     if predictive not in PREDICTIVES:
         raise ValueError(f"`predictive` must be one of {PREDICTIVES}, got {predictive!r}.")
-    if rank_by not in RANK_BY:
-        raise ValueError(f"`rank_by` must be one of {RANK_BY}, got {rank_by!r}.")
+    rank_options = _check_rank_by(rank_by)
     trainer = check_trainer_arguments(trainer or {})
     if test_dataloader is None and datamodule is not None and _has_test_data(datamodule):
         datamodule.setup("test")
@@ -398,6 +399,12 @@ def select_models(
             candidate_start = time.perf_counter()
             pl.seed_everything(seed, verbose=False)
             module = factory()
+            prior, _ = find_hyperparameters(module)
+            if rank_options is not None:  # e.g. a diagonal prior with "kron-ef", or "full-ggn" too large: before training
+                try:
+                    check_model(module, prior, rank_options)
+                except ValueError as err:
+                    raise ValueError(f"rank_by={rank_by!r} cannot score candidate {name!r}: {err}") from err
             cb = MargLikCallback(**(callback or {}))
             check = _TestMetricsCheck(test_dataloader, metrics, predictive) if test_dataloader is not None else None
             kwargs = dict(logger=False, enable_checkpointing=False, enable_model_summary=False, accelerator="cpu")
@@ -407,13 +414,11 @@ def select_models(
             fit_trainer = pl.Trainer(callbacks=[cb, *own, *([check] if check else [])], **kwargs)
             fit_start = time.perf_counter()
             fit_trainer.fit(module, train_dataloaders=train_dataloader, datamodule=datamodule)
-            if rank_by == "online":
+            if rank_options is None:
                 marglik = cb.final_marglik
             else:
-                structure, approx = rank_by.split("-")
-                marglik = cb.evidence_with(fit_trainer, module, structure, approx)
+                marglik = cb.evidence_with(fit_trainer, module, rank_options.structure, rank_options.approx)
             seconds = time.perf_counter() - fit_start
-            prior, _ = find_hyperparameters(module)
             scores: Dict[str, float] = {}
             failure: Optional[Exception] = None
             if check is not None and check.metrics:
@@ -454,6 +459,16 @@ def select_models(
         if output_dir:
             save_results(_ranked(results + others), output_dir, higher_is_better=directions)
     return _ranked(results)
+
+
+def _check_rank_by(rank_by: Any) -> Optional[CurvatureOptions]:
+    """Validate ``rank_by``: the curvature it re-estimates with (``None`` for ``"online"``)."""
+    if not isinstance(rank_by, str) or rank_by not in RANK_BY:
+        raise ValueError(f"`rank_by` must be one of {RANK_BY}, got {rank_by!r}.")
+    if rank_by == "online":
+        return None
+    structure, approx = rank_by.split("-")
+    return CurvatureOptions(structure, approx, 0)
 
 
 def _ranked(results: Sequence[CandidateResult]) -> List[CandidateResult]:
@@ -763,8 +778,7 @@ def check_config(config: Mapping[str, Any]) -> None:
         resolve_class(_class_path(spec, f"candidates.{name}"), pl.LightningModule)
     check_trainer_arguments(config.get("trainer") or {})
     MargLikCallback(**(config.get("callback") or {}))  # raises ValueError naming a bad argument
-    if config.get("rank_by", DEFAULT_RANK_BY) not in RANK_BY:
-        raise ValueError(f"`rank_by` must be one of {RANK_BY}, got {config['rank_by']!r}.")
+    _check_rank_by(config.get("rank_by", DEFAULT_RANK_BY))
 
 
 def check_trainer_arguments(trainer: Mapping[str, Any]) -> Dict[str, Any]:

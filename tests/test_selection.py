@@ -118,6 +118,21 @@ def test_rank_by_reestimates_the_evidence_at_the_final_weights(rank_by):
     assert result.marglik != result.online_marglik
 
 
+def test_a_candidate_rank_by_cannot_score_is_refused_before_training():
+    made = []
+
+    def factory():  # a diagonal prior: fine for the callback's diag training, not for a Kronecker evidence
+        module = Classifier(60, width=8)
+        module.prior = GaussianPrior(module.net, structure="diagonal")
+        made.append((module, [p.detach().clone() for p in module.parameters()]))
+        return module
+
+    with pytest.raises(ValueError, match="rank_by='kron-ef' cannot score candidate 'mlp'.*diagonal"):
+        select_models({"mlp": factory}, datamodule=BlobData(), callback=CALLBACK, trainer=TRAINER, verbose=False)
+    module, start = made[0]
+    assert all(torch.equal(p, q) for p, q in zip(module.parameters(), start))  # not trained
+
+
 def test_negative_log_likelihood_metric():
     metric = NegativeLogLikelihood()
     metric.update(torch.tensor([[0.5, 0.5], [0.25, 0.75]]), torch.tensor([0, 1]))
