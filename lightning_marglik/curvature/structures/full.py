@@ -159,18 +159,23 @@ class FullStructure(Structure):
 
     def _log_det_low_rank(self, scale: Tensor, log_delta: List[Tensor]) -> Tensor:
         assert self.rows is not None
-        eye = torch.eye(self.rows.shape[0], dtype=self.rows.dtype, device=self.rows.device)
         if self.prior_structure != "diagonal":
             tensor_log_delta = torch.stack([log_delta[i].reshape(()) for i in self.indices])
-            inner = eye + scale * torch.einsum("t,trs->rs", torch.exp(-tensor_log_delta), self._row_grams)
+            inner = self._low_rank_inner(scale * torch.exp(-tensor_log_delta))
             sizes = torch.tensor([self.sizes[i] for i in self.indices], dtype=scale.dtype, device=scale.device)
             log_det_prior = (sizes * tensor_log_delta).sum()
         else:
             per_param = self._per_parameter(log_delta)
             scaled = self.rows * torch.sqrt(scale * torch.exp(-per_param))
-            inner = eye + scaled @ scaled.T
+            inner = torch.eye(self.rows.shape[0], dtype=self.rows.dtype, device=self.rows.device) + scaled @ scaled.T
             log_det_prior = per_param.sum()
         return log_det_prior + _log_det_chol(inner)
+
+    def _low_rank_inner(self, w: Tensor) -> Tensor:
+        """``K = I + sum_t w_t K_t`` (``R x R``) from the tensors' row Grams ``K_t = U_t U_t^T``."""
+        return torch.eye(self._row_grams.shape[1], dtype=w.dtype, device=w.device) + torch.einsum(
+            "t,trs->rs", w, self._row_grams
+        )
 
     def log_det_derivatives(self, scale: Tensor, log_delta: List[Tensor]) -> LogDetDerivatives:
         """Closed-form derivatives: from the eigenvalues with a scalar prior (``O(P)``), else from
@@ -247,7 +252,7 @@ class FullStructure(Structure):
     def _low_rank_basis(self) -> Tuple[int, List[int], Tensor, Tensor]:
         """Once per estimate: ``K_1 = U_1 U_1^T = V diag(l) V^T`` of the tensor with the most
         parameters, and the other tensors' rows in its eigenbasis, ``V^T U_rest`` ``(R, m)``."""
-        if getattr(self, "_basis", None) is None:
+        if self._basis is None:
             assert self.rows is not None
             sizes = [self.sizes[i] for i in self.indices]
             first = max(range(len(sizes)), key=lambda t: sizes[t])
@@ -295,10 +300,7 @@ class FullStructure(Structure):
 
     def _gram_traces(self, w: Tensor) -> Optional[Tuple[Tensor, Tensor, Tensor]]:
         """``log|K|`` and the traces from the cached row Grams: ``A_t = K^-1 K_t`` by one Cholesky."""
-        chol, info = torch.linalg.cholesky_ex(
-            torch.eye(self._row_grams.shape[1], dtype=w.dtype, device=w.device)
-            + torch.einsum("t,trs->rs", w, self._row_grams)
-        )
+        chol, info = torch.linalg.cholesky_ex(self._low_rank_inner(w))
         if int(info) != 0:
             return None
         a = torch.cholesky_solve(self._row_grams, chol)  # (n, R, R)
