@@ -483,8 +483,14 @@ class MargLikCallbackCore:
 
         Raises:
             ValueError: On an unknown ``structure`` or ``approx``.
+            RuntimeError: If the callback has not been set up by a fit (no prior or likelihood yet).
         """
         options = CurvatureOptions(structure, approx, 0, backend=self.options.backend)
+        if self.prior is None or self.likelihood is None:
+            raise RuntimeError(
+                "MargLikCallback.evidence_with reads the prior and likelihood the callback found when training "
+                "started: call it after trainer.fit(module) with this callback."
+            )
         evidence = self._evidence(trainer, pl_module, options, None)
         if not torch.isfinite(evidence.log_marglik().detach()):
             return math.nan

@@ -18,7 +18,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_marglik import (
-    CategoricalLikelihood, GaussianPrior, LaplaceEvidence, NegativeLogLikelihood, map_loss, select_models,
+    CategoricalLikelihood, GaussianPrior, LaplaceEvidence, MargLikCallback, NegativeLogLikelihood, map_loss,
+    select_models,
 )
 from lightning_marglik.selection import build_parser, label_points, load_results, run_command_line
 from tests.lightning_models import BlobData, Classifier, blobs
@@ -116,6 +117,15 @@ def test_rank_by_reestimates_the_evidence_at_the_final_weights(rank_by):
                            trainer=TRAINER, rank_by="online", verbose=False)[0]
     assert online.marglik == online.online_marglik == result.online_marglik  # same training, same seed
     assert result.marglik != result.online_marglik
+
+
+def test_evidence_with_before_a_fit_or_with_swapped_names_says_what_is_wrong():
+    callback = MargLikCallback()
+    trainer = pl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_checkpointing=False)
+    with pytest.raises(RuntimeError, match="call it after trainer.fit"):
+        callback.evidence_with(trainer, Classifier(60), "kron", "ef")
+    with pytest.raises(ValueError, match="`structure` must be one of .* got 'ef'"):
+        callback.evidence_with(trainer, Classifier(60), "ef", "kron")
 
 
 def test_a_candidate_rank_by_cannot_score_is_refused_before_training():
