@@ -28,6 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import ranking_study as study  # noqa: E402
+from common import library_state  # noqa: E402
 from lightning_marglik import map_loss  # noqa: E402
 
 
@@ -80,7 +81,7 @@ def main() -> None:
         "# Post-hoc approximations: cost relative to kron-GGN",
         "",
         f"Date: {datetime.date.today().isoformat()}. Command: `python benchmarks/approximation_costs.py "
-        f"{' '.join(sys.argv[1:])}`. One CPU thread, process CPU seconds, median of {args.reps} interleaved rounds; "
+        f"{' '.join(sys.argv[1:])}`; library {library_state()}. One CPU thread, process CPU seconds, median of {args.reps} interleaved rounds; "
         f"load average {' '.join(load_before)} before, {' '.join(load_after)} after (2 cores shared with other jobs). "
         f"Weights: {args.epochs} epochs of Adam (lr 1e-3, batch 128) on the 4000 MNIST-5k training images, layerwise "
         "prior at delta = 1. Each time is `examples/ranking_study.posthoc_evidence` (evidence pass(es) and the Newton "
