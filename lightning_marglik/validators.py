@@ -1,0 +1,113 @@
+"""Checks of user-given option values, shared by every entry point (callbacks, engine, selection, CLI).
+
+Each check returns the value in its canonical form or raises ``ValueError`` with a one-line
+message that names the option, the bad value and what is accepted, as Lightning's own callbacks
+do. Option *names* (``structure``, ``approx``, ...) are spelled in the messages exactly as the
+user passes them.
+
+Example:
+    >>> choice("KRON", ("full", "kron", "ekfac", "diag"), "structure")
+    'kron'
+    >>> integer(5, "frequency", minimum=1)
+    5
+"""
+from __future__ import annotations
+
+import difflib
+import math
+from typing import Any, Mapping, Optional, Sequence
+
+__all__ = ["SYNONYMS", "choice", "integer", "number", "optional", "suggestion"]
+
+# Names users bring from other libraries (laplace-torch, BackPACK, the literature) for the values
+# we spell otherwise: a miss on one of them is answered with ours.
+SYNONYMS: Mapping[str, str] = {
+    "kfac": "kron",
+    "kron-fac": "kron",
+    "kronecker": "kron",
+    "diagonal": "diag",
+    "dense": "full",
+    "gauss-newton": "ggn",
+    "gn": "ggn",
+    "fisher": "ggn",
+    "empirical-fisher": "ef",
+    "empirical_fisher": "ef",
+    "backpack-for-pytorch": "backpack",
+}
+
+
+def suggestion(value: Any, choices: Sequence[str]) -> str:
+    """``" (did you mean 'kron'?)"`` for a near miss of ``choices``, else ``""``."""
+    if not isinstance(value, str):
+        return ""
+    key = value.strip().lower()
+    near = SYNONYMS.get(key)
+    if near not in choices:
+        close = difflib.get_close_matches(key, [c.lower() for c in choices], n=1, cutoff=0.6)
+        near = next((c for c in choices if close and c.lower() == close[0]), None)
+    return f" (did you mean {near!r}?)" if near is not None else ""
+
+
+def choice(value: Any, choices: Sequence[str], name: str, what: str = "") -> str:
+    """``value`` as one of ``choices``, matched case-insensitively and without surrounding spaces.
+
+    Args:
+        value: What the user passed.
+        choices: The accepted values, in their canonical spelling.
+        name: The option's name, for the message.
+        what: Optional words after the list of choices (e.g. what each choice means).
+
+    Returns:
+        The canonical spelling of the matching choice.
+
+    Raises:
+        ValueError: If ``value`` is not a string matching exactly one choice; near misses get a
+            "did you mean" suggestion.
+    """
+    if isinstance(value, str):
+        matches = [c for c in choices if c.lower() == value.strip().lower()]
+        if len(matches) == 1:
+            return matches[0]
+        if value in choices:  # choices that differ only in case: the exact spelling decides
+            return value
+    extra = f" {what}" if what else ""
+    raise ValueError(f"`{name}` must be one of {tuple(choices)}, got {value!r}{suggestion(value, choices)}.{extra}")
+
+
+def integer(value: Any, name: str, minimum: int = 0, what: str = "") -> int:
+    """``value`` as an int ``>= minimum``; ``bool`` and integral floats are refused (``True`` is not 1 epoch).
+
+    Raises:
+        ValueError: Naming the option and the bad value.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        extra = f" ({what})" if what else ""
+        raise ValueError(f"`{name}` must be an int >= {minimum}{extra}, got {value!r}.")
+    return int(value)
+
+
+def number(
+    value: Any, name: str, low: float = 0.0, high: float = math.inf, low_open: bool = True,
+    high_open: bool = False, what: str = "",
+) -> float:
+    """``value`` as a finite float in the interval ``low .. high`` (open or closed at either end).
+
+    The default interval is ``(0, inf)``: a positive finite number.
+
+    Raises:
+        ValueError: Naming the option, the interval and the bad value (``bool``, strings, NaN and
+            infinities included).
+    """
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if ok:
+        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    if not ok:
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open or math.isinf(high) else ']'}"
+        extra = f" ({what})" if what else ""
+        raise ValueError(f"`{name}` must be a finite number in {interval}{extra}, got {value!r}.")
+    return float(value)
+
+
+def optional(check: Any, value: Any, *args: Any, **kwargs: Any) -> Optional[Any]:
+    """``None`` for ``None``, else ``check(value, *args, **kwargs)``."""
+    return None if value is None else check(value, *args, **kwargs)
