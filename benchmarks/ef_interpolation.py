@@ -1,0 +1,207 @@
+"""The empirical Fisher's evidence as networks interpolate their training data, against the GGN's.
+
+Run from the repository root (needs ``pip install mlxtend``)::
+
+    python benchmarks/ef_interpolation.py            # writes benchmarks/results/ef_interpolation.md
+    python benchmarks/ef_interpolation.py --quick    # smoke test: 500 images, 3 epochs, outputs/ only
+
+Candidates of ``examples/ranking_study.py`` (two MLPs that fit their training set and a small CNN
+that does not) are trained on the MNIST-5k training split (4000 images, 14x14) by Adam (lr 1e-3,
+batch 128) on ``map_loss`` with the layerwise prior fixed at delta = 1 (no callback: the weights
+at every checkpoint depend on the training alone). At each checkpoint epoch, post hoc at the same
+weights: the diag-EF, kron-EF, diag-GGN and kron-GGN evidence per datum, each with the
+hyperparameters re-optimised by Newton on its own curvature (``LaplaceEvidence.fit`` then
+``optimize(solver="newton", max_evaluations=50)``, as ``select_models`` does for ``rank_by``),
+its terms (log-likelihood, log prior, ``-1/2 log|H|``), the training NLL and train/test accuracy,
+the output-space ratio ``tr EF / tr GGN`` of :mod:`lightning_marglik.diagnostics` and the same
+ratio of the exact parameter-space diagonals (from the diag-EF and diag-GGN passes).
+One CPU thread.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, ROOT)
+
+import ranking_study as study  # noqa: E402
+from benchmarks._common import load_avg, now, write_with_data  # noqa: E402
+from common import OUTPUTS, library_state, markdown_table  # noqa: E402
+from lightning_marglik import CategoricalLikelihood, GaussianPrior, LaplaceEvidence, map_loss  # noqa: E402
+from lightning_marglik.diagnostics import EF_RATIO_THRESHOLD, ef_curvature_ratio  # noqa: E402
+
+CANDIDATES = ("mlp512x1", "mlp128x2", "cnn8x1")
+APPROXIMATIONS = (("diag", "ef"), ("kron", "ef"), ("diag", "ggn"), ("kron", "ggn"))
+CHECKPOINTS = (1, 2, 5, 10, 20, 40, 80, 150)
+QUICK_CHECKPOINTS = (1, 3)
+PRIOR_PRECISION = 1.0
+
+
+def label(structure: str, approx: str) -> str:
+    return f"{structure}-{approx.upper()}"
+
+
+@torch.no_grad()
+def fit_metrics(net: nn.Module, x: Tensor, y: Tensor) -> Tuple[float, float]:
+    """(accuracy, mean NLL) of the MAP softmax, in eval mode."""
+    was = net.training
+    logits = net.eval()(x)
+    net.train(was)
+    return (logits.argmax(1) == y).double().mean().item(), nn.functional.cross_entropy(logits.double(), y).item()
+
+
+def posthoc(net: nn.Module, log_precision: Tensor, loader: DataLoader, structure: str, approx: str) -> Dict[str, Any]:
+    """The evidence of ``net`` with one approximation, its hyperparameters re-optimised by Newton, and its terms."""
+    prior = GaussianPrior(net, structure="layerwise")
+    prior.log_precision.copy_(log_precision)
+    start = time.process_time()
+    evidence = LaplaceEvidence.fit(net, loader, CategoricalLikelihood(), prior, structure=structure, approx=approx)
+    solution = evidence.optimize(solver="newton", max_evaluations=50)
+    evidence.set_hyperparameters(solution.values)
+    n = evidence.n_data
+    log_delta = solution.values["log_precision"]
+    out = {
+        "marglik": solution.value.item() / n,
+        "log_likelihood": evidence.log_likelihood().item() / n,
+        "log_prior": evidence.log_prior().item() / n,
+        "half_log_det": -0.5 * evidence.log_det().item() / n,
+        "log_delta_min": log_delta.min().item(), "log_delta_max": log_delta.max().item(),
+        "converged": bool(solution.converged), "cpu_seconds": time.process_time() - start,
+    }
+    out["occam"] = out["marglik"] - out["log_likelihood"]
+    if structure == "diag":  # the exact parameter-space diagonal of the unit-scale curvature
+        out["diagonal_trace"] = sum(s.state("diag").sum().item() for s in evidence.structures)
+    return out
+
+
+def run(name: str, data: Tuple[Tensor, ...], checkpoints: Sequence[int], seed: int) -> List[Dict[str, Any]]:
+    """Train one candidate, with the post-hoc measurements after every checkpoint epoch."""
+    family, kwargs = study.CANDIDATES[name]
+    x_tr, y_tr, x_te, y_te = data
+    torch.manual_seed(seed)
+    net = study.build_network(family, x_tr.shape[-1], **kwargs)
+    prior, likelihood = GaussianPrior(net, precision=PRIOR_PRECISION, structure="layerwise"), CategoricalLikelihood()
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-3)
+    train = DataLoader(TensorDataset(x_tr, y_tr), batch_size=128, shuffle=True)
+    evidence_data = DataLoader(TensorDataset(x_tr, y_tr), batch_size=500)
+    rows, train_seconds = [], 0.0
+    for epoch in range(1, max(checkpoints) + 1):
+        start = time.process_time()
+        net.train()
+        for x, y in train:
+            optimizer.zero_grad()
+            map_loss(net(x), y, likelihood, prior, len(x_tr)).backward()
+            optimizer.step()
+        train_seconds += time.process_time() - start
+        if epoch not in checkpoints:
+            continue
+        train_acc, train_nll = fit_metrics(net, x_tr, y_tr)
+        test_acc, test_nll = fit_metrics(net, x_te, y_te)
+        start = time.process_time()
+        ratio = ef_curvature_ratio(net, evidence_data, likelihood)
+        ratio_seconds = time.process_time() - start
+        frozen = copy.deepcopy(net)
+        evidence = {label(s, a): posthoc(frozen, prior.log_precision, evidence_data, s, a) for s, a in APPROXIMATIONS}
+        row = {
+            "candidate": name, "params": prior.n_params, "epoch": epoch, "train_nll": train_nll, "train_acc": train_acc,
+            "test_acc": test_acc, "test_nll": test_nll, "ratio": ratio, "ratio_cpu_seconds": ratio_seconds,
+            "diagonal_ratio": evidence["diag-EF"]["diagonal_trace"] / evidence["diag-GGN"]["diagonal_trace"],
+            "train_cpu_seconds": train_seconds, "evidence": evidence,
+        }
+        rows.append(row)
+        print(f"{name} epoch {epoch}: train nll {train_nll:.2e} acc {train_acc:.4f} test {test_acc:.4f} ratio "
+              f"{ratio:.3g} diag ratio {row['diagonal_ratio']:.3g} | "
+              + " ".join(f"{k} {v['marglik']:.4f}" for k, v in evidence.items()), flush=True)
+    return rows
+
+
+def tables(rows: List[Dict[str, Any]]) -> List[str]:
+    """Per candidate: the fit, the ratios and the evidence; then the evidence's terms."""
+    labels = [label(s, a) for s, a in APPROXIMATIONS]
+    lines: List[str] = []
+    for name in dict.fromkeys(r["candidate"] for r in rows):
+        mine = [r for r in rows if r["candidate"] == name]
+        lines += [f"### {name} ({mine[0]['params']} parameters)", "",
+                  "Fit, curvature ratios and evidence per datum (hyperparameters re-optimised on each curvature):", ""]
+        lines.append(markdown_table([
+            {"epoch": r["epoch"], "train NLL": r["train_nll"], "train acc": r["train_acc"], "test acc": r["test_acc"],
+             "test NLL": r["test_nll"], "r = tr EF / tr GGN": r["ratio"], "diag-EF / diag-GGN trace": r["diagonal_ratio"],
+             **{lb: r["evidence"][lb]["marglik"] for lb in labels}} for r in mine],
+            ["epoch", "train NLL", "train acc", "test acc", "test NLL", "r = tr EF / tr GGN", "diag-EF / diag-GGN trace",
+             *labels]))
+        lines += ["", "Terms per datum: Occam factor (evidence - log-likelihood) and -1/2 log|H| / N, log delta range:", ""]
+        lines.append(markdown_table([
+            {"epoch": r["epoch"], **{f"{lb} Occam": r["evidence"][lb]["occam"] for lb in labels},
+             **{f"{lb} -½log|H|": r["evidence"][lb]["half_log_det"] for lb in ("kron-EF", "kron-GGN")},
+             **{f"{lb} log δ": f"{r['evidence'][lb]['log_delta_min']:.2f}..{r['evidence'][lb]['log_delta_max']:.2f}"
+                for lb in ("kron-EF", "kron-GGN")}} for r in mine],
+            ["epoch", *[f"{lb} Occam" for lb in labels], "kron-EF -½log|H|", "kron-GGN -½log|H|", "kron-EF log δ",
+             "kron-GGN log δ"]))
+        lines.append("")
+    return lines
+
+
+def ranking(rows: List[Dict[str, Any]], epoch: int) -> List[str]:
+    """The candidates at one epoch, as each approximation ranks them."""
+    at = [r for r in rows if r["epoch"] == epoch]
+    if len(at) < 2:
+        return []
+    lines = [f"At epoch {epoch}, which candidate each approximation picks (test accuracy in brackets):", ""]
+    best = max(at, key=lambda r: r["test_acc"])
+    lines.append(f"- best test accuracy: {best['candidate']} ({best['test_acc']:.3f})")
+    for s, a in APPROXIMATIONS:
+        lb = label(s, a)
+        order = sorted(at, key=lambda r: -r["evidence"][lb]["marglik"])
+        lines.append(f"- {lb}: " + " > ".join(f"{r['candidate']} ({r['test_acc']:.3f})" for r in order))
+    return lines + [""]
+
+
+def main(argv: Sequence[str] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=list(study.CANDIDATES))
+    parser.add_argument("--quick", action="store_true", help="500 images, epochs 1 and 3, written to outputs/")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    data = study.load_mnist(n_train=400, n_total=500) if args.quick else study.load_mnist()
+    checkpoints = QUICK_CHECKPOINTS if args.quick else CHECKPOINTS
+    output = (os.path.join(OUTPUTS, "ef_interpolation.md") if args.quick
+              else os.path.join(ROOT, "benchmarks", "results", "ef_interpolation.md"))
+    load_before, start_cpu, start_wall = load_avg(), time.process_time(), time.perf_counter()
+    rows = [row for name in args.candidates for row in run(name, data, checkpoints, args.seed)]
+    cpu_minutes, wall_minutes = (time.process_time() - start_cpu) / 60, (time.perf_counter() - start_wall) / 60
+    header = [
+        "# The empirical Fisher at interpolation: EF against GGN evidence along training",
+        "",
+        f"{now()}. Command: `python benchmarks/ef_interpolation.py {' '.join(argv if argv is not None else sys.argv[1:])}`; "
+        f"library {library_state()}. One CPU thread, {cpu_minutes:.1f} CPU minutes ({wall_minutes:.1f} wall), load "
+        f"average {load_before:.2f} at the start (2 cores shared with other jobs).",
+        "",
+        f"Data: MNIST-5k, {len(data[0])} training / {len(data[2])} test images at 14x14 (examples/ranking_study.py "
+        "load_mnist). Training: Adam (lr 1e-3, batch 128) on map_loss, layerwise prior fixed at delta = "
+        f"{PRIOR_PRECISION:g}, seed {args.seed}, no callback. At each checkpoint epoch, post hoc at the same weights: "
+        "LaplaceEvidence.fit with each approximation over the training images (batches of 500), then "
+        "optimize(solver=\"newton\", max_evaluations=50) from delta = 1. `r` is "
+        "`lightning_marglik.diagnostics.ef_curvature_ratio` (one forward pass); the diagonal ratio is "
+        "sum diag(EF) / sum diag(GGN) of the exact parameter-space diagonals of the two diag passes. "
+        f"The library's threshold: r < {EF_RATIO_THRESHOLD:g} warns.",
+        "",
+    ]
+    write_with_data(Path(output), "\n".join(header + tables(rows) + ranking(rows, max(checkpoints))),
+                    {"rows": rows, "cpu_minutes": cpu_minutes, "library": library_state()})
+    print(f"written {output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""Is the empirical Fisher's evidence trustworthy here? A forward-pass check of its curvature scale.
+
+The empirical Fisher (EF) and the GGN differ only in the output-space factor of each datum: the
+EF takes the outer product of the observed residual, the GGN its expectation under the model.
+For the categorical likelihood, ``(y - p)(y - p)^T`` against ``diag(p) - p p^T = E_{y~p}[(y - p)(y - p)^T]``,
+whose traces are ``||y - p||^2`` and ``1 - ||p||^2``; for the Gaussian, ``r r^T / sigma^4`` against
+``I / sigma^2`` (traces ``||r||^2 / sigma^4`` and ``D / sigma^2``). The ratio of the summed traces,
+
+    r = sum_n tr EF_n / sum_n tr GGN_n,
+
+is about 1 where the model is calibrated on its training data (labels distributed as it
+predicts them) and tends to 0 as it fits them with growing confidence (interpolation): the
+per-example gradients vanish faster than the GGN's curvature, the EF under-states the curvature
+by about that factor, its Occam factor collapses and its evidence rates such a fit too highly
+(Kunstner, Balles and Hennig, NeurIPS 2019, "Limitations of the Empirical Fisher Approximation").
+For the Gaussian, ``r`` is the mean squared residual per output over ``sigma^2``: about 1 at the
+sigma the evidence learns, far below where the noise is fixed too large for a fit of the data.
+
+The check needs one forward pass over the evidence data (no Jacobians), summed in float64, so
+that it can run wherever an EF evidence is computed. ``benchmarks/results/ef_interpolation.md``
+measures it against the EF and GGN evidence along training.
+
+Example:
+    >>> from torch.utils.data import DataLoader, TensorDataset
+    >>> from lightning_marglik import CategoricalLikelihood
+    >>> net = torch.nn.Linear(4, 3)
+    >>> data = DataLoader(TensorDataset(torch.randn(64, 4), torch.randint(0, 3, (64,))), batch_size=16)
+    >>> ratio = ef_curvature_ratio(net, data, CategoricalLikelihood())
+    >>> 0.0 < ratio
+    True
+    >>> ef_unreliable_message({"mlp": 0.02, "cnn": 0.9}).startswith("The empirical Fisher evidence of 'mlp'")
+    True
+"""
+from __future__ import annotations
+
+from typing import Iterable, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from . import validators
+from .curvature import eval_mode
+from .curvature.batches import BatchFn, call_model, move, split_batch
+from .evidence import require_data
+from .hyperparameters import CategoricalLikelihood, GaussianLikelihood, Likelihood
+
+__all__ = [
+    "EF_RATIO_THRESHOLD",
+    "curvature_traces",
+    "ef_curvature_ratio",
+    "ef_unreliable_message",
+    "ratio_from_traces",
+]
+
+# Below this ratio the EF evidence is not to be trusted. Measured (ef_interpolation.md): PLACEHOLDER
+EF_RATIO_THRESHOLD = 0.5
+
+# What to do instead, by where the EF evidence was computed.
+_FIXES = {
+    "select_models": "rank by a GGN approximation instead (e.g. rank_by=\"kron-ggn\")",
+    "callback": "estimate with approx=\"ggn\" instead (e.g. MargLikCallback(structure=\"kron\", approx=\"ggn\"))",
+}
+
+_SUPPORTED = (CategoricalLikelihood, GaussianLikelihood)
+
+
+def _categorical_traces(logits: Tensor, labels: Tensor) -> Tuple[Tensor, Tensor]:
+    """Per datum ``||y - p||^2`` and ``1 - ||p||^2`` in float64, accurate however confident the fit.
+
+    ``1 - p_c`` is computed as the sum of the other probabilities for each datum's most probable
+    class: subtracting ``p_c ~ 1`` from 1 would cancel to 0 (and the ratio to 0/0) long before the
+    curvature itself vanishes in float64.
+    """
+    probs = logits.double().softmax(1)
+    top = probs.argmax(1, keepdim=True)
+    others = probs.scatter(1, top, 0.0).sum(1, keepdim=True)
+    complement = (1 - probs).scatter(1, top, others)
+    onehot = nn.functional.one_hot(labels, probs.shape[1]).bool()
+    residual = torch.where(onehot, complement, probs)  # |y_c - p_c|
+    return residual.pow(2).sum(1), (probs * complement).sum(1)
+
+
+def curvature_traces(
+    model: nn.Module, dataloader: Iterable, likelihood: Likelihood, batch_fn: Optional[BatchFn] = None,
+) -> Tensor:
+    """The summed traces ``[tr EF, tr GGN, n_data]`` of the output-space curvature over ``dataloader``.
+
+    One forward pass in eval mode (every submodule's mode restored after), without gradients. The
+    traces include the likelihood's curvature scale at its current hyperparameters (``1 / sigma^4``
+    and ``1 / sigma^2`` for the Gaussian, ``1 / T`` for both approximations), so that their ratio
+    compares the curvature the EF and the GGN evidence use. Sums over processes (all-reduce the
+    tensor) give the traces of the whole data; :func:`ratio_from_traces` divides them.
+
+    Args:
+        model: Network mapping inputs to outputs ``(B, ..., C)`` (logits or predictions).
+        dataloader: Iterable of batches covering the evidence data once.
+        likelihood: A ``CategoricalLikelihood`` (positions labelled ``ignore_index`` left out) or a
+            ``GaussianLikelihood``.
+        batch_fn: Maps a batch to ``(inputs, targets)``; default: batches are such pairs.
+
+    Returns:
+        A float64 CPU tensor of three sums: the EF trace, the GGN trace and the number of data.
+
+    Raises:
+        TypeError: On a model that is not an ``nn.Module``, a likelihood of another type, a
+            ``batch_fn`` that is not callable, batches that are not ``(inputs, targets)`` pairs or
+            a forward that does not return a tensor.
+        ValueError: On a loader that yields no batch, or targets that do not fit the likelihood.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"`model` must be a torch.nn.Module, got {type(model).__name__}.")
+    if not isinstance(likelihood, _SUPPORTED):
+        raise TypeError(
+            f"`likelihood` must be a CategoricalLikelihood or GaussianLikelihood, got {type(likelihood).__name__}: "
+            "the curvature ratio is defined for these two."
+        )
+    if batch_fn is not None and not callable(batch_fn):
+        raise TypeError(f"`batch_fn` must map a batch to (inputs, targets), got {type(batch_fn).__name__} {batch_fn!r}.")
+    param = next(model.parameters(), None)
+    ef = ggn = torch.zeros((), dtype=torch.float64)
+    n_data, batches = 0, 0
+    with eval_mode(model), torch.no_grad():
+        for batch in dataloader:
+            inputs, target = split_batch(batch, batch_fn)
+            if param is not None:
+                inputs, target = move(inputs, param.device, param.dtype), target.to(param.device)
+            flat, flat_target, mask = likelihood.terms(call_model(model, inputs), target)
+            flat, flat_target = flat[mask].double(), flat_target[mask]
+            if isinstance(likelihood, CategoricalLikelihood):
+                ef_n, ggn_n = _categorical_traces(flat, flat_target)
+            else:
+                ef_n = (flat_target.double() - flat).pow(2).sum(1)
+                ggn_n = torch.full_like(ef_n, flat.shape[1])
+            ef, ggn = ef + ef_n.sum().cpu(), ggn + ggn_n.sum().cpu()
+            n_data += int(mask.sum())
+            batches += 1
+    if batches == 0:
+        raise ValueError("The data loader yielded no batch: the curvature ratio needs the evidence data.")
+    values = {name: value.detach().double().cpu() for name, value in likelihood.hyperparameters().items()}
+    scale_ef, scale_ggn = (likelihood.curvature_scale(approx, values) for approx in ("ef", "ggn"))
+    return torch.stack([ef * scale_ef, ggn * scale_ggn, torch.tensor(float(n_data), dtype=torch.float64)])
+
+
+def ratio_from_traces(traces: Tensor, likelihood: Optional[Likelihood] = None) -> float:
+    """``tr EF / tr GGN`` from :func:`curvature_traces` (summed over processes where there are several).
+
+    Args:
+        traces: The three sums ``[tr EF, tr GGN, n_data]``.
+        likelihood: Named in the error for data without a datum (its ``ignore_index``).
+
+    Returns:
+        The ratio; 0 where both traces vanish (a softmax one-hot in float64 on every datum: the
+        most confident fit there is), NaN where the outputs were not finite.
+
+    Raises:
+        ValueError: On a tensor that is not three sums, or no datum (e.g. every label ``ignore_index``).
+    """
+    if not isinstance(traces, Tensor) or traces.shape != (3,):
+        shape = tuple(traces.shape) if isinstance(traces, Tensor) else type(traces).__name__
+        raise ValueError(f"`traces` must be the tensor [tr EF, tr GGN, n_data] of curvature_traces, got {shape}.")
+    ef, ggn, n_data = (float(v) for v in traces)
+    if n_data == 0:
+        require_data(0, likelihood if likelihood is not None else CategoricalLikelihood())
+    if ggn == 0 and ef == 0:
+        return 0.0
+    return ef / ggn
+
+
+def ef_curvature_ratio(
+    model: nn.Module, dataloader: Iterable, likelihood: Likelihood, batch_fn: Optional[BatchFn] = None,
+) -> float:
+    """How much of the GGN's curvature the empirical Fisher keeps: ``sum_n tr EF_n / sum_n tr GGN_n``.
+
+    About 1 where the model predicts its training labels as confidently as it should (labels
+    drawn from its own predictive give 1 in expectation); towards 0 as it interpolates them.
+    Below :data:`EF_RATIO_THRESHOLD` the EF evidence is not to be trusted
+    (:func:`ef_unreliable_message`). For the Gaussian likelihood the ratio is the mean squared
+    residual per output over ``sigma^2``.
+
+    Args:
+        model: Network mapping inputs to outputs ``(B, ..., C)``.
+        dataloader: Iterable of batches covering the evidence data once.
+        likelihood: A ``CategoricalLikelihood`` or ``GaussianLikelihood`` at its current hyperparameters.
+        batch_fn: Maps a batch to ``(inputs, targets)``; default: batches are such pairs.
+
+    Returns:
+        The ratio (a float >= 0; NaN where the outputs are not finite).
+
+    Raises:
+        TypeError: As :func:`curvature_traces`.
+        ValueError: As :func:`curvature_traces`, or on data without a datum (every label ``ignore_index``).
+    """
+    return ratio_from_traces(curvature_traces(model, dataloader, likelihood, batch_fn), likelihood)
+
+
+def ef_unreliable_message(
+    names_and_ratios: Union[Mapping[str, float], Sequence[Tuple[str, float]]],
+    threshold: float = EF_RATIO_THRESHOLD,
+    where: str = "select_models",
+) -> str:
+    """The warning for the models whose EF curvature ratio is below ``threshold``; ``""`` if none.
+
+    Args:
+        names_and_ratios: Model name to its :func:`ef_curvature_ratio` (a mapping or pairs).
+        threshold: The ratio below which a model is named.
+        where: ``"select_models"`` (the fix: rank by a GGN approximation) or ``"callback"``
+            (the fix: estimate with ``approx="ggn"``).
+
+    Returns:
+        One message naming every such model with its ratio and the fix, or ``""``.
+
+    Raises:
+        ValueError: On a bad ``threshold`` or ``where``, or ratios that are not numbers.
+    """
+    threshold = validators.number(threshold, "threshold", 0.0, 1.0, low_open=True)
+    where = validators.choice(where, tuple(_FIXES), "where")
+    pairs = list(names_and_ratios.items()) if isinstance(names_and_ratios, Mapping) else list(names_and_ratios)
+    for name, ratio in pairs:
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+            raise ValueError(f"The curvature ratio of {name!r} must be a number, got {ratio!r}.")
+    low = [(name, float(ratio)) for name, ratio in pairs if ratio < threshold]
+    if not low:
+        return ""
+    listed = ", ".join(f"{name!r} (ratio {ratio:.3g})" for name, ratio in low)
+    one = len(low) == 1
+    return (
+        f"The empirical Fisher evidence of {listed} {'is' if one else 'are'} unreliable: tr EF / tr GGN is below "
+        f"{threshold:g}, so {'this model fits' if one else 'these models fit'} the evidence data more confidently "
+        "than the EF's curvature can tell (per-example gradients vanish at interpolation), and the EF evidence "
+        f"over-rates {'it' if one else 'them'}; {_FIXES[where]}."
+    )
