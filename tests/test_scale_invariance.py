@@ -17,7 +17,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_marglik import CategoricalLikelihood, GaussianPrior, MargLikCallback, map_loss
-from lightning_marglik.curvature.scale_invariance import LINEAR_LAYERS, NORMS, find_scale_invariant
+from lightning_marglik.curvature.scale_invariance import LINEAR_LAYERS, NORMS, find_scale_invariant, training_modes
 from tests.lightning_models import trainer
 from tests.real_networks import NETWORKS, make_case
 from tests.reference import call
@@ -191,6 +191,27 @@ def test_group_norm_weight_and_bias_and_when_the_bias_has_no_effect(groups, imag
     with torch.no_grad():
         model.conv.bias.add_(torch.randn(8))
     assert torch.allclose(model(images), before, atol=1e-8) is bias_free
+
+
+def test_the_modes_training_uses_decide_a_batchnorm_frozen_in_eval_mode_rules_its_layer_out(images):
+    """A fine-tuning recipe that keeps a BatchNorm in eval mode trains on its running statistics: the
+    conv before it is then not scale-invariant (checked numerically in those modes)."""
+    model = Chain(lambda y, x: y)
+    assert found_params(model, images) == {"conv.weight", "conv.bias"}  # default: every module in training mode
+    model.train()
+    model.norm.eval()  # what the recipe's on_train_epoch_start does
+    modes = training_modes(model)
+    assert modes["norm"] is False and modes["conv"] is True
+    model.eval()  # the analysis uses the modes given, not the ones the model is in now
+    assert find_scale_invariant(model, images, modes) == []
+    assert not model.training and not model.norm.training  # and leaves the model's modes as they were
+    with torch.no_grad():
+        model.train()
+        model.norm.eval()
+        before = model(images)
+        model.conv.weight.mul_(2.5)
+        model.conv.bias.mul_(2.5)
+        assert not torch.allclose(model(images), before, atol=1e-6)  # scaling does change the function
 
 
 def test_linear_bias_into_layer_norm_is_scaled_with_the_weight():

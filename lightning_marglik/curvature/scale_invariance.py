@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Set, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Set, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -32,7 +32,7 @@ from torch.nn.modules.conv import _ConvNd
 from .batches import Inputs, call_model
 from .hooks import graph_uses
 
-__all__ = ["ScaleInvariantLayer", "find_scale_invariant"]
+__all__ = ["ScaleInvariantLayer", "find_scale_invariant", "training_modes"]
 
 LINEAR_LAYERS = (nn.Linear, _ConvNd, nn.Embedding)
 NORMS: Tuple[type, ...] = (_NormBase, nn.GroupNorm, nn.LayerNorm) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
@@ -75,15 +75,23 @@ def _centres_channels(layer: nn.Module, norm: nn.Module) -> bool:
     return False
 
 
+def training_modes(model: nn.Module) -> Dict[str, bool]:
+    """The ``training`` flag of every module of ``model``, by module name (``""`` is the model itself)."""
+    return {name: module.training for name, module in model.named_modules()}
+
+
 @contextlib.contextmanager
-def _training_pass(model: nn.Module) -> Iterator[None]:
-    """Training mode without side effects: modes, buffers (running statistics) and the RNG restored."""
+def _training_pass(model: nn.Module, modes: Optional[Mapping[str, bool]] = None) -> Iterator[None]:
+    """Training mode (or the given per-module ``modes``) without side effects: modes, buffers (running
+    statistics) and the RNG restored."""
     flags = [(m, m.training) for m in model.modules()]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     devices = sorted({b.device.index for b, _ in buffers if b.is_cuda} | {
         p.device.index for p in model.parameters() if p.is_cuda})
     with torch.random.fork_rng(devices=devices):
         model.train()
+        for name, module in model.named_modules() if modes is not None else ():
+            module.training = modes.get(name, True)
         try:
             yield
         finally:
@@ -134,7 +142,9 @@ def _through_shape_ops(node: object, consumers: Dict[object, List[object]], stop
     return node
 
 
-def find_scale_invariant(model: nn.Module, inputs: Inputs) -> List[ScaleInvariantLayer]:
+def find_scale_invariant(
+    model: nn.Module, inputs: Inputs, modes: Optional[Mapping[str, bool]] = None
+) -> List[ScaleInvariantLayer]:
     """The layers whose trainable parameters the training-mode function of ``model`` is scale-invariant in.
 
     Runs one forward pass of ``inputs`` in training mode with gradients on, and leaves the model's
@@ -143,6 +153,9 @@ def find_scale_invariant(model: nn.Module, inputs: Inputs) -> List[ScaleInvarian
     Args:
         model: The network (or the LightningModule whose ``forward`` calls it).
         inputs: One batch of model inputs (tensor, tuple or dict), as ``forward`` takes them.
+        modes: The ``training`` flag training really runs each module with (:func:`training_modes`,
+            e.g. a BatchNorm a fine-tuning recipe keeps in eval mode); default every module in
+            training mode. A norm in eval mode uses its running statistics and rules its layer out.
 
     Returns:
         One entry per qualifying layer, in module order; empty if there is none.
@@ -167,7 +180,7 @@ def find_scale_invariant(model: nn.Module, inputs: Inputs) -> List[ScaleInvarian
 
     handles = [m.register_forward_hook(hook(n, m)) for n, m in modules.items() if isinstance(m, LINEAR_LAYERS + NORMS)]
     try:
-        with _training_pass(model), torch.enable_grad():
+        with _training_pass(model, modes), torch.enable_grad():
             output = call_model(model, inputs)
             found = _analyse(model, modules, calls, outputs, norm_io, output)
     finally:
