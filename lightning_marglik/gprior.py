@@ -36,7 +36,6 @@ from torch import Tensor, nn
 from . import solvers
 from .curvature import CurvatureOptions, collect_statistics
 from .curvature.batches import BatchFn
-from .curvature.structures import DiagStructure
 from .evidence import LaplaceEvidence
 from .hyperparameters import GaussianPrior, Likelihood
 
@@ -62,10 +61,8 @@ def curvature_diagonal(
     """
     stats = collect_statistics(model, dataloader, likelihood, prior, generator=generator, batch_fn=batch_fn,
                                options=CurvatureOptions("diag", approx, mc_samples))
-    (structure,) = stats.structures
-    assert isinstance(structure, DiagStructure)
-    diagonal = structure.state("diag")
-    return [diagonal[slice(*structure.offsets[t])].reshape(p.shape) for t, p in enumerate(prior.params)]
+    diagonal = {index: block for structure in stats.structures for index, block in structure.diagonal().items()}
+    return [diagonal[t].reshape(p.shape) for t, p in enumerate(prior.params)]
 
 
 def g_prior_offsets(diagonal: Sequence[Tensor], prior: GaussianPrior) -> Tensor:

@@ -2,12 +2,27 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Tuple
+
+from ..validators import choice, integer
 
 __all__ = ["APPROXIMATIONS", "BACKENDS", "STRUCTURES", "CurvatureOptions"]
 
-STRUCTURES = ("full", "kron", "ekfac", "diag")
 APPROXIMATIONS = ("ggn", "ef")
 BACKENDS = ("hooks", "backpack")
+
+
+def _structures() -> Tuple[str, ...]:
+    from .structures import structure_names  # the structures import this module
+
+    return structure_names()
+
+
+def __getattr__(name: str) -> Any:
+    # STRUCTURES is read from the registry when asked, so that it includes structures registered later
+    if name == "STRUCTURES":
+        return _structures()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -15,7 +30,8 @@ class CurvatureOptions:
     """What curvature the evidence pass computes.
 
     Args:
-        structure: ``"kron"`` (Kronecker factors for Linear/Conv/Embedding layers, an exact
+        structure: A registered structure (:mod:`.structures`; matched case-insensitively):
+            ``"kron"`` (Kronecker factors for Linear/Conv/Embedding layers, an exact
             diagonal for every other parameter), ``"ekfac"`` (the same blocks with the Kronecker
             eigenvalues replaced by the exact second moments in their eigenbasis, George et al.
             2018; two passes over the data, see :mod:`.structures.ekfac`), ``"diag"`` or ``"full"``.
@@ -27,11 +43,16 @@ class CurvatureOptions:
             networks of Linear/Conv2d layers, see :mod:`.backpack`).
 
     Raises:
-        ValueError: Naming the bad option and the accepted values.
+        ValueError: Naming the bad option and the accepted values, with a "did you mean" for a
+            near miss.
 
     Example:
-        >>> CurvatureOptions("diag", "ef").structure
+        >>> CurvatureOptions("Diag", "EF").structure
         'diag'
+        >>> CurvatureOptions("kfac")
+        Traceback (most recent call last):
+        ...
+        ValueError: `structure` must be one of ('full', 'kron', 'ekfac', 'diag'), got 'kfac' (did you mean 'kron'?).
     """
 
     structure: str = "kron"
@@ -41,15 +62,11 @@ class CurvatureOptions:
     backend: str = "hooks"
 
     def __post_init__(self) -> None:
-        if self.structure not in STRUCTURES:
-            raise ValueError(f"`structure` must be one of {STRUCTURES}, got {self.structure!r}.")
-        if self.approx not in APPROXIMATIONS:
-            raise ValueError(f"`approx` must be one of {APPROXIMATIONS}, got {self.approx!r}.")
-        if isinstance(self.mc_samples, bool) or not isinstance(self.mc_samples, int) or self.mc_samples < 0:
-            raise ValueError(f"`mc_samples` must be an int >= 0 (0 = exact GGN), got {self.mc_samples!r}.")
+        # canonical spellings ("KRON" -> "kron"): the frozen dataclass takes them through object.__setattr__
+        object.__setattr__(self, "structure", choice(self.structure, _structures(), "structure"))
+        object.__setattr__(self, "approx", choice(self.approx, APPROXIMATIONS, "approx"))
+        integer(self.mc_samples, "mc_samples", minimum=0, what="0 = exact GGN")
         if self.mc_samples and self.approx != "ggn":
             raise ValueError(f"`mc_samples` applies to approx='ggn' only, got approx={self.approx!r}.")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"`backend` must be one of {BACKENDS}, got {self.backend!r}.")
-        if isinstance(self.max_memory, bool) or not isinstance(self.max_memory, int) or self.max_memory <= 0:
-            raise ValueError(f"`max_memory` must be a positive number of bytes, got {self.max_memory!r}.")
+        object.__setattr__(self, "backend", choice(self.backend, BACKENDS, "backend"))
+        integer(self.max_memory, "max_memory", minimum=1, what="a number of bytes")

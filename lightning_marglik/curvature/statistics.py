@@ -7,8 +7,9 @@ processes in ONE flattened collective.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -16,6 +17,7 @@ from torch import Tensor, nn
 from .options import CurvatureOptions
 
 if TYPE_CHECKING:
+    from ..hyperparameters import GaussianPrior
     from .structures.derivatives import LogDetDerivatives
 
 __all__ = ["BatchCurvature", "CurvatureStatistics", "LayerPlan", "Structure"]
@@ -55,17 +57,81 @@ class Structure:
     once per estimate, ``log_det`` and the posterior covariance. Parameters of different
     structures are independent blocks of ``H``.
 
+    A class that a ``structure=`` option selects declares its :attr:`name` and capabilities below
+    and is registered with :func:`.structures.register_structure`; the options, the plan, the
+    bounds, the callbacks and ``rank_by`` read them there (:mod:`.structures` says what a new
+    structure needs).
+
     Args:
         indices: Prior indices (positions in ``GaussianPrior.param_names``) of the tensors covered.
         sizes: Number of scalars of every prior tensor (all of them, in prior order).
     """
 
-    passes = 1  # passes over the data the statistics need (EKFAC: the factors, then moments in their eigenbasis)
+    #: The ``structure=`` value that selects this class; ``None`` for a block only another structure's plan uses.
+    name: ClassVar[Optional[str]] = None
+    #: Passes over the data the statistics need (EKFAC: the factors, then moments in their eigenbasis).
+    passes: ClassVar[int] = 1
+    #: Whether hooked layers may feed it (``False``: every parameter takes the exact per-example path).
+    hook_path: ClassVar[bool] = True
+    #: Whether it needs one prior precision per tensor (Kronecker blocks cannot hold a diagonal prior).
+    per_tensor_prior: ClassVar[bool] = False
+    #: Whether its statistics sum across processes (DDP) into the single-process ones.
+    multi_process: ClassVar[bool] = True
+    #: Whether ``statistics="training"`` (the empirical Fisher from the training backward) can feed it.
+    training_statistics: ClassVar[bool] = False
+    #: Whether ``EvidenceBound(bound="parametric")`` can take it (one read of each batch).
+    parametric_bound: ClassVar[bool] = True
+    #: Whether ``select_models(rank_by="<name>-<approx>")`` offers it.
+    rank_by: ClassVar[bool] = True
 
     def __init__(self, indices: Sequence[int], sizes: Sequence[int]) -> None:
         self.indices = list(indices)
         self.sizes = list(sizes)
         self._states: Dict[str, Tensor] = {}
+
+    # --- the registered structure's plan ------------------------------------------------------
+
+    @classmethod
+    def check(cls, prior: "GaussianPrior", options: CurvatureOptions) -> None:
+        """Refuse, before any data, a prior or options this structure cannot take (``check_model``).
+
+        Raises:
+            ValueError: For a diagonal prior where :attr:`per_tensor_prior` (the prior's message).
+        """
+        if cls.per_tensor_prior:
+            prior.per_tensor(prior.log_precision)  # raises for a diagonal prior, with the explanation
+
+    @classmethod
+    def from_plan(
+        cls, layers: List["LayerPlan"], exact: List[int], prior: "GaussianPrior", options: CurvatureOptions
+    ) -> List["Structure"]:
+        """The structures that cover every prior tensor for ``structure=cls.name``: the uniform
+        constructor :func:`.plan.make_plan` calls once the paths are decided.
+
+        Args:
+            layers: Layers on the hook path (empty where :attr:`hook_path` is ``False``).
+            exact: Prior indices on the exact path, in the order of ``BatchCurvature.rows``' columns.
+            prior: The prior (its tensor sizes and structure).
+            options: The curvature options (e.g. ``max_memory``).
+
+        Returns:
+            Disjoint structures covering every prior tensor once.
+        """
+        raise NotImplementedError(f"{cls.__name__} is not a registered structure: it has no plan of its own")
+
+    def zeroed(self) -> "Structure":
+        """A copy whose declared statistics are zero, sharing the layers and layout (new sums of the same plan)."""
+        fresh = copy.copy(self)
+        fresh._states = {name: torch.zeros_like(value) for name, value in self._states.items()}
+        return fresh
+
+    def diagonal(self) -> Dict[int, Tensor]:
+        """The unit-scale curvature diagonal of every covered tensor, by prior index (float64, flat).
+
+        Raises:
+            NotImplementedError: For a structure that does not hold the exact diagonal.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not hold the curvature diagonal; use structure='diag'")
 
     # --- declared statistics ------------------------------------------------------------------
 

@@ -20,7 +20,6 @@ layers mix positions).
 """
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any, Dict, List, Optional
 
@@ -29,7 +28,7 @@ from torch import Tensor, nn
 
 from ..hyperparameters import Likelihood
 from .batches import BatchFn, split_batch
-from .statistics import BatchCurvature, CurvatureStatistics, LayerPlan, Structure
+from .statistics import BatchCurvature, CurvatureStatistics, LayerPlan
 
 __all__ = ["TrainingPassStatistics", "exact_path_refusal", "mismatch"]
 
@@ -49,13 +48,6 @@ def exact_path_refusal(plan: CurvatureStatistics) -> Optional[str]:
         f"{listed}. Use statistics='pass' (the evidence pass), or register a layer rule for them "
         "(lightning_marglik.register_layer_rule)."
     )
-
-
-def _fresh(structure: Structure) -> Structure:
-    """A copy of ``structure`` whose declared statistics are zero (the layers and layout are shared)."""
-    fresh = copy.copy(structure)
-    fresh._states = {name: torch.zeros_like(value) for name, value in structure.states().items()}
-    return fresh
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -108,7 +100,7 @@ class TrainingPassStatistics:
     def reset(self) -> None:
         """Start new sums (a new epoch)."""
         self.stats = CurvatureStatistics(
-            self.plan.options, list(self.plan.names), [_fresh(s) for s in self.plan.structures]
+            self.plan.options, list(self.plan.names), [s.zeroed() for s in self.plan.structures]
         )
         self.batches = 0
         self.layer_data = 0

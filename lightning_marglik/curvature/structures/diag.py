@@ -1,13 +1,17 @@
 """The exact diagonal of the curvature: ``structure="diag"``, and the diagonal blocks of ``kron``."""
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from ..layers import layer_diagonal
+from ..options import CurvatureOptions
 from ..statistics import BatchCurvature, LayerPlan, Structure
+
+if TYPE_CHECKING:
+    from ...hyperparameters import GaussianPrior
 from .derivatives import LogDetDerivatives, separable_terms
 
 __all__ = ["DiagStructure"]
@@ -23,6 +27,9 @@ class DiagStructure(Structure):
         exact: Prior indices on the exact path, in the order of the columns of ``BatchCurvature.rows``.
     """
 
+    name = "diag"
+    training_statistics = True  # the layers' diagonals from the training gradients, rescalable
+
     def __init__(self, indices: Sequence[int], sizes: Sequence[int], layers: List[LayerPlan], exact: List[int]) -> None:
         super().__init__(indices, sizes)
         self.layers = [layer for layer in layers if any(i in self.indices for i in layer.roles.values())]
@@ -33,6 +40,12 @@ class DiagStructure(Structure):
             self.offsets[i] = (start, start + self.sizes[i])
             start += self.sizes[i]
         self.add_state("diag", torch.zeros(start, dtype=torch.float64))
+
+    @classmethod
+    def from_plan(
+        cls, layers: List[LayerPlan], exact: List[int], prior: "GaussianPrior", options: CurvatureOptions
+    ) -> List[Structure]:
+        return [cls(range(len(prior.param_sizes)), prior.param_sizes, layers, exact)]
 
     def _add_slice(self, index: int, value: Tensor) -> None:
         lo, hi = self.offsets[index]
@@ -55,8 +68,11 @@ class DiagStructure(Structure):
     def rescale(self, factor: float) -> None:
         self.state("diag").mul_(factor)
 
+    def diagonal(self) -> Dict[int, Tensor]:
+        return {i: self.state("diag")[lo:hi] for i, (lo, hi) in self.offsets.items()}
+
     def prepare(self) -> None:
-        self._blocks = {i: self.state("diag")[lo:hi] for i, (lo, hi) in self.offsets.items()}
+        self._blocks = self.diagonal()
 
     def log_det(self, scale: Tensor, log_delta: List[Tensor]) -> Tensor:
         terms = [torch.log(scale * c + log_delta[i].exp()).sum() for i, c in self._blocks.items()]

@@ -51,7 +51,13 @@ class EKFACStructure(KronStructure):
             (the per-example gradients in the basis need the layer's rows).
     """
 
+    name = "ekfac"
     passes = 2
+    # the basis must be the same on every rank: the factors would have to be summed across processes
+    # between the passes, which is not implemented
+    multi_process = False
+    training_statistics = False  # the second pass is not the training backward
+    parametric_bound = False  # the bound's parts are read once each
 
     def __init__(self, indices: Sequence[int], sizes: Sequence[int], layers: List[LayerPlan]) -> None:
         super().__init__(indices, sizes, layers)

@@ -11,12 +11,16 @@ decomposed once and the rest enters through the Schur complement
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from ..statistics import BatchCurvature, GatherFn, Structure, SumFn
+from ..options import CurvatureOptions
+from ..statistics import BatchCurvature, GatherFn, LayerPlan, Structure, SumFn
+
+if TYPE_CHECKING:
+    from ...hyperparameters import GaussianPrior
 from .derivatives import LogDetDerivatives, separable_terms
 
 __all__ = ["FullStructure"]
@@ -45,6 +49,9 @@ class FullStructure(Structure):
         ValueError: If the Gram matrix and its factorisation would exceed ``max_memory``.
     """
 
+    name = "full"
+    hook_path = False  # per-example rows of every parameter: the exact path
+
     def __init__(self, indices: Sequence[int], sizes: Sequence[int], prior_structure: str, max_memory: int) -> None:
         super().__init__(indices, sizes)
         self.n_params = sum(sizes[i] for i in self.indices)
@@ -59,6 +66,17 @@ class FullStructure(Structure):
         self.rows: Optional[Tensor] = None
         self.gram: Optional[Tensor] = None
         self.add_state("n_rows", torch.zeros((), dtype=torch.int64))
+
+    @classmethod
+    def check(cls, prior: "GaussianPrior", options: CurvatureOptions) -> None:
+        """Refuse a curvature above ``options.max_memory`` before any data."""
+        cls.from_plan([], [], prior, options)
+
+    @classmethod
+    def from_plan(
+        cls, layers: List[LayerPlan], exact: List[int], prior: "GaussianPrior", options: CurvatureOptions
+    ) -> List[Structure]:
+        return [cls(range(len(prior.param_sizes)), prior.param_sizes, prior.structure, options.max_memory)]
 
     def accumulate(self, batch: BatchCurvature) -> None:
         assert batch.rows is not None

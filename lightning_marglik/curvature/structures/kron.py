@@ -7,14 +7,19 @@ eigenvalues ``q``, ``w`` of the factors, cached once per estimate.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from ..layers import layer_kron, layer_rule
+from ..layers import is_kron_layer, layer_kron, layer_rule
+from ..options import CurvatureOptions
 from ..statistics import BatchCurvature, LayerPlan, Structure
 from .derivatives import LogDetDerivatives, separable_terms
+from .diag import DiagStructure
+
+if TYPE_CHECKING:
+    from ...hyperparameters import GaussianPrior
 
 __all__ = ["KronStructure"]
 
@@ -66,6 +71,10 @@ class KronStructure(Structure):
         layers: The layers, each with the prior index of its covered parameters by role.
     """
 
+    name = "kron"
+    per_tensor_prior = True
+    training_statistics = True  # the factors from the training gradients, rescalable
+
     def __init__(self, indices: Sequence[int], sizes: Sequence[int], layers: List[LayerPlan]) -> None:
         super().__init__(indices, sizes)
         self.layers = layers
@@ -76,6 +85,22 @@ class KronStructure(Structure):
             self.add_state(f"{j}.g", torch.zeros(shape.out, shape.out, dtype=torch.float64))
             self.add_state(f"{j}.a", a)
             self.add_state(f"{j}.rows", torch.zeros((), dtype=torch.int64))
+
+    @classmethod
+    def from_plan(
+        cls, layers: List[LayerPlan], exact: List[int], prior: "GaussianPrior", options: CurvatureOptions
+    ) -> List[Structure]:
+        """Kronecker blocks for the hooked layers whose rule has Kronecker factors, an exact
+        diagonal block (:class:`.DiagStructure`) for every other parameter."""
+        sizes = prior.param_sizes
+        kron = [layer for layer in layers if is_kron_layer(layer.module)]
+        kron_indices = sorted(i for layer in kron for i in layer.roles.values())
+        rest = [i for i in range(len(sizes)) if i not in set(kron_indices)]
+        structures: List[Structure] = [cls(kron_indices, sizes, kron)] if kron else []
+        if rest:
+            others = [layer for layer in layers if not is_kron_layer(layer.module)]
+            structures.append(DiagStructure(rest, sizes, others, exact))
+        return structures
 
     def accumulate(self, batch: BatchCurvature) -> None:
         position = {layer.name: j for j, layer in enumerate(self.layers)}
