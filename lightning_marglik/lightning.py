@@ -5,8 +5,8 @@ classes: a ``lightning.pytorch.Trainer`` takes only these for its checkpoint and
 callbacks (``trainer.test(ckpt_path="best")``, ``trainer.early_stopping_callback``), and only
 these pass ``lightning.pytorch.cli.LightningCLI``. They take the same arguments and behave as
 ``lightning_marglik.MargLikCallback``, ``lightning_marglik.MargLikCheckpoint`` and
-``lightning_marglik.MargLikEarlyStopping`` (one shared implementation,
-``lightning_marglik.callback_core``); everything else (prior, likelihoods, ``map_loss``, the
+``lightning_marglik.MargLikEarlyStopping`` (one shared implementation, the
+package ``lightning_marglik.callbacks``); everything else (prior, likelihoods, ``map_loss``, the
 engine) is imported from ``lightning_marglik`` for either package. Importing this module needs
 ``lightning`` installed; ``import lightning_marglik`` does not.
 
@@ -31,14 +31,10 @@ from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.callbacks.early_stopping import EarlyStoppingReason
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
-from .bound_callback_core import MargLikBoundCallbackCore
-from .callback_core import (
-    CheckpointCore,
-    EarlyStoppingCore,
-    LightningPackage,
-    MargLikCallbackCore,
-    MargLikConfigurationError,
-)
+from .callbacks.bound import MargLikBoundCallbackCore
+from .callbacks.core import MargLikCallbackCore
+from .callbacks.followers import CheckpointCore, EarlyStoppingCore
+from .callbacks.package import LightningPackage, MargLikConfigurationError
 
 __all__ = ["MargLikBoundCallback", "MargLikCallback", "MargLikCheckpoint", "MargLikConfigurationError", "MargLikEarlyStopping"]
 

@@ -255,9 +255,9 @@ COLLECTIVES: List[List[str]] = []
 
 def _count_collectives() -> None:
     """Record the collectives of every ``reduce_statistics`` call (one list per estimate)."""
-    from lightning_marglik import callback_core
+    from lightning_marglik.callbacks import core  # where the callbacks call reduce_statistics
 
-    original = callback_core.reduce_statistics
+    original = core.reduce_statistics
 
     class Counting:
         def __init__(self, strategy, calls):
@@ -279,7 +279,7 @@ def _count_collectives() -> None:
         COLLECTIVES.append(calls)
         return original(stats, Counting(strategy, calls))
 
-    callback_core.reduce_statistics = counted
+    core.reduce_statistics = counted
 
 
 def run_evidence_cases(out: Path) -> Dict[str, Any]:

@@ -250,6 +250,16 @@ def test_newton_solver_converges_where_adam_needs_many_steps():
         MargLikCallback(solver="lbfgs")
 
 
+def test_option_values_ignore_case_and_near_misses_name_the_value_meant():
+    """Issue 26.8: ``solver="Newton"`` is ``"newton"``; ``"newtn"`` is refused with the value meant."""
+    assert MargLikCallback(solver="Newton").solver == "newton"
+    assert MargLikCallback(scale_invariant=" Fixed").scale_invariant == "fixed"
+    with pytest.raises(ValueError, match=r"`solver` must be one of \('adam', 'newton'\), got 'newtn' \(did you mean 'newton'\?\)"):
+        MargLikCallback(solver="newtn")
+    with pytest.raises(ValueError, match=r"`statistics`.*'Trainig' \(did you mean 'training'\?\)"):
+        MargLikCallback(structure="kron", approx="ef", statistics="Trainig")
+
+
 class CompiledRegressor(Regressor):
     """The network trained through torch.compile (the evidence pass runs it eagerly)."""
 

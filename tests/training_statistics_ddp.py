@@ -18,7 +18,8 @@ from pytorch_lightning.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_marglik import GaussianLikelihood, GaussianPrior, MargLikCallback, callback_core, map_loss
+from lightning_marglik import GaussianLikelihood, GaussianPrior, MargLikCallback, map_loss
+from lightning_marglik.callbacks import core  # where the callbacks call reduce_statistics
 
 N = 40
 
@@ -54,7 +55,7 @@ class Model(pl.LightningModule):
 
 def main(out: Path) -> None:
     collectives = []
-    original = callback_core.reduce_statistics
+    original = core.reduce_statistics
 
     def counted(stats, strategy):
         calls = [0]
@@ -75,7 +76,7 @@ def main(out: Path) -> None:
         collectives.append(calls[0])
         return result
 
-    callback_core.reduce_statistics = counted
+    core.reduce_statistics = counted
     callback = MargLikCallback(structure="kron", approx="ef", steps=0, statistics="training")
     strategy = DDPStrategy(process_group_backend="gloo", timeout=datetime.timedelta(seconds=120))
     trainer = pl.Trainer(

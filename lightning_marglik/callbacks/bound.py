@@ -1,12 +1,13 @@
 """The logic of ``MargLikBoundCallback``: a hyperparameter step on a stochastic evidence bound
 every ``k`` training batches (Immer et al., ICML 2023), shared by both Lightning packages.
 
-It is ``MargLikCallback``'s logic (set-up checks, the count of ``N``, the scale-invariant
-treatment, resume, the estimates ``MargLikCheckpoint`` and ``MargLikEarlyStopping`` act on) with
-the epoch-end evidence pass replaced: every ``k``-th batch, :class:`~.bounds.BoundOptimizer`
-computes the bound on that training batch at the current weights, all-reduces its gradient over
-processes (each process's batch is one part of the data) and takes one Adam step. At the end
-of each epoch past ``burnin`` the mean of that epoch's estimates is the epoch's ``marglik``.
+It shares :class:`~.core.EstimatorCore` with ``MargLikCallback`` (set-up checks, the count of
+``N``, the scale-invariant treatment, resume, the estimates ``MargLikCheckpoint`` and
+``MargLikEarlyStopping`` act on), on a :class:`~.schedule.BatchSchedule` instead of the epoch
+schedule: after every ``k``-th batch, :class:`~lightning_marglik.bounds.BoundOptimizer` computes
+the bound on that training batch at the current weights, all-reduces its gradient over
+processes (each process's batch is one part of the data) and takes one Adam step. At the end of
+each epoch with steps, the mean of that epoch's estimates is the epoch's ``marglik``.
 """
 from __future__ import annotations
 
@@ -16,18 +17,22 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .bounds import BoundOptimizer, check_bound_options
-from .callback_core import MONITOR, LightningModule, MargLikCallbackCore, MargLikConfigurationError, Trainer, _positive_int
-from .curvature import CurvatureOptions
+from ..bounds import BoundOptimizer, check_bound_options
+from ..curvature import CurvatureOptions
+from .core import EstimatorCore
+from .package import LightningModule, MargLikConfigurationError, Trainer
+from .schedule import BatchSchedule
 
 __all__ = ["MargLikBoundCallbackCore"]
 
 
-class MargLikBoundCallbackCore(MargLikCallbackCore):
+class MargLikBoundCallbackCore(EstimatorCore):
     """The logic of ``MargLikBoundCallback``, combined with a package's ``Callback``.
 
     Documented on ``lightning_marglik.MargLikBoundCallback``; the subclass sets ``_package``.
     """
+
+    schedule: BatchSchedule
 
     def __init__(
         self,
@@ -46,21 +51,21 @@ class MargLikBoundCallbackCore(MargLikCallbackCore):
         check_bound_options(bound, structure, subset_size)
         if bound == "ntk" and backend != "hooks":
             raise ValueError("bound='ntk' computes its Jacobians with torch.func; `backend` applies to bound='parametric' only.")
-        super().__init__(
-            structure=structure if bound == "parametric" else "full", approx=approx, burnin=burnin, lr=lr,
-            mc_samples=mc_samples, seed=seed, solver="adam", backend=backend, scale_invariant=scale_invariant,
-        )
         if bound == "ntk":  # the set-up check's evidence pass on one batch: kernel form, never refused for P
-            self.options = CurvatureOptions("full", approx, mc_samples, max_memory=sys.maxsize)
+            options = CurvatureOptions("full", approx, mc_samples, max_memory=sys.maxsize)
+        else:
+            options = CurvatureOptions(structure, approx, mc_samples, backend=backend)
+        schedule = BatchSchedule(every_k_batches, burnin)
+        super().__init__(options, schedule, lr, seed, scale_invariant)
         self.bound = bound
         self.subset_size = subset_size
-        self.every_k_batches = _positive_int(every_k_batches, "every_k_batches", 1)
+        self.every_k_batches = schedule.every
         self._optimizer: Optional[BoundOptimizer] = None
         self._epoch_values: List[float] = []
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_start(trainer, pl_module)  # set-up checks, N on the prior, a changed set of learnables
-        assert self.prior is not None and self.likelihood is not None
+        prior, likelihood = self._hyperparameters()
         batches = trainer.num_training_batches
         if math.isfinite(batches) and batches < self.every_k_batches:
             raise MargLikConfigurationError(
@@ -69,7 +74,7 @@ class MargLikBoundCallbackCore(MargLikCallbackCore):
                 f"every_k_batches <= {int(batches)}."
             )
         self._optimizer = BoundOptimizer(
-            self.likelihood, self.prior, bound=self.bound, structure=self.structure, approx=self.approx,
+            likelihood, prior, bound=self.bound, structure=self.structure, approx=self.approx,
             mc_samples=self.mc_samples, subset_size=self.subset_size, lr=self.lr,
             batch_fn=self._batch_fn(pl_module), backend=self.options.backend,
         )
@@ -77,7 +82,7 @@ class MargLikBoundCallbackCore(MargLikCallbackCore):
         self._epoch_values = []
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if trainer.current_epoch < self.burnin or (batch_idx + 1) % self.every_k_batches:
+        if not self.schedule.is_due(trainer, batch_idx):
             return
         assert self._optimizer is not None
         strategy = trainer.strategy
@@ -93,11 +98,8 @@ class MargLikBoundCallbackCore(MargLikCallbackCore):
         self._epoch_values.append(value)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if not self._epoch_values:  # burn-in, or fewer than k batches
-            return
-        marglik = self._close_epoch(trainer, epoch=trainer.current_epoch + 1)
-        for key, value in self.logged_values(marglik).items():
-            pl_module.log(key, value, prog_bar=key == MONITOR, on_step=False, on_epoch=True, sync_dist=True)
+        if self._epoch_values:  # none in burn-in, or with fewer than k batches
+            self._log(pl_module, self._close_epoch(trainer, epoch=trainer.current_epoch + 1))
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """No evidence pass: the final value is that of the last (possibly partial) epoch's steps."""

@@ -5,8 +5,16 @@ and takes hyperparameter steps; ``MargLikCheckpoint`` and ``MargLikEarlyStopping
 estimates only (never on a stale or non-finite value, never during burn-in).
 
 These are the callbacks for ``pytorch_lightning``; ``lightning_marglik.lightning`` has the same
-ones for ``lightning.pytorch`` (``import lightning``). Their logic lives in
-``lightning_marglik.callback_core``, shared by both.
+ones for ``lightning.pytorch`` (``import lightning``). Their logic lives in the modules of this
+package, shared by both, one job each:
+
+- :mod:`.core`: the estimating callbacks' hooks, the estimate and resume;
+- :mod:`.schedule`: when an estimate is due, and whether the latest is fresh;
+- :mod:`.checks` and :mod:`.data`: the set-up checks and the evidence data;
+- :mod:`.training_statistics`: the sums of the training passes (``statistics="training"``);
+- :mod:`.followers`: ``MargLikCheckpoint`` and ``MargLikEarlyStopping``;
+- :mod:`.bound`: ``MargLikBoundCallback``;
+- :mod:`.package` and :mod:`.progress`: what the callbacks know of a Lightning package, and its progress bar.
 """
 from __future__ import annotations
 
@@ -15,15 +23,10 @@ from pytorch_lightning.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from pytorch_lightning.callbacks.early_stopping import EarlyStoppingReason
 from pytorch_lightning.callbacks.progress.tqdm_progress import Tqdm
 
-from .bound_callback_core import MargLikBoundCallbackCore
-from .callback_core import (
-    CheckpointCore,
-    EarlyStoppingCore,
-    LightningPackage,
-    MargLikCallbackCore,
-    MargLikConfigurationError,
-    find_hyperparameters,  # re-exported: lightning_marglik.selection uses it
-)
+from .bound import MargLikBoundCallbackCore
+from .core import MargLikCallbackCore
+from .followers import CheckpointCore, EarlyStoppingCore
+from .package import LightningPackage, MargLikConfigurationError, find_hyperparameters  # noqa: F401 - selection uses it
 
 __all__ = ["MargLikBoundCallback", "MargLikCallback", "MargLikCheckpoint", "MargLikConfigurationError", "MargLikEarlyStopping"]
 

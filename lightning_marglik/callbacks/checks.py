@@ -1,0 +1,223 @@
+"""The callbacks' set-up checks: of their arguments, of the trainer, and of one evidence batch.
+
+Each check raises (or warns) with a message that names the problem and the fix; the callbacks run
+them at construction, in ``setup`` and in ``on_train_start``, before the first training step.
+"""
+from __future__ import annotations
+
+from typing import Any, Tuple
+
+import torch
+from lightning_utilities.core.rank_zero import rank_zero_warn  # one rank state for both packages
+from torch import nn
+
+from ..curvature import CurvatureOptions, eval_mode
+from ..curvature.batches import call_model, move, split_batch
+from ..curvature.scale_invariance import find_scale_invariant
+from ..curvature.structures import structure_class, structures_with
+from ..hyperparameters import GaussianPrior, Likelihood
+from ..validators import choice, number
+from .data import BatchFn
+from .package import LightningModule, LightningPackage, MargLikConfigurationError, Trainer
+
+__all__ = [
+    "STATISTICS",
+    "check_finite_hyperparameters",
+    "check_forward",
+    "check_fraction",
+    "check_model_forward",
+    "check_processes",
+    "check_statistics",
+    "check_training_statistics",
+    "treat_scale_invariant",
+    "warn_weight_decay",
+]
+
+STATISTICS = ("pass", "training")
+
+
+def check_statistics(statistics: Any, options: CurvatureOptions) -> str:
+    """Validate ``statistics``: ``"training"`` takes the empirical Fisher of the structures that declare
+    ``training_statistics`` (``diag``, ``kron``) only.
+
+    Returns:
+        The canonical spelling of ``statistics``.
+
+    Raises:
+        ValueError: On another value, or options the training passes cannot give.
+    """
+    statistics = choice(statistics, STATISTICS, "statistics")
+    if statistics == "training" and (options.approx != "ef" or not structure_class(options.structure).training_statistics):
+        takes = " or ".join(repr(name) for name in sorted(structures_with("training_statistics")))
+        raise ValueError(
+            f"statistics='training' takes structure={takes} with approx='ef', got structure="
+            f"{options.structure!r}, approx={options.approx!r}: the training backward gives one gradient of the loss "
+            "per example (the empirical Fisher), not the GGN's loss-Hessian columns, the full structure's per-example "
+            "rows or EKFAC's second pass; use statistics='pass' for those."
+        )
+    if statistics == "training" and options.backend != "hooks":
+        raise ValueError(f"statistics='training' takes backend='hooks', got backend={options.backend!r}.")
+    return statistics
+
+
+def check_fraction(fraction: Any, statistics: str) -> float:
+    """Validate ``statistics_fraction``: a number in (0, 1], below 1 only with statistics='training'.
+
+    Raises:
+        ValueError: Naming the value and what it needs.
+    """
+    fraction = number(fraction, "statistics_fraction", 0, 1)
+    if fraction < 1 and statistics != "training":
+        raise ValueError(
+            f"`statistics_fraction`={fraction} subsamples the training passes' sums: it needs statistics='training', "
+            f"got statistics={statistics!r}."
+        )
+    return fraction
+
+
+def check_training_statistics(trainer: Trainer, pl_module: LightningModule) -> None:
+    """Refuse what statistics='training' cannot follow: manual optimization and float16 loss scaling.
+
+    Raises:
+        MargLikConfigurationError: Naming the fix.
+    """
+    if not pl_module.automatic_optimization:
+        raise MargLikConfigurationError(
+            "MargLikCallback(statistics='training') reads the gradients of the loss Lightning's automatic "
+            "optimization backpropagates; with manual optimization (automatic_optimization = False, which several "
+            "optimizers need) the callback cannot know which backward is the loss's or how it is scaled: use "
+            "statistics='pass'."
+        )
+    if str(trainer.precision) == "16-mixed":
+        raise MargLikConfigurationError(
+            "MargLikCallback(statistics='training') with precision='16-mixed': the gradient scaler multiplies the "
+            "loss by a changing factor and skips steps with overflowing gradients, which would enter the curvature; "
+            "use precision='bf16-mixed' (no scaler) or statistics='pass'."
+        )
+
+
+def check_processes(options: CurvatureOptions, trainer: Trainer) -> None:
+    """Refuse a structure whose evidence is not implemented across processes (e.g. EKFAC's second pass).
+
+    Raises:
+        MargLikConfigurationError: With such a structure on more than one process.
+    """
+    if trainer.world_size > 1 and not structure_class(options.structure).multi_process:
+        raise MargLikConfigurationError(
+            f"structure={options.structure!r} is not implemented across processes (ekfac needs the Kronecker factors "
+            "summed over all processes before its second pass, so that the basis is the same on every rank); with "
+            f"{trainer.world_size} processes use structure='kron' (or one of {structures_with('multi_process')}), or "
+            f"compute this evidence after training in one process (LaplaceEvidence.fit(..., structure="
+            f"{options.structure!r}))."
+        )
+
+
+def check_model_forward(pl_module: LightningModule, package: LightningPackage) -> None:
+    """Refuse a LightningModule without its own ``forward``, which the evidence pass calls.
+
+    Raises:
+        MargLikConfigurationError: Saying what to add.
+    """
+    if type(pl_module).forward in (nn.Module.forward, package.lightning_module.forward):
+        raise MargLikConfigurationError(
+            f"{type(pl_module).__name__} defines no forward, which the evidence pass calls for the network "
+            "outputs: add e.g. `def forward(self, x): return self.net(x)`."
+        )
+
+
+def warn_weight_decay(trainer: Trainer) -> None:
+    """Warn (once) of an optimizer's weight decay, which counts the prior a second time."""
+    for optimizer in trainer.optimizers:
+        for group in optimizer.param_groups:
+            if group.get("weight_decay", 0):
+                rank_zero_warn(
+                    f"{type(optimizer).__name__} has weight_decay={group['weight_decay']}: the GaussianPrior "
+                    "already regularizes the weights (map_loss), so the prior is counted twice; set "
+                    "weight_decay=0."
+                )
+                return
+
+
+def check_finite_hyperparameters(prior: GaussianPrior, likelihood: Likelihood, dtype: torch.dtype) -> None:
+    """Refuse hyperparameters ``h`` for which ``h`` or ``1/h`` is not finite in the module's ``dtype``.
+
+    Raises:
+        MargLikConfigurationError: Naming the hyperparameter, its value and the fix.
+    """
+    buffers = {"prior.log_precision": prior.log_precision, **{
+        f"likelihood.{name}": buffer for name, buffer in likelihood.hyperparameters().items()
+    }}
+    for name, buffer in buffers.items():
+        # h and 1/h must exist in the dtype the module computes in (the buffer may be float64)
+        if not torch.isfinite(buffer.detach().to(dtype).abs().exp()).all():
+            flat = buffer.detach().reshape(-1)
+            value = flat[flat.abs().argmax()].double().exp().item()
+            raise MargLikConfigurationError(
+                f"MargLikCallback: {name} = {value:.3g} (or its inverse) is not finite in the module's dtype "
+                f"{dtype}; choose a value within {dtype}'s range or train in float64 "
+                "(Trainer(precision='64-true'))."
+            )
+
+
+def check_forward(
+    pl_module: LightningModule, likelihood: Likelihood, batch: Any, batch_fn: BatchFn, device: torch.device,
+    dtype: torch.dtype,
+) -> Tuple[Any, torch.Tensor]:
+    """One evidence batch through the eval-mode ``forward``: a single output tensor that fits the targets.
+
+    Returns:
+        The batch's inputs (on ``device``, in ``dtype``) and the outputs.
+
+    Raises:
+        MargLikConfigurationError: On a batch or output the evidence cannot take, naming the fix.
+    """
+    try:
+        inputs, target = split_batch(batch, batch_fn)
+        inputs = move(inputs, device, dtype)
+        with eval_mode(pl_module), torch.no_grad():
+            output = call_model(pl_module, inputs)
+    except (TypeError, NotImplementedError) as err:
+        raise MargLikConfigurationError(f"MargLikCallback, one evidence batch through forward: {err}") from err
+    try:
+        likelihood.check_target(output, target.to(device))
+    except ValueError as err:
+        raise MargLikConfigurationError(
+            f"MargLikCallback, one evidence batch through forward: {err} forward must return outputs of shape "
+            "(batch, outputs) that fit the targets; map batches with `marglik_batch(self, batch) -> "
+            "(inputs, targets)` on the LightningModule, or pass `dataloader=`."
+        ) from err
+    return inputs, output
+
+
+def treat_scale_invariant(pl_module: LightningModule, prior: GaussianPrior, inputs: Any, treatment: str) -> None:
+    """Find the scale-invariant tensors (one training-mode forward) and give them to the prior with
+    ``treatment``, in one warning that names them and the choice."""
+    layers = find_scale_invariant(pl_module, inputs)
+    ours = {id(p): n for n, p in zip(prior.param_names, prior.params)}
+    full = dict(pl_module.named_parameters())
+    # the prior's names of each layer's tensors (the analysis names them from the LightningModule)
+    named = [(layer, [ours[id(full[n])] for n in layer.params if id(full[n]) in ours]) for layer in layers]
+    names = [n for _, group in named for n in group]
+    applied, scalar = treatment, ""
+    if names and applied != "learn" and prior.structure == "scalar":
+        applied = "learn"
+        scalar = (" needs one precision per tensor, but the prior is scalar (use GaussianPrior(structure="
+                  "'layerwise')), so they are learned with the rest:")
+    prior.treat_scale_invariant(names, applied)
+    if not names:
+        return
+    held = [n for n in names if n in prior.fixed]
+    what = {
+        "decoupled": "the evidence learns their precision, but their weight decay in map_loss stays at the prior's "
+        f"initial precision {prior.initial_precision:g} (not fed back)",
+        "fixed": f"their precision stays at its initial value {prior.initial_precision:g}",
+        "learn": "their learned precision is fed back as weight decay and can grow without bound while they shrink",
+    }[applied]
+    groups = "; ".join(f"{', '.join(group)} -> {layer.norm}" for layer, group in named if group)
+    rank_zero_warn(
+        f"MargLikCallback: the training loss is invariant to the scale of {len(named)} layer(s), each of whose output "
+        f"feeds only a normalization with statistics of its input ({groups}), so the data do not determine their "
+        f"prior precision. scale_invariant={treatment!r}{scalar or ':'} {what}"
+        + (f"; {held} keep GaussianPrior(fixed=...)" if held else "")
+        + ". Choose with MargLikCallback(scale_invariant='decoupled'|'fixed'|'learn')."
+    )

@@ -1,0 +1,464 @@
+"""The core of the callbacks that estimate the evidence: hooks, the estimate, resume.
+
+:class:`EstimatorCore` is what ``MargLikCallback`` and ``MargLikBoundCallback`` share: the
+set-up checks (:mod:`.checks`), the count of ``N`` stored on the prior, the record of estimates
+(``history``, last and best) and their :mod:`schedule <.schedule>`, the logged values and the
+checkpoint state. :class:`MargLikCallbackCore` adds Algorithm 1: the evidence pass after the
+epochs an :class:`~.schedule.EpochSchedule` names, or the training passes' own sums
+(``statistics="training"``, :mod:`.training_statistics`), and the hyperparameter steps.
+Every call of ``collect_statistics`` the callbacks make is in this module (:meth:`EstimatorCore._collect`).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, ClassVar, Dict, Iterable, List, Optional, Tuple, Union
+
+import torch
+from lightning_utilities.core.rank_zero import rank_zero_warn  # one rank state for both packages
+from torch.utils.data import DataLoader
+
+from ..curvature import CurvatureOptions, check_model, collect_statistics
+from ..distributed import reduce_statistics, run_on_all_ranks
+from ..evidence import SOLVERS, LaplaceEvidence, require_data
+from ..hyperparameters import (
+    SCALE_INVARIANT_TREATMENTS,
+    GaussianPrior,
+    Likelihood,
+    assign_hyperparameters,
+    learnable_values,
+)
+from ..validators import choice, integer, number
+from . import checks
+from .data import count_data, evidence_batches, named_loader_method
+from .package import MONITOR, LightningModule, LightningPackage, MargLikConfigurationError, Trainer, check_package, find_hyperparameters
+from .progress import progress
+from .schedule import EpochSchedule, Schedule
+from .training_statistics import TrainingStatistics
+
+__all__ = ["EstimatorCore", "MargLikCallbackCore"]
+
+
+class EstimatorCore:
+    """What the callbacks that estimate the evidence share, combined with a package's ``Callback``.
+
+    Args:
+        options: The curvature of the set-up check's evidence pass (and of the estimates).
+        schedule: When estimates are due; it records each.
+        lr: Learning rate of the hyperparameter steps.
+        seed: Seed of the Monte-Carlo samples.
+        scale_invariant: Treatment of the scale-invariant tensors.
+        dataloader: The evidence data (``None``: the training data).
+
+    Raises:
+        ValueError: On an invalid argument (the message names it).
+    """
+
+    _package: ClassVar[LightningPackage]
+
+    # state_dict key -> attribute; every key is optional in load_state_dict (default: a fresh fit's value).
+    # The schedule's record travels with them (Schedule.state_dict).
+    _STATE = {
+        "estimations": "estimations",
+        "last_marglik": "last_marglik",
+        "best_marglik": "best_marglik",
+        "best_epoch": "best_epoch",
+        "history": "history",
+        "optimizer_state": "_optimizer_state",
+        "optimizer_signature": "_optimizer_signature",
+    }
+
+    def __init__(
+        self, options: CurvatureOptions, schedule: Schedule, lr: float, seed: int, scale_invariant: str,
+        dataloader: Union[DataLoader, str, None] = None,
+    ) -> None:
+        super().__init__()
+        self.options = options
+        self.structure, self.approx, self.mc_samples = options.structure, options.approx, options.mc_samples
+        self.schedule = schedule
+        self.burnin = schedule.burnin
+        self.lr = number(lr, "lr")
+        if dataloader is not None and not isinstance(dataloader, (DataLoader, str)):
+            raise ValueError(f"`dataloader` must be a DataLoader or a method name, got {type(dataloader).__name__}.")
+        self.dataloader = dataloader
+        self.seed = integer(seed, "seed", 0)
+        self.scale_invariant = choice(scale_invariant, SCALE_INVARIANT_TREATMENTS, "scale_invariant")
+        self.prior: Optional[GaussianPrior] = None
+        self.likelihood: Optional[Likelihood] = None
+        self._setup_plan: Any = None  # the set-up batch's evidence-pass statistics (their structures' layout)
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        """The state of a fit that has not estimated yet."""
+        self.estimations = 0
+        self.last_marglik = math.nan
+        self.best_marglik = -math.inf
+        self.best_epoch = -1
+        self.final_marglik = math.nan
+        self.history: List[Dict[str, float]] = []
+        self._optimizer_state: dict = {}
+        # the hyperparameters the Adam state belongs to (_learnable_signature)
+        self._optimizer_signature: Optional[List[Tuple[str, List[int], List[str]]]] = None
+        self.schedule.reset()
+
+    @property
+    def last_estimate_epoch(self) -> int:
+        """``trainer.current_epoch`` of the latest estimate (-1 before the first)."""
+        return self.schedule.last_epoch
+
+    def is_fresh(self, trainer: Trainer) -> bool:
+        """Whether ``marglik`` was estimated in the epoch now ending."""
+        return self.schedule.is_fresh(trainer)
+
+    # --- set-up ------------------------------------------------------------------------------
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        check_package(self, trainer)
+        if stage != "fit":
+            return
+        # Every fit starts afresh: the Adam state and history of another model must not carry over.
+        # Lightning restores a checkpoint (load_state_dict) after setup, so a resumed fit gets its state back.
+        self._reset_state()
+        self.prior, self.likelihood = find_hyperparameters(pl_module)
+        try:
+            check_model(pl_module, self.prior, self.options)
+        except ValueError as err:  # the engine's message names the module and a structure that works
+            raise MargLikConfigurationError(str(err)) from err
+        checks.check_processes(self.options, trainer)
+        checks.check_model_forward(pl_module, self._package)
+        if isinstance(self.dataloader, str):
+            named_loader_method(self.dataloader, trainer, pl_module)  # a wrong name fails now, not after burn-in
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        checks.warn_weight_decay(trainer)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Check everything the evidence needs, before the first step (the training data exist from here)."""
+        prior, likelihood = self._hyperparameters()
+
+        def local() -> int:  # one rank's failure (e.g. its shard's first batch) is raised on every rank
+            like = self._check_setup(trainer, pl_module)
+            return count_data(self.dataloader, trainer, pl_module, likelihood, self._batch_fn(pl_module), like)
+
+        strategy = trainer.strategy
+        n_data = strategy.reduce(torch.tensor(run_on_all_ranks(strategy, local), device=strategy.root_device), reduce_op="sum")
+        self._record_n_data(int(n_data))
+        self._follow_changed_learnables()  # after the set-up check, which decides the scale-invariant treatment
+
+    def _follow_changed_learnables(self) -> None:
+        """After a resume: tensors whose precision the checkpoint learned and the prior now fixes take
+        the declared ``precision``; a changed set of learned hyperparameters restarts the Adam state.
+        Both with a warning (identical on every rank: the checkpoint's state is)."""
+        prior, likelihood = self._hyperparameters()
+        saved, signature = self._optimizer_signature, self._learnable_signature()
+        if saved is None:
+            return
+        learned_before = next((entry[2] for entry in saved if entry[0] == "log_precision" and len(entry) > 2), [])
+        newly_fixed = [name for name in prior.fixed_names() if name in learned_before]
+        if newly_fixed:
+            assign_hyperparameters(prior, likelihood, {"log_precision": prior.declared_log_precision(newly_fixed)})
+            rank_zero_warn(
+                f"MargLikCallback: the checkpoint learned the prior precision of {newly_fixed}, which the prior now "
+                f"fixes (GaussianPrior(fixed=...)): they take the declared precision={prior.initial_precision:g}."
+            )
+        if self._optimizer_state and [tuple(entry) for entry in saved] != signature:
+            rank_zero_warn(
+                f"MargLikCallback: the learnable hyperparameters changed since the checkpoint "
+                f"({saved} -> {signature}): the Adam state of the hyperparameter steps starts "
+                "afresh; the evidence history and best value are kept."
+            )
+            self._optimizer_state, self._optimizer_signature = {}, None
+
+    def _check_setup(self, trainer: Trainer, pl_module: LightningModule) -> torch.Tensor:
+        """Everything the evidence needs, on one evidence batch; returns that batch's outputs."""
+        prior, likelihood = self._hyperparameters()
+        dtype, device = prior.params[0].dtype, prior.params[0].device
+        checks.check_finite_hyperparameters(prior, likelihood, dtype)
+        try:
+            batch = next(iter(self._evidence_batches(trainer, pl_module, warn=True)))
+        except StopIteration:
+            raise MargLikConfigurationError("MargLikCallback: the evidence data loader yields no batches.") from None
+        inputs, output = checks.check_forward(pl_module, likelihood, batch, self._batch_fn(pl_module), device, dtype)
+        checks.treat_scale_invariant(pl_module, prior, inputs, self.scale_invariant)
+        try:  # the evidence pass itself on this batch, exact per-example path included (e.g. what vmap refuses)
+            self._setup_plan = self._collect(pl_module, [batch], self.options, torch.Generator().manual_seed(self.seed))
+        except (ValueError, RuntimeError) as err:
+            raise MargLikConfigurationError(f"MargLikCallback, one evidence batch through the evidence pass: {err}") from err
+        return output
+
+    # --- estimates ---------------------------------------------------------------------------
+
+    def _collect(
+        self, pl_module: LightningModule, batches: Iterable, options: CurvatureOptions,
+        generator: Optional[torch.Generator] = None, on_batch: Optional[Callable[[int], None]] = None,
+    ) -> Any:
+        """This rank's curvature statistics of ``batches`` at the current weights (the evidence pass)."""
+        prior, likelihood = self._hyperparameters()
+        return collect_statistics(
+            pl_module, batches, likelihood, prior, generator=generator, batch_fn=self._batch_fn(pl_module),
+            on_batch=on_batch, options=options,
+        )
+
+    def _record_estimate(self, trainer: Trainer, epoch: int, marglik: float, **extra: Any) -> float:
+        """Book an estimate after ``epoch`` (counted from 1): history, last and best (never NaN)."""
+        self.estimations += 1
+        self.schedule.record(trainer, epoch)
+        self.last_marglik = marglik
+        if marglik > self.best_marglik:  # False for NaN
+            self.best_marglik, self.best_epoch = marglik, epoch - 1
+        self.history.append({"epoch": epoch, "step": trainer.global_step, MONITOR: marglik, **extra})
+        return marglik
+
+    def _log(self, pl_module: LightningModule, marglik: float) -> None:
+        for key, value in self.logged_values(marglik).items():
+            # identical on every rank: the sync is exact and keeps Lightning's DDP logging contract
+            pl_module.log(key, value, prog_bar=key == MONITOR, on_step=False, on_epoch=True, sync_dist=True)
+
+    def logged_values(self, marglik: float) -> Dict[str, float]:
+        """What the callback logs for an estimate: ``marglik`` and every hyperparameter by name."""
+        prior, likelihood = self._hyperparameters()
+        out = {MONITOR: marglik}
+        if prior.structure == "scalar":
+            out["prior_precision"] = prior.precision.item()
+        else:
+            per_tensor = torch.split(prior.per_parameter(prior.log_precision), prior.param_sizes)
+            for name, log_prec in zip(prior.param_names, per_tensor):
+                out[f"prior_precision/{name}"] = log_prec.mean().exp().item()  # geometric mean if diagonal
+        for name, log_value in likelihood.hyperparameters().items():
+            out[name[len("log_"):]] = log_value.exp().item()
+        return out
+
+    # --- helpers -----------------------------------------------------------------------------
+
+    def _hyperparameters(self) -> Tuple[GaussianPrior, Likelihood]:
+        """The prior and likelihood found at set-up."""
+        assert self.prior is not None and self.likelihood is not None
+        return self.prior, self.likelihood
+
+    def _record_n_data(self, n_data: int) -> None:
+        """Store the evidence's ``N`` on the prior, where ``map_loss`` reads it; refuse data without a datum."""
+        prior, likelihood = self._hyperparameters()
+        try:
+            require_data(n_data, likelihood)
+        except ValueError as err:
+            raise MargLikConfigurationError(f"MargLikCallback: {err} Or pass `dataloader=` data with labels.") from err
+        prior.record_n_data(n_data)
+
+    def _learnable_signature(self) -> List[Tuple[str, List[int], List[str]]]:
+        """What the Adam steps optimize, in the engine's order: each hyperparameter's name and shape,
+        and for ``log_precision`` the names of the tensors whose precision is learned (the same shape
+        may hold other groups)."""
+        prior, likelihood = self._hyperparameters()
+        return [
+            (name, list(value.shape), prior.learned_names() if name == "log_precision" else [])
+            for name, value in learnable_values(prior, likelihood).items()
+        ]
+
+    @staticmethod
+    def _batch_fn(pl_module: LightningModule) -> Optional[Callable[[Any], Any]]:
+        method = getattr(pl_module, "marglik_batch", None)
+        return method if callable(method) else None
+
+    def _evidence_batches(self, trainer: Trainer, pl_module: LightningModule, warn: bool = False) -> Iterable:
+        return evidence_batches(self.dataloader, trainer, pl_module, warn)
+
+    # --- resume ------------------------------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, Any]:
+        state = {key: getattr(self, attribute) for key, attribute in self._STATE.items()}
+        state["history"] = list(self.history)
+        return {**state, **self.schedule.state_dict()}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore a checkpoint's state; a key it lacks keeps a fresh fit's value."""
+        self._reset_state()
+        for key, attribute in self._STATE.items():
+            if key in state_dict:
+                setattr(self, attribute, state_dict[key])
+        self.schedule.load_state_dict(state_dict)
+        self.history = list(self.history)
+
+
+class MargLikCallbackCore(EstimatorCore):
+    """The logic of ``MargLikCallback`` (Algorithm 1), combined with a package's ``Callback``.
+
+    Documented on ``lightning_marglik.MargLikCallback``; the subclass sets ``_package``.
+    """
+
+    schedule: EpochSchedule
+
+    def __init__(
+        self,
+        structure: str = "kron",
+        approx: str = "ggn",
+        frequency: int = 1,
+        burnin: int = 0,
+        steps: int = 100,
+        lr: float = 0.1,
+        mc_samples: int = 0,
+        dataloader: Union[DataLoader, str, None] = None,
+        seed: int = 0,
+        solver: str = "newton",
+        backend: str = "hooks",
+        scale_invariant: str = "decoupled",
+        statistics: str = "pass",
+        statistics_fraction: float = 1.0,
+    ) -> None:
+        options = CurvatureOptions(structure, approx, mc_samples, backend=backend)
+        self.statistics = checks.check_statistics(statistics, options)
+        self.statistics_fraction = checks.check_fraction(statistics_fraction, self.statistics)
+        schedule = EpochSchedule(frequency, burnin)
+        self.frequency = schedule.frequency
+        self.steps = integer(steps, "steps", 0)
+        super().__init__(options, schedule, lr, seed, scale_invariant, dataloader)
+        self.solver = choice(solver, SOLVERS, "solver")
+        # statistics='training': the sums of the training passes in estimation epochs
+        self._training = TrainingStatistics(schedule, self.statistics_fraction) if self.statistics == "training" else None
+
+    def _reset_state(self) -> None:
+        super()._reset_state()
+        self.evidence: Optional[LaplaceEvidence] = None
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage == "fit" and self._training is not None:
+            checks.check_training_statistics(trainer, pl_module)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        if self._training is not None:
+            _, likelihood = self._hyperparameters()
+            self._training.start(trainer, pl_module, likelihood, self._setup_plan, self._batch_fn(pl_module))
+
+    # --- Algorithm 1 -------------------------------------------------------------------------
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.schedule.is_due(trainer):
+            self._log(pl_module, self.estimate(trainer, pl_module, epoch=trainer.current_epoch + 1))
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.schedule.is_current(trainer):
+            self.final_marglik = self.last_marglik
+            return
+        # trainer.current_epoch counts the completed epochs here
+        self.final_marglik = self.estimate(trainer, pl_module, epoch=trainer.current_epoch)
+        values = self.logged_values(self.final_marglik)
+        # self.log is not allowed in on_train_end: write the metrics where callbacks and users read them
+        trainer.callback_metrics.update({key: torch.tensor(value) for key, value in values.items()})
+        for logger in trainer.loggers:
+            logger.log_metrics(values, step=trainer.global_step)
+
+    def estimate(self, trainer: Trainer, pl_module: LightningModule, epoch: int) -> float:
+        """Evidence pass, all-reduce, ``steps`` hyperparameter steps; returns log evidence / N.
+
+        Runs the same collectives on every rank. A non-finite evidence leaves the hyperparameters
+        unchanged and returns NaN (``MargLikEarlyStopping`` stops on it, ``MargLikCheckpoint``
+        skips it). Updates ``history``, ``last_marglik`` and ``best_marglik``/``best_epoch``.
+
+        Args:
+            trainer: The trainer (its strategy runs the collectives).
+            pl_module: The module whose forward the evidence pass calls.
+            epoch: Number of the epoch (from 1) the estimate follows, for ``history`` and the
+                Monte-Carlo seed.
+
+        Returns:
+            The log evidence per datum after the hyperparameter steps (NaN if not finite).
+        """
+        strategy = trainer.strategy
+        rank, world = trainer.global_rank, trainer.world_size
+        # distinct Monte-Carlo draws on every rank, reproducible for a given (seed, epoch, rank)
+        generator = torch.Generator().manual_seed((self.seed + epoch) * world + rank) if self.mc_samples else None
+        evidence = self._evidence(trainer, pl_module, self.options, generator)
+        self.evidence = evidence
+        self._record_n_data(evidence.n_data)  # the N of map_loss follows the evidence (e.g. a stream's new masks)
+        if not torch.isfinite(evidence.log_marglik().detach()):
+            rank_zero_warn("The evidence is not finite at the current weights; hyperparameters left unchanged.")
+            marglik = math.nan
+        else:
+            solution = evidence.optimize(
+                self.steps, self.lr, state=self._optimizer_state, solver=self.solver, max_evaluations=max(self.steps, 1)
+            )
+            self._optimizer_state = solution.state
+            self._optimizer_signature = self._learnable_signature()
+            # rank 0's values everywhere: bit-identical hyperparameters on every rank
+            evidence.set_hyperparameters(strategy.broadcast(solution.values, src=0))
+            marglik = solution.value.item() / evidence.n_data
+        return self._record_estimate(trainer, epoch, marglik)
+
+    def _evidence(
+        self, trainer: Trainer, pl_module: LightningModule, options: CurvatureOptions,
+        generator: Optional[torch.Generator],
+    ) -> LaplaceEvidence:
+        """The evidence of the curvature ``options`` at the current weights, summed over all ranks:
+        this epoch's training-pass sums where they are the callback's own and complete, else one
+        evidence pass over this rank's evidence batches."""
+        prior, likelihood = self._hyperparameters()
+
+        def local_pass() -> Any:  # everything that can fail on one rank only, before the first collective
+            own = self._training is not None and options is self.options
+            taken = self._training.take(trainer) if own else None  # type: ignore[union-attr]
+            if taken is not None:
+                return taken
+            batches = self._evidence_batches(trainer, pl_module)
+            with progress(trainer, batches, self._package) as on_batch:
+                return self._collect(pl_module, batches, options, generator, on_batch)
+
+        stats = reduce_statistics(run_on_all_ranks(trainer.strategy, local_pass), trainer.strategy)
+        return LaplaceEvidence.from_statistics(stats, likelihood, prior)
+
+    def evidence_with(self, trainer: Trainer, pl_module: LightningModule, structure: str, approx: str) -> float:
+        """The log evidence per datum at the current weights with another curvature approximation.
+
+        One evidence pass over the callback's evidence data with ``structure`` and ``approx``
+        (exact, no Monte-Carlo), then the learnable hyperparameters re-optimised on that curvature
+        by Newton from their current values, as after training for ranking models
+        (:func:`lightning_marglik.select_models`, ``rank_by``). Nothing is written: the
+        hyperparameters and the callback's state stay as they are.
+
+        Args:
+            trainer: The trainer that trained ``pl_module`` (its data and strategy).
+            pl_module: The trained module.
+            structure: ``"kron"``, ``"ekfac"``, ``"diag"`` or ``"full"``.
+            approx: ``"ggn"`` or ``"ef"``.
+
+        Returns:
+            The re-optimised log evidence per datum (NaN if the evidence is not finite).
+
+        Raises:
+            ValueError: On an unknown ``structure`` or ``approx``.
+            RuntimeError: If the callback has not been set up by a fit (no prior or likelihood yet).
+        """
+        options = CurvatureOptions(structure, approx, 0, backend=self.options.backend)
+        if self.prior is None or self.likelihood is None:
+            raise RuntimeError(
+                "MargLikCallback.evidence_with reads the prior and likelihood the callback found when training "
+                "started: call it after trainer.fit(module) with this callback."
+            )
+        evidence = self._evidence(trainer, pl_module, options, None)
+        if not torch.isfinite(evidence.log_marglik().detach()):
+            return math.nan
+        solution = evidence.optimize(solver="newton", max_evaluations=50)
+        return solution.value.item() / evidence.n_data
+
+    # --- statistics from the training passes (statistics="training") ---------------------------
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._training is not None:
+            self._training.epoch_start()
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._training is not None:
+            self._training.batch_start(trainer, batch, batch_idx)
+
+    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._training is not None:
+            self._training.after_backward(trainer, lambda batch: self._collect(pl_module, [batch], self.options))
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._training is not None:
+            self._training.batch_end(trainer)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self._training is not None:
+            self._training.stop()

@@ -1,0 +1,129 @@
+"""The evidence data: where they come from (``dataloader=`` or the training data), checked before use."""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+from lightning_utilities.core.rank_zero import rank_zero_warn  # one rank state for both packages
+from torch.utils.data import DataLoader, IterableDataset
+
+from ..curvature.batches import split_batch
+from ..distributed import evidence_loader, isolate_rng
+from ..hyperparameters import Likelihood
+from .package import LightningModule, MargLikConfigurationError, Trainer
+
+__all__ = ["count_data", "evidence_batches", "named_loader_method"]
+
+Source = Union[DataLoader, str, None]
+BatchFn = Optional[Callable[[Any], Any]]
+
+
+def named_loader_method(name: str, trainer: Trainer, pl_module: LightningModule) -> Callable[[], Any]:
+    """The DataModule's or LightningModule's method named by ``dataloader``.
+
+    Raises:
+        MargLikConfigurationError: If neither has such a method.
+    """
+    owner: Any = next((o for o in (trainer.datamodule, pl_module) if o is not None and hasattr(o, name)), None)
+    if owner is None:
+        raise MargLikConfigurationError(
+            f"MargLikCallback(dataloader={name!r}): neither the DataModule nor the LightningModule has such a "
+            "method; pass the name of a method that returns a DataLoader, or a DataLoader."
+        )
+    method = getattr(owner, name)
+    if not callable(method):
+        raise MargLikConfigurationError(
+            f"MargLikCallback(dataloader={name!r}): {type(owner).__name__}.{name} is a value of type "
+            f"{type(method).__name__}, not a method; pass the name of a method that returns a DataLoader, "
+            "or a DataLoader."
+        )
+    return method
+
+
+def _source_loader(dataloader: Source, trainer: Trainer, pl_module: LightningModule) -> DataLoader:
+    """The loader ``dataloader`` names: itself, a method's result, or (``None``) the training loader."""
+    if isinstance(dataloader, DataLoader):
+        return dataloader
+    if isinstance(dataloader, str):
+        loader = named_loader_method(dataloader, trainer, pl_module)()
+        if not isinstance(loader, DataLoader):
+            raise MargLikConfigurationError(
+                f"MargLikCallback(dataloader={dataloader!r}) returned a {type(loader).__name__}; the method "
+                "must return a torch DataLoader of (inputs, targets) batches."
+            )
+        return loader
+    loader = trainer.train_dataloader
+    if not isinstance(loader, DataLoader):
+        raise MargLikConfigurationError(
+            "MargLikCallback needs one training DataLoader of (x, y) batches; pass `dataloader=` "
+            f"for the evidence pass (got {type(loader).__name__})."
+        )
+    return loader
+
+
+def evidence_batches(dataloader: Source, trainer: Trainer, pl_module: LightningModule, warn: bool = False) -> Iterable:
+    """This rank's evidence batches: its unpadded shard of the examples one training epoch draws.
+
+    Args:
+        dataloader: The callback's ``dataloader`` argument.
+        trainer: The trainer (its training data, rank and number of processes).
+        pl_module: The module whose method ``dataloader`` may name.
+        warn: Warn where the evidence data differ from what a training epoch uses (once, at set-up).
+
+    Raises:
+        MargLikConfigurationError: On a source that cannot give the evidence data, naming the fix.
+    """
+    source = _source_loader(dataloader, trainer, pl_module)
+    max_batches: Optional[int] = None
+    if dataloader is None:  # the training data: one training epoch's batches bound a stream
+        limit = trainer.num_training_batches
+        max_batches = int(limit) if math.isfinite(limit) else None
+        if warn and max_batches is not None:
+            _warn_if_limited(source, max_batches, trainer.limit_train_batches)
+    try:
+        return evidence_loader(source, trainer.global_rank, trainer.world_size, max_batches)
+    except ValueError as err:
+        raise MargLikConfigurationError(str(err)) from err
+
+
+def _warn_if_limited(loader: DataLoader, max_batches: int, limit: Union[int, float]) -> None:
+    """Say how the evidence data relate to a training epoch limited by ``limit_train_batches``."""
+    try:
+        length: Optional[int] = len(loader)
+    except TypeError:  # a stream without length
+        length = None
+    if length is not None and max_batches >= length:
+        return
+    if isinstance(loader.dataset, IterableDataset):
+        rank_zero_warn(
+            f"MargLikCallback: the evidence covers the first {max_batches} batches of the training IterableDataset, "
+            f"those one training epoch uses (Trainer(limit_train_batches={limit})); pass `dataloader=` for other "
+            "evidence data."
+        )
+    else:
+        rank_zero_warn(
+            f"MargLikCallback: Trainer(limit_train_batches={limit}) trains on {max_batches} of {length} batches per "
+            "epoch, but the evidence covers every example of the training sampler; pass `dataloader=` for other "
+            "evidence data."
+        )
+
+
+def count_data(
+    dataloader: Source, trainer: Trainer, pl_module: LightningModule, likelihood: Likelihood, batch_fn: BatchFn,
+    like: torch.Tensor,
+) -> int:
+    """This rank's number of data in the evidence batches, from their targets alone (no forward):
+    every batch through the likelihood's target checks, as in the evidence pass.
+
+    Raises:
+        MargLikConfigurationError: On targets the likelihood refuses.
+    """
+    count = 0
+    with isolate_rng():  # reading the data (loader seeds, augmentations) must not shift training's random stream
+        for batch in evidence_batches(dataloader, trainer, pl_module):
+            try:
+                count += likelihood.count_targets(split_batch(batch, batch_fn)[1], like)
+            except (TypeError, ValueError) as err:
+                raise MargLikConfigurationError(f"MargLikCallback, the targets of the evidence data: {err}") from err
+    return count

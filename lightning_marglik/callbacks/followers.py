@@ -1,0 +1,163 @@
+"""The callbacks that act on the estimates: the best-evidence checkpoint and early stopping.
+
+They act at the end of the training epochs whose estimate is fresh (the estimating callback's
+:meth:`Schedule.is_fresh <.schedule.Schedule.is_fresh>`): never on a stale value, never during
+burn-in, independent of validation loops.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import uuid
+from typing import ClassVar, Optional, Tuple
+
+import torch
+from fsspec.core import url_to_fs
+
+from ..distributed import run_on_all_ranks
+from ..validators import integer, number
+from .core import EstimatorCore
+from .package import MONITOR, LightningModule, LightningPackage, MargLikConfigurationError, Trainer, check_package
+
+__all__ = ["CheckpointCore", "EarlyStoppingCore"]
+
+log = logging.getLogger(__name__)
+
+
+class _FollowsEstimates:
+    """Mixin of the callbacks that act on the estimating callback's estimates: finds it at set-up."""
+
+    _package: ClassVar[LightningPackage]
+    _marglik: EstimatorCore
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        check_package(self, trainer)
+        super().setup(trainer, pl_module, stage)  # type: ignore[misc]
+        if stage == "fit":
+            found = [c for c in trainer.callbacks if isinstance(c, EstimatorCore)]
+            if len(found) != 1:
+                raise MargLikConfigurationError(
+                    f"{type(self).__name__} needs exactly one MargLikCallback in the Trainer's callbacks."
+                )
+            self._marglik = found[0]
+
+
+class CheckpointCore(_FollowsEstimates):
+    """The logic of ``MargLikCheckpoint``, combined with a package's ``ModelCheckpoint``.
+
+    Documented on ``lightning_marglik.MargLikCheckpoint``.
+    """
+
+    def __init__(
+        self,
+        dirpath: Optional[str] = None,
+        filename: Optional[str] = None,
+        save_top_k: int = 1,
+        save_last: Optional[bool] = None,
+        verbose: bool = False,
+    ) -> None:
+        super().__init__(  # type: ignore[call-arg]
+            dirpath=dirpath,
+            filename=filename,
+            monitor=MONITOR,
+            mode="max",
+            save_top_k=save_top_k,
+            save_last=save_last,
+            verbose=verbose,
+            save_on_train_epoch_end=True,
+        )
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)  # resolves dirpath (by default the logger's)
+        if stage == "fit":
+            run_on_all_ranks(trainer.strategy, lambda: self._check_writable(trainer))
+
+    def _check_writable(self, trainer: Trainer) -> None:
+        """Write and remove a file in ``dirpath`` (on rank 0, which saves): an unwritable directory
+        fails when training starts, not at the first save after burn-in."""
+        if not trainer.is_global_zero or self.dirpath is None:
+            return
+        fs, path = url_to_fs(str(self.dirpath))
+        probe = f"{path.rstrip('/')}/.marglik-write-check-{uuid.uuid4().hex}"
+        try:
+            fs.makedirs(path, exist_ok=True)
+            with fs.open(probe, "wb"):
+                pass
+            fs.rm(probe)
+        except Exception as err:  # noqa: BLE001 - any failure to write is the problem reported
+            raise MargLikConfigurationError(
+                f"MargLikCheckpoint cannot write to dirpath={str(self.dirpath)!r} ({type(err).__name__}: {err}); "
+                "pass a writable directory as `dirpath`, or none for the logger's directory."
+            ) from err
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self._marglik.schedule.is_fresh(trainer):
+            return
+        finite = math.isfinite(self._marglik.last_marglik) and _all_finite(pl_module)
+        # saving runs collectives: every rank must take the same decision
+        if trainer.strategy.reduce_boolean_decision(finite, all=True):
+            super().on_train_epoch_end(trainer, pl_module)
+        elif self.verbose:
+            log.info(f"MargLikCheckpoint: epoch {trainer.current_epoch} not saved (non-finite evidence or weights).")
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """``last.ckpt`` comes from estimation epochs only: not Lightning's save of the final weights,
+        which may be non-finite or never estimated."""
+
+
+def _all_finite(module: torch.nn.Module) -> bool:
+    """Whether every floating-point parameter and buffer of ``module`` is finite (one sync)."""
+    tensors = [t for t in itertools.chain(module.parameters(), module.buffers()) if t.is_floating_point()]
+    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all()) if tensors else True
+
+
+class EarlyStoppingCore(_FollowsEstimates):
+    """The logic of ``MargLikEarlyStopping``, combined with a package's ``EarlyStopping``.
+
+    Documented on ``lightning_marglik.MargLikEarlyStopping``.
+    """
+
+    def __init__(self, patience: int = 3, min_delta: float = 0.0, verbose: bool = False) -> None:
+        super().__init__(
+            patience=integer(patience, "patience", 1),
+            min_delta=number(min_delta, "min_delta", 0, low_open=False),
+            monitor=MONITOR,
+            mode="max",
+            check_finite=True,
+            verbose=verbose,
+            log_rank_zero_only=True,  # the evidence is identical on every rank
+        )
+        self._epoch = 0
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage == "fit":  # a new fit (a resumed one restores the counters after setup)
+            self.wait_count, self.stopped_epoch = 0, 0
+            self.best_score = torch.tensor(-math.inf)
+            self.stopping_reason, self.stopping_reason_message = self._package.stopping_reason.NOT_STOPPED, None
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self._marglik.schedule.is_fresh(trainer):
+            return
+        self._epoch = trainer.current_epoch + 1
+        stopped_before = trainer.should_stop
+        self._run_early_stopping_check(trainer)
+        if trainer.should_stop and not stopped_before and self.stopped_epoch == trainer.current_epoch:
+            if self.stopping_reason_message and not self.verbose:  # verbose: Lightning logged it already
+                self._log_info(trainer, self.stopping_reason_message, self.log_rank_zero_only)
+
+    def _evaluate_stopping_criteria(self, current: torch.Tensor) -> Tuple[bool, Optional[str]]:
+        """Lightning's criteria, with a reason that says when and why in terms of estimations."""
+        should_stop, reason = super()._evaluate_stopping_criteria(current)
+        if not should_stop:
+            return should_stop, reason
+        if self.stopping_reason == self._package.stopping_reason.PATIENCE_EXHAUSTED:
+            reason = (
+                f"{MONITOR} (log evidence per datum) did not improve by more than min_delta={self.min_delta} in "
+                f"the last {self.wait_count} estimations (patience={self.patience}); best {self.best_score:.4f}."
+            )
+        return should_stop, f"MargLikEarlyStopping stopped training after epoch {self._epoch}: {reason}"
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Never act on validation: the evidence comes from the training data."""
