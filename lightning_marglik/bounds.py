@@ -45,18 +45,13 @@ from .curvature.statistics import BatchCurvature
 from .curvature.structures import FullStructure
 from .evidence import LaplaceEvidence
 from .hyperparameters import GaussianPrior, Likelihood, assign_hyperparameters, learnable_values
+from .validators import integer, number
 
 __all__ = ["BOUNDS", "BoundOptimizer", "EvidenceBound"]
 
 BOUNDS = ("parametric", "ntk")
 PARAMETRIC_STRUCTURES = ("kron", "diag", "full")
 AllReduce = Callable[[Tensor], Tensor]
-
-
-def _positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"`{name}` must be an int >= 1, got {value!r}.")
-    return value
 
 
 def check_bound_options(bound: str, structure: str, subset_size: Optional[int]) -> None:
@@ -80,7 +75,7 @@ def check_bound_options(bound: str, structure: str, subset_size: Optional[int]) 
                 "choose their size with the data loader's batch_size, or use bound='ntk'."
             )
     elif subset_size is not None:
-        _positive_int(subset_size, "subset_size")
+        integer(subset_size, "subset_size", 1)
 
 
 class EvidenceBound:
@@ -347,10 +342,9 @@ class BoundOptimizer:
     ) -> None:
         check_bound_options(bound, structure, subset_size)
         CurvatureOptions(structure if bound == "parametric" else "full", approx, mc_samples, backend=backend)
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
-            raise ValueError(f"`lr` must be a positive finite number, got {lr!r}.")
+        lr = number(lr, "lr")
         if n_data is not None:
-            _positive_int(n_data, "n_data")
+            integer(n_data, "n_data", 1)
         self.likelihood, self.prior, self._n_data = likelihood, prior, n_data
         self.options = dict(bound=bound, structure=structure, approx=approx, mc_samples=mc_samples, subset_size=subset_size, backend=backend)
         self.lr = float(lr)

@@ -30,6 +30,7 @@ from .curvature import CurvatureOptions, collect_statistics, eval_mode, locate
 from .curvature.batches import BatchFn, move, split_batch
 from .evidence import LaplaceEvidence
 from .hyperparameters import GaussianPrior, Likelihood
+from .validators import integer
 
 __all__ = ["LinearizedEvidence", "linearized_evidence"]
 
@@ -91,8 +92,7 @@ def linearized_evidence(
     Raises:
         ValueError: On a negative ``steps``, bad curvature options, or data without a datum.
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"`steps` must be an int >= 0 (L-BFGS iterations), got {steps!r}.")
+    steps = integer(steps, "steps", 0, what="L-BFGS iterations")
     options = CurvatureOptions(structure, approx, mc_samples)
     names, _ = locate(model, prior)
     star = [p.detach().clone() for p in prior.params]

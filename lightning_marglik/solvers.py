@@ -24,6 +24,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .validators import integer, number
+
 __all__ = ["Objective", "SecondOrder", "Solution", "adam", "newton", "DENSE_LIMIT"]
 
 Objective = Callable[[Dict[str, Tensor]], Tensor]
@@ -196,10 +198,7 @@ def adam(
         >>> round(solution.values["x"].item(), 2), solution.value.item() >= solution.start.item()
         (2.0, True)
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"`steps` must be an int >= 0, got {steps!r}.")
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
-        raise ValueError(f"`lr` must be a positive finite number, got {lr!r}.")
+    steps, lr = integer(steps, "steps", 0), number(lr, "lr")
     if state and initial:
         _check_state(state, initial)
     if not initial:
@@ -467,10 +466,7 @@ def newton(
         >>> solution.values["x"].item(), solution.evaluations, solution.converged
         (2.0, 2, True)
     """
-    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not (math.isfinite(tol) and tol >= 0):
-        raise ValueError(f"`tol` must be a finite number >= 0, got {tol!r}.")
-    if isinstance(max_evaluations, bool) or not isinstance(max_evaluations, int) or max_evaluations < 1:
-        raise ValueError(f"`max_evaluations` must be an int >= 1, got {max_evaluations!r}.")
+    tol, max_evaluations = number(tol, "tol", 0, low_open=False), integer(max_evaluations, "max_evaluations", 1)
     if not initial:
         return _nothing_to_optimize(objective)
 
