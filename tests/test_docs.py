@@ -1,13 +1,48 @@
-"""The documentation site builds strictly (no broken link or anchor, every API object found) and holds what it should."""
+"""The README is a front page that runs, and the documentation site builds strictly and holds the rest.
+
+The site (mkdocs.yml) has the README as its front page, the pages it links and a page per benchmark result
+file (docs/hooks.py); a strict build fails on a broken link or anchor and on an API object it cannot find.
+"""
 from __future__ import annotations
 
+import math
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+FRONT_PAGE_LINES = 150
+# what the README says to run: the main job, and the tests as CI's .ci/run runs them
+MAIN_JOB = 'pip install -e ".[examples]" && python examples/toy_regression.py'
+TESTS = 'pip install -e ".[dev,examples]" && python -m pytest -q'
+
+
+def readme_python_blocks() -> list:
+    """The README's ```python blocks, in order: the Lightning example, then the engine example."""
+    return re.findall(r"^```python\n(.*?)^```$", README.read_text(), flags=re.MULTILINE | re.DOTALL)
+
+
+def shortened(code: str, long: str, short: str) -> str:
+    """``code`` with its one ``long`` replaced by ``short`` (a shorter run of the same example)."""
+    assert code.count(long) == 1, f"the README example no longer contains {long!r} once; update this test"
+    return code.replace(long, short)
+
+
+def nav_pages() -> list:
+    """Every page file named in mkdocs.yml's nav."""
+    def walk(entries):
+        for entry in entries:
+            for value in entry.values():
+                yield from walk(value) if isinstance(value, list) else [value]
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    return list(walk(config["nav"]))
 
 
 def test_documentation_builds_strictly(tmp_path):
@@ -16,8 +51,70 @@ def test_documentation_builds_strictly(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     front = (tmp_path / "index.html").read_text()
-    assert "Options of <code>MargLikCallback</code>" in front and "Measured results" in front  # the README
+    assert "With Lightning" in front and 'href="callback/#options-of-marglikcallback"' in front  # the README
+    assert 'href="docs/' not in front, "a README link kept its docs/ prefix on the site"
+    assert "Options of <code>MargLikCallback</code>" in (tmp_path / "callback" / "index.html").read_text()
+    assert "Never silently wrong." in (tmp_path / "guarantees" / "index.html").read_text()
+    assert "Paper experiments at laptop scale" in (tmp_path / "results" / "index.html").read_text()
+    for result in (ROOT / "benchmarks" / "results").glob("*.md"):  # a page each (docs/hooks.py)
+        page = (tmp_path / "benchmarks" / result.stem / "index.html").read_text()
+        assert f'href="benchmarks/{result.stem}/"' in front, result.name  # in the nav
+        assert result.read_text().splitlines()[0].lstrip("# ") in page, result.name
     api = (tmp_path / "api" / "index.html").read_text()
     for name in ("MargLikCallback", "LaplaceEvidence", "GaussianPrior", "predict_regression", "select_models"):
         assert f'id="lightning_marglik.{name}"' in api, name
     assert "class_path" in (tmp_path / "selection" / "index.html").read_text()  # the YAML format
+
+
+def test_readme_is_one_front_page_with_both_commands_and_links_to_every_page():
+    text = README.read_text()
+    lines = len(text.splitlines())
+    assert lines <= FRONT_PAGE_LINES, f"README.md has {lines} lines; move the detail to a docs page"
+    assert MAIN_JOB in text and TESTS in text
+    assert "python -m pytest -q" in (ROOT / ".ci" / "run").read_text()  # the command CI runs is the README's
+    linked = set(re.findall(r"\]\(docs/([^)#]+)", text))
+    assert all((DOCS / page).is_file() for page in linked), sorted(p for p in linked if not (DOCS / p).is_file())
+    top_pages = {p.name for p in DOCS.glob("*.md")} - {"index.md"}
+    assert top_pages <= linked, f"pages the README does not link: {sorted(top_pages - linked)}"
+    assert set(nav_pages()) == {p.name for p in DOCS.glob("*.md")}, "the nav and docs/*.md differ"
+
+
+def test_the_tests_the_guarantees_and_works_with_pages_name_exist():
+    source = "\n".join(p.read_text() for p in (ROOT / "tests").glob("*.py"))
+    defined = set(re.findall(r"^def (test_\w+)\(", source, flags=re.MULTILINE))
+    for page in ("guarantees.md", "works-with.md"):
+        text = (DOCS / page).read_text()
+        names = re.findall(r"`(test_[\w*]+)(?:\[\w+\])?`", text)
+        assert len(names) > 10, page
+        for name in names:  # test_bert_* stands for every test of that prefix
+            pattern = re.compile(re.escape(name).replace(r"\*", r"\w*") + "$")
+            assert any(pattern.match(d) for d in defined), f"{page} names {name}, which no test defines"
+        for path in re.findall(r"`(tests/\w+\.py)`", text):
+            assert (ROOT / path).is_file(), f"{page} names {path}, which does not exist"
+
+
+def test_readme_lightning_example_trains_and_reads_the_result(tmp_path, monkeypatch, capsys):
+    torch.set_default_dtype(torch.float32)  # as a user runs it (the fixture restores float64)
+    monkeypatch.chdir(tmp_path)  # checkpoints and logs go here
+    code = shortened(readme_python_blocks()[0], "max_epochs=200", "max_epochs=20")
+    namespace: dict = {"__name__": "readme_example"}
+    exec(compile(code, "README.md (With Lightning)", "exec"), namespace)
+    checkpoint, module = namespace["checkpoint"], namespace["module"]
+    printed = capsys.readouterr().out
+    marglik = re.search(r"^tensor\((\S+)\)$", printed, flags=re.MULTILINE)  # printed before trainer.test
+    assert marglik and math.isfinite(float(marglik.group(1))), printed[-2000:]
+    best = Path(checkpoint.best_model_path)
+    assert best.is_file() and tmp_path in best.parents
+    assert len(module.prior.param_names) == module.prior.precision.numel() == 4
+    assert module.prior.precision.ne(1.0).all() and module.likelihood.sigma.item() != 1.0  # learned
+    assert "0.weight: prior precision" in printed and "sigma" in printed and "test_rmse" in printed
+
+
+def test_readme_engine_example_runs_from_plain_pytorch(capsys):
+    torch.set_default_dtype(torch.float32)
+    code = shortened(readme_python_blocks()[1], "range(100)", "range(20)")
+    namespace: dict = {"__name__": "readme_engine_example"}
+    exec(compile(code, "README.md (the evidence engine)", "exec"), namespace)
+    per_datum = float(capsys.readouterr().out.split()[-1])
+    assert math.isfinite(per_datum) and per_datum < 0  # a categorical evidence is a log probability
+    assert namespace["evidence"].n_data == 500
