@@ -38,7 +38,8 @@ sys.path.insert(0, ROOT)
 import ranking_study as study  # noqa: E402
 from benchmarks._common import load_avg, now, write_with_data  # noqa: E402
 from common import OUTPUTS, library_state, markdown_table  # noqa: E402
-from lightning_marglik import CategoricalLikelihood, GaussianPrior, LaplaceEvidence, map_loss  # noqa: E402
+from lightning_marglik import CategoricalLikelihood, CurvatureOptions, GaussianPrior, LaplaceEvidence  # noqa: E402
+from lightning_marglik import collect_statistics, map_loss  # noqa: E402
 from lightning_marglik.diagnostics import EF_RATIO_THRESHOLD, ef_curvature_ratio  # noqa: E402
 
 CANDIDATES = ("mlp512x1", "mlp128x2", "cnn8x1")
@@ -61,12 +62,9 @@ def fit_metrics(net: nn.Module, x: Tensor, y: Tensor) -> Tuple[float, float]:
     return (logits.argmax(1) == y).double().mean().item(), nn.functional.cross_entropy(logits.double(), y).item()
 
 
-def posthoc(net: nn.Module, log_precision: Tensor, loader: DataLoader, structure: str, approx: str) -> Dict[str, Any]:
-    """The evidence of ``net`` with one approximation, its hyperparameters re-optimised by Newton, and its terms."""
-    prior = GaussianPrior(net, structure="layerwise")
-    prior.log_precision.copy_(log_precision)
+def solved(evidence: LaplaceEvidence, extra: Dict[str, Any]) -> Dict[str, Any]:
+    """Newton on the evidence's hyperparameters (written into its prior), the evidence and its terms per datum."""
     start = time.process_time()
-    evidence = LaplaceEvidence.fit(net, loader, CategoricalLikelihood(), prior, structure=structure, approx=approx)
     solution = evidence.optimize(solver="newton", max_evaluations=50)
     evidence.set_hyperparameters(solution.values)
     n = evidence.n_data
@@ -77,11 +75,33 @@ def posthoc(net: nn.Module, log_precision: Tensor, loader: DataLoader, structure
         "log_prior": evidence.log_prior().item() / n,
         "half_log_det": -0.5 * evidence.log_det().item() / n,
         "log_delta_min": log_delta.min().item(), "log_delta_max": log_delta.max().item(),
-        "converged": bool(solution.converged), "cpu_seconds": time.process_time() - start,
+        "converged": bool(solution.converged), "newton_cpu_seconds": time.process_time() - start, **extra,
     }
     out["occam"] = out["marglik"] - out["log_likelihood"]
+    return out
+
+
+def posthoc(net: nn.Module, log_precision: Tensor, loader: DataLoader, structure: str, approx: str,
+            ratio: float) -> Dict[str, Dict[str, Any]]:
+    """The evidence of ``net`` with one approximation, its hyperparameters re-optimised by Newton (from
+    ``log_precision``), and its terms; for the EF also with its curvature divided by ``ratio`` (the
+    correction the ratio suggests), from the same pass."""
+    likelihood = CategoricalLikelihood()
+    prior = GaussianPrior(net, structure="layerwise")
+    prior.log_precision.copy_(log_precision)
+    start = time.process_time()
+    stats = collect_statistics(net, loader, likelihood, prior, options=CurvatureOptions(structure, approx, 0))
+    extra: Dict[str, Any] = {"pass_cpu_seconds": time.process_time() - start}
     if structure == "diag":  # the exact parameter-space diagonal of the unit-scale curvature
-        out["diagonal_trace"] = sum(s.state("diag").sum().item() for s in evidence.structures)
+        extra["diagonal_trace"] = sum(s.state("diag").sum().item() for s in stats.structures)
+    corrected = copy.deepcopy(stats) if approx == "ef" else None
+    out = {label(structure, approx): solved(LaplaceEvidence.from_statistics(stats, likelihood, prior), extra)}
+    if corrected is not None:
+        for part in corrected.structures:
+            part.rescale(1 / ratio)
+        prior = GaussianPrior(net, structure="layerwise")
+        prior.log_precision.copy_(log_precision)
+        out[label(structure, approx) + "/r"] = solved(LaplaceEvidence.from_statistics(corrected, likelihood, prior), {})
     return out
 
 
@@ -112,7 +132,8 @@ def run(name: str, data: Tuple[Tensor, ...], checkpoints: Sequence[int], seed: i
         ratio = ef_curvature_ratio(net, evidence_data, likelihood)
         ratio_seconds = time.process_time() - start
         frozen = copy.deepcopy(net)
-        evidence = {label(s, a): posthoc(frozen, prior.log_precision, evidence_data, s, a) for s, a in APPROXIMATIONS}
+        evidence = {k: v for s, a in APPROXIMATIONS
+                    for k, v in posthoc(frozen, prior.log_precision, evidence_data, s, a, ratio).items()}
         row = {
             "candidate": name, "params": prior.n_params, "epoch": epoch, "train_nll": train_nll, "train_acc": train_acc,
             "test_acc": test_acc, "test_nll": test_nll, "ratio": ratio, "ratio_cpu_seconds": ratio_seconds,
@@ -126,45 +147,56 @@ def run(name: str, data: Tuple[Tensor, ...], checkpoints: Sequence[int], seed: i
     return rows
 
 
+def columns() -> List[str]:
+    """The evidence labels in table order: each structure's EF, EF / r, GGN."""
+    return [lb for structure in ("diag", "kron") for lb in
+            (label(structure, "ef"), label(structure, "ef") + "/r", label(structure, "ggn"))]
+
+
 def tables(rows: List[Dict[str, Any]]) -> List[str]:
     """Per candidate: the fit, the ratios and the evidence; then the evidence's terms."""
-    labels = [label(s, a) for s, a in APPROXIMATIONS]
+    labels = columns()
     lines: List[str] = []
     for name in dict.fromkeys(r["candidate"] for r in rows):
         mine = [r for r in rows if r["candidate"] == name]
         lines += [f"### {name} ({mine[0]['params']} parameters)", "",
-                  "Fit, curvature ratios and evidence per datum (hyperparameters re-optimised on each curvature):", ""]
+                  "Fit, curvature ratios and evidence per datum (hyperparameters re-optimised on each curvature; "
+                  "EF/r: the EF curvature divided by r):", ""]
         lines.append(markdown_table([
             {"epoch": r["epoch"], "train NLL": r["train_nll"], "train acc": r["train_acc"], "test acc": r["test_acc"],
-             "test NLL": r["test_nll"], "r = tr EF / tr GGN": r["ratio"], "diag-EF / diag-GGN trace": r["diagonal_ratio"],
+             "test NLL": r["test_nll"], "r": r["ratio"], "diag trace ratio": r["diagonal_ratio"],
              **{lb: r["evidence"][lb]["marglik"] for lb in labels}} for r in mine],
-            ["epoch", "train NLL", "train acc", "test acc", "test NLL", "r = tr EF / tr GGN", "diag-EF / diag-GGN trace",
-             *labels]))
-        lines += ["", "Terms per datum: Occam factor (evidence - log-likelihood) and -1/2 log|H| / N, log delta range:", ""]
+            ["epoch", "train NLL", "train acc", "test acc", "test NLL", "r", "diag trace ratio", *labels]))
+        lines += ["", "Occam factor per datum (evidence - log-likelihood); -1/2 log|H| / N and log delta range of kron:", ""]
+        kron, half = ("kron-EF", "kron-GGN"), "-½log\\|H\\|"  # \| : a bar inside a markdown table cell
         lines.append(markdown_table([
-            {"epoch": r["epoch"], **{f"{lb} Occam": r["evidence"][lb]["occam"] for lb in labels},
-             **{f"{lb} -½log|H|": r["evidence"][lb]["half_log_det"] for lb in ("kron-EF", "kron-GGN")},
+            {"epoch": r["epoch"], **{lb: r["evidence"][lb]["occam"] for lb in labels},
+             **{f"{lb} {half}": r["evidence"][lb]["half_log_det"] for lb in kron},
              **{f"{lb} log δ": f"{r['evidence'][lb]['log_delta_min']:.2f}..{r['evidence'][lb]['log_delta_max']:.2f}"
-                for lb in ("kron-EF", "kron-GGN")}} for r in mine],
-            ["epoch", *[f"{lb} Occam" for lb in labels], "kron-EF -½log|H|", "kron-GGN -½log|H|", "kron-EF log δ",
-             "kron-GGN log δ"]))
+                for lb in kron}} for r in mine],
+            ["epoch", *labels, *[f"{lb} {half}" for lb in kron], *[f"{lb} log δ" for lb in kron]]))
         lines.append("")
     return lines
 
 
-def ranking(rows: List[Dict[str, Any]], epoch: int) -> List[str]:
-    """The candidates at one epoch, as each approximation ranks them."""
-    at = [r for r in rows if r["epoch"] == epoch]
-    if len(at) < 2:
+def picks(rows: List[Dict[str, Any]]) -> List[str]:
+    """At every checkpoint epoch that all candidates reached: the candidate each evidence picks."""
+    names = list(dict.fromkeys(r["candidate"] for r in rows))
+    if len(names) < 2:
         return []
-    lines = [f"At epoch {epoch}, which candidate each approximation picks (test accuracy in brackets):", ""]
-    best = max(at, key=lambda r: r["test_acc"])
-    lines.append(f"- best test accuracy: {best['candidate']} ({best['test_acc']:.3f})")
-    for s, a in APPROXIMATIONS:
-        lb = label(s, a)
-        order = sorted(at, key=lambda r: -r["evidence"][lb]["marglik"])
-        lines.append(f"- {lb}: " + " > ".join(f"{r['candidate']} ({r['test_acc']:.3f})" for r in order))
-    return lines + [""]
+    table = []
+    for epoch in sorted({r["epoch"] for r in rows}):
+        at = [r for r in rows if r["epoch"] == epoch]
+        if len(at) < len(names):
+            continue
+        best = max(at, key=lambda r: r["test_acc"])
+        row = {"epoch": epoch, "best test acc": f"{best['candidate']} ({best['test_acc']:.3f})"}
+        for lb in columns():
+            pick = max(at, key=lambda r: r["evidence"][lb]["marglik"])
+            row[lb] = f"{pick['candidate']} ({pick['test_acc']:.3f})"
+        table.append(row)
+    return ["### The candidate each evidence picks (its test accuracy)", "",
+            markdown_table(table, ["epoch", "best test acc", *columns()]), ""]
 
 
 def main(argv: Sequence[str] = None) -> None:
@@ -198,7 +230,7 @@ def main(argv: Sequence[str] = None) -> None:
         f"The library's threshold: r < {EF_RATIO_THRESHOLD:g} warns.",
         "",
     ]
-    write_with_data(Path(output), "\n".join(header + tables(rows) + ranking(rows, max(checkpoints))),
+    write_with_data(Path(output), "\n".join(header + tables(rows) + picks(rows)),
                     {"rows": rows, "cpu_minutes": cpu_minutes, "library": library_state()})
     print(f"written {output}")
 
