@@ -1,7 +1,7 @@
 """The Laplace estimate of the log marginal likelihood from cached curvature statistics.
 
 ``log q(D|M) = log p(D|theta)/T + log p(theta|delta) + P/2 log(2 pi) - 1/2 log|H|`` with
-``H = s C + diag(delta)``. After the one expensive pass over the data, every evaluation reuses
+``H = s C + diag(delta)``, plus ``log p(log delta)`` where the prior has a hyperprior (type-II MAP). After the one expensive pass over the data, every evaluation reuses
 the structures' cached decompositions, so hyperparameter steps are cheap. All of it runs in
 float64 whatever the model's dtype. Knows nothing of Lightning.
 """
@@ -18,6 +18,7 @@ from . import solvers
 from .curvature import CurvatureOptions, CurvatureStatistics, collect_statistics
 from .curvature.batches import BatchFn
 from .hyperparameters import GaussianPrior, Likelihood, assign_hyperparameters, learnable_values
+from .validators import number, optional
 
 __all__ = ["LaplaceEvidence", "SOLVERS", "require_data"]
 
@@ -203,17 +204,24 @@ class LaplaceEvidence:
             - 0.5 * (log_prec.exp() * self._sq_norms).sum()
             - 0.5 * self.prior.n_params * math.log(2 * math.pi)
         )
-        return {"log_likelihood": self.likelihood.log_likelihood(self._lik_stats, values), "log_prior": log_prior, "log_det": log_det}
+        return {
+            "log_likelihood": self.likelihood.log_likelihood(self._lik_stats, values),
+            "log_prior": log_prior,
+            "log_det": log_det,
+            "log_hyperprior": self.prior.log_hyperprior(log_prec),
+        }
 
     def log_marglik_at(self, values: Dict[str, Tensor]) -> Tensor:
         """The log marginal likelihood at log hyperparameters ``values`` (every name of
-        :meth:`hyperparameters`), differentiable in them: the objective of the inner solvers."""
+        :meth:`hyperparameters`), differentiable in them: the objective of the inner solvers.
+        With a hyperprior (``GaussianPrior(hyperprior=...)``) its log density is included."""
         pieces = self._pieces(values)
         return (
             pieces["log_likelihood"]
             + pieces["log_prior"]
             + 0.5 * self.prior.n_params * math.log(2 * math.pi)
             - 0.5 * pieces["log_det"]
+            + pieces["log_hyperprior"]
         )
 
     def log_likelihood(self) -> Tensor:
@@ -228,8 +236,13 @@ class LaplaceEvidence:
         """``log|H|`` of the posterior precision ``H = s C + diag(delta)``."""
         return self._pieces(self.hyperparameters())["log_det"]
 
+    def log_hyperprior(self) -> Tensor:
+        """``sum_g log p(log delta_g)`` over the learned groups (0 without a hyperprior)."""
+        return self._pieces(self.hyperparameters())["log_hyperprior"]
+
     def log_marglik(self) -> Tensor:
-        """Total (not per-datum) Laplace log marginal likelihood as a 0-dim float64 tensor.
+        """Total (not per-datum) Laplace log marginal likelihood as a 0-dim float64 tensor; with a
+        hyperprior, ``log q(D|delta) + log p(log delta)`` (the type-II MAP objective).
 
         Differentiable w.r.t. the hyperparameter buffers wherever those require grad. NaN where
         the curvature is not finite or a factorisation fails.
@@ -289,14 +302,15 @@ class LaplaceEvidence:
                 at = torch.cat([self._tensor_groups[t] for t in part.cross[0]])
                 cross.index_put_((at.unsqueeze(1), at.unsqueeze(0)), part.cross[1], accumulate=True)
         delta_norms = log_prec.exp() * self._sq_norms
+        hyper, hyper_first, hyper_second = self.prior.log_hyperprior_derivatives(log_prec)
         value = (
             loglik + 0.5 * (self._group_sizes * log_prec).sum() - 0.5 * delta_norms.sum()
-            - 0.5 * sum(p.value for p in parts)
+            - 0.5 * sum(p.value for p in parts) + hyper
         )
         if "log_precision" not in values:
             learned = torch.zeros_like(learned)
-        grad_rho = (0.5 * self._group_sizes - 0.5 * delta_norms - 0.5 * first)[learned]
-        hess_rho = (-0.5 * delta_norms - 0.5 * second)[learned]
+        grad_rho = (0.5 * self._group_sizes - 0.5 * delta_norms - 0.5 * first + hyper_first)[learned]
+        hess_rho = (-0.5 * delta_norms - 0.5 * second + hyper_second)[learned]
         border = (-0.5 * mixed[learned]).unsqueeze(1) * u_grad.unsqueeze(0)  # (groups, likelihood names)
         n_rho, n = len(grad_rho), len(grad_rho) + len(names)
         gradient = torch.cat([grad_rho, grad_lik])
@@ -339,12 +353,18 @@ class LaplaceEvidence:
         solver: str = "newton",
         tol: float = 1e-6,
         max_evaluations: int = 20,
+        max_step: Optional[float] = None,
     ) -> solvers.Solution:
         """Optimize the learnable log hyperparameters on the cached curvature; nothing is written.
 
         The result is never worse than the start (the best point seen is kept); a step that makes
         the evidence non-finite or a factorisation fail is rejected. Write the result with
         :meth:`set_hyperparameters`.
+
+        ``max_step`` bounds the move of this one solve: every learned ``log delta_g`` stays within
+        ``max_step`` of its start (a box; Newton solves the box-constrained problem by projection,
+        Adam clips each iterate into it), as the paper's ``K`` Adam steps bound each estimate's
+        move implicitly. The likelihood's hyperparameters (``sigma``, ``T``) are not bounded.
 
         Args:
             steps: Adam steps ``K`` (``solver="adam"``).
@@ -354,30 +374,38 @@ class LaplaceEvidence:
             solver: ``"newton"`` (converged, see :mod:`.solvers`) or ``"adam"`` (the paper's K steps).
             tol: Newton's tolerance (predicted increase of a full step, nats).
             max_evaluations: Newton's evaluation budget.
+            max_step: Largest change of any learned ``log delta_g`` from its start (e.g. 1: a factor
+                ``e``); ``None``: unbounded.
 
         Returns:
             The solution: ``values`` (all learnable log hyperparameters, float64), ``value``
             (total log marglik there), ``state``, ``trace``.
 
         Raises:
-            ValueError: On an unknown solver or bad solver options, or an Adam ``state`` that does
-                not fit the learnable hyperparameters.
+            ValueError: On an unknown solver or bad solver options, a ``max_step`` that is not
+                positive and finite, or an Adam ``state`` that does not fit the learnable
+                hyperparameters.
         """
         if solver not in SOLVERS:
             raise ValueError(f"`solver` must be one of {SOLVERS}, got {solver!r}.")
+        max_step = optional(number, max_step, "max_step", what="the largest change of log delta per solve, or None")
         current = self._current()
         learnable = self._learnable_values()
+        box = None
+        if max_step is not None and "log_precision" in learnable:
+            start = learnable["log_precision"]
+            box = {"log_precision": (start - max_step, start + max_step)}
 
         def objective(values: Dict[str, Tensor]) -> Tensor:
             return self.log_marglik_at(self._with_fixed(current, values))
 
         if solver == "adam":
-            solution = solvers.adam(objective, learnable, steps=steps, lr=lr, state=state)
+            solution = solvers.adam(objective, learnable, steps=steps, lr=lr, state=state, box=box)
         else:
             learned = self.prior.learned_groups()
             solution = solvers.newton(
                 objective, learnable, tol=tol, max_evaluations=max_evaluations,
-                derivatives=lambda values: self._second_order(current, learned, values),
+                derivatives=lambda values: self._second_order(current, learned, values), box=box,
             )
         full = self._with_fixed(current, solution.values)
         return dataclasses.replace(solution, values={n: full[n].detach() for n in solution.values})

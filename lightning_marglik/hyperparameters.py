@@ -17,13 +17,21 @@ from __future__ import annotations
 import fnmatch
 import math
 import warnings
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
+from .validators import choice, number, optional
+
 __all__ = [
+    "BIAS_NORMALIZATION",
+    "SCALE_INVARIANT",
+    "GammaHyperprior",
     "GaussianPrior",
+    "Hyperprior",
+    "LogNormalHyperprior",
+    "no_decay_names",
     "GaussianLikelihood",
     "CategoricalLikelihood",
     "Likelihood",
@@ -33,7 +41,11 @@ __all__ = [
 ]
 
 PRIOR_STRUCTURES = ("scalar", "layerwise", "diagonal")
-SCALE_INVARIANT_TREATMENTS = ("decoupled", "fixed", "learn")
+TREATMENTS = ("decoupled", "fixed", "learn")
+SCALE_INVARIANT_TREATMENTS = TREATMENTS
+# the named reasons of GaussianPrior.treat (any other string names a reason of the user's own)
+SCALE_INVARIANT = "scale-invariant"
+BIAS_NORMALIZATION = "bias/normalization"
 
 
 def _log_buffer(value: float, name: str) -> Tensor:
@@ -41,6 +53,120 @@ def _log_buffer(value: float, name: str) -> Tensor:
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"`{name}` must be a positive finite number, got {value}.")
     return torch.tensor(math.log(value))
+
+
+class Hyperprior:
+    """A density over the log prior precision ``rho_g = log delta_g`` of each learned group (type-II MAP).
+
+    With a hyperprior the evidence engine maximizes, and reports, ``log q(D|delta) + sum_g log
+    p(rho_g)`` over the groups the evidence learns (MacKay 1992, Tipping 2001). Without one, a
+    group whose weights are (near) zero has an evidence that keeps rising as ``delta_g -> inf``
+    (the ARD pruning of ``DESIGN.md``); a hyperprior that falls off fast enough makes the maximum
+    finite. Subclasses give the density and its first two derivatives, elementwise, in ``rho``.
+    """
+
+    def log_density(self, log_precision: Tensor, initial_log_precision: float) -> Tensor:
+        """``log p(rho)`` per entry of ``log_precision`` (a density in ``rho``, Jacobian included).
+
+        Args:
+            log_precision: ``rho``, any shape.
+            initial_log_precision: ``log`` of the prior's constructor ``precision``: the centre of
+                a hyperprior whose location is not given.
+
+        Returns:
+            Tensor of ``log_precision``'s shape.
+        """
+        raise NotImplementedError
+
+    def derivatives(self, log_precision: Tensor, initial_log_precision: float) -> Tuple[Tensor, Tensor]:
+        """First and second derivative of :meth:`log_density` in ``rho``, elementwise (closed form)."""
+        raise NotImplementedError
+
+
+class LogNormalHyperprior(Hyperprior):
+    """``rho = log delta ~ N(loc, scale^2)``: a log-normal hyperprior on the precision.
+
+    Its pull is ``-(rho - loc) / scale^2`` per group: a group may move ``scale`` in ``log delta``
+    from ``loc`` at the cost of half a nat. A weak choice is ``scale`` 2 to 3 (a factor ``e^2`` to
+    ``e^3`` costs 0.5 nats, ``e^8`` costs 3.5 to 8 nats): large groups (weights, ``P_g`` in the
+    hundreds) barely feel it, while a group the data do not determine stays within a few scales of
+    ``loc`` instead of running to ``e^20``.
+
+    Args:
+        scale: Standard deviation ``s > 0`` of ``log delta``.
+        loc: Mean of ``log delta``; ``None``: the log of the prior's initial ``precision``.
+
+    Raises:
+        ValueError: On a ``scale`` that is not positive and finite, or a ``loc`` that is not finite.
+
+    Example:
+        >>> hyper = LogNormalHyperprior(scale=2.0)
+        >>> round(float(hyper.log_density(torch.tensor(2.0), 0.0)), 4)  # -(2/2)^2/2 - log(2 sqrt(2 pi))
+        -2.1121
+    """
+
+    def __init__(self, scale: float = 2.0, loc: Optional[float] = None) -> None:
+        self.scale = number(scale, "scale", what="the standard deviation of log delta, e.g. 2")
+        self.loc = optional(number, loc, "loc", low=-math.inf, what="the mean of log delta, or None")
+
+    def _centred(self, log_precision: Tensor, initial_log_precision: float) -> Tensor:
+        return (log_precision - (initial_log_precision if self.loc is None else self.loc)) / self.scale
+
+    def log_density(self, log_precision: Tensor, initial_log_precision: float) -> Tensor:
+        z = self._centred(log_precision, initial_log_precision)
+        return -0.5 * z**2 - math.log(self.scale * math.sqrt(2 * math.pi))
+
+    def derivatives(self, log_precision: Tensor, initial_log_precision: float) -> Tuple[Tensor, Tensor]:
+        first = -self._centred(log_precision, initial_log_precision) / self.scale
+        return first, torch.full_like(log_precision, -1.0 / self.scale**2)
+
+    def __repr__(self) -> str:
+        return f"LogNormalHyperprior(scale={self.scale:g}, loc={self.loc!r})"
+
+
+class GammaHyperprior(Hyperprior):
+    """``delta ~ Gamma(concentration a, rate b)``: the conjugate hyperprior of ARD (Tipping 2001).
+
+    In ``rho = log delta`` (Jacobian ``delta`` included) the density is
+    ``a rho - b e^rho + a log b - lgamma(a)``, whose maximum is at ``delta = a / b``. Its effect on
+    the MacKay fixed point ``delta* = gamma / ||theta||^2`` is pseudo-data:
+    ``delta* = (gamma + 2a) / (||theta||^2 + 2b)``, ``gamma`` the group's well-determined
+    parameters, so a group the data do not determine (``gamma ~ 0``, ``theta ~ 0``) ends near
+    ``a / b`` instead of running away. A weak choice is ``a`` about 1 (two pseudo-parameters),
+    small against the size of the groups that matter, with the mode ``a / b`` at the initial
+    precision (``rate=None``); the fall-off above the mode is exponential in ``log delta``.
+
+    Args:
+        concentration: Shape ``a > 0``.
+        rate: Rate ``b > 0``; ``None``: ``a / precision`` with the prior's initial ``precision``
+            (the mode in ``log delta`` at the initial precision).
+
+    Raises:
+        ValueError: On a ``concentration`` or ``rate`` that is not positive and finite.
+
+    Example:
+        >>> hyper = GammaHyperprior(concentration=2.0, rate=1.0)
+        >>> round(float(hyper.log_density(torch.tensor(0.0), 0.0)), 4)  # 2*0 - e^0 + 2 log 1 - lgamma(2)
+        -1.0
+    """
+
+    def __init__(self, concentration: float = 1.0, rate: Optional[float] = None) -> None:
+        self.concentration = number(concentration, "concentration", what="the Gamma shape a, e.g. 1")
+        self.rate = optional(number, rate, "rate", what="the Gamma rate b, or None for a / precision")
+
+    def _rate(self, initial_log_precision: float) -> float:
+        return self.concentration / math.exp(initial_log_precision) if self.rate is None else self.rate
+
+    def log_density(self, log_precision: Tensor, initial_log_precision: float) -> Tensor:
+        a, b = self.concentration, self._rate(initial_log_precision)
+        return a * log_precision - b * log_precision.exp() + a * math.log(b) - math.lgamma(a)
+
+    def derivatives(self, log_precision: Tensor, initial_log_precision: float) -> Tuple[Tensor, Tensor]:
+        b_delta = self._rate(initial_log_precision) * log_precision.exp()
+        return self.concentration - b_delta, -b_delta
+
+    def __repr__(self) -> str:
+        return f"GammaHyperprior(concentration={self.concentration:g}, rate={self.rate!r})"
 
 
 class GaussianPrior(nn.Module):
@@ -64,10 +190,14 @@ class GaussianPrior(nn.Module):
             bound (``examples/results/resnet_bn.md``). ``MargLikCallback`` finds such tensors itself
             and treats them (``scale_invariant=``, see :meth:`treat_scale_invariant`); ``fixed`` wins
             for the tensors it names.
+        hyperprior: A density over the learned log precisions (:class:`LogNormalHyperprior`,
+            :class:`GammaHyperprior`), whose log is added to the objective the evidence maximizes
+            and to the evidence it reports (type-II MAP); ``None``: none (maximum likelihood type II).
 
     Raises:
         ValueError: On an unknown structure, a non-positive precision, a model without trainable
-            parameters, or a ``fixed`` pattern that matches no parameter or meets a scalar prior.
+            parameters, a ``fixed`` pattern that matches no parameter or meets a scalar prior, or a
+            ``hyperprior`` that is not a :class:`Hyperprior`.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
@@ -86,8 +216,14 @@ class GaussianPrior(nn.Module):
         structure: str = "layerwise",
         learn: bool = True,
         fixed: Optional[Sequence[str]] = None,
+        hyperprior: Optional[Hyperprior] = None,
     ) -> None:
         super().__init__()
+        if hyperprior is not None and not isinstance(hyperprior, Hyperprior):
+            raise ValueError(
+                f"`hyperprior` must be None or a Hyperprior (e.g. LogNormalHyperprior(scale=2.0)), got {hyperprior!r}."
+            )
+        self.hyperprior = hyperprior
         if structure not in PRIOR_STRUCTURES:
             raise ValueError(f"`structure` must be one of {PRIOR_STRUCTURES}, got {structure!r}.")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -115,9 +251,64 @@ class GaussianPrior(nn.Module):
         self._n_data = 0  # its value as an int: map_loss reads it every step without a device sync
         self._warned_n_data = False  # map_loss warns once about an explicit n_data that differs from it
         self.initial_precision = float(precision)
-        # set by MargLikCallback from the structural analysis (``treat_scale_invariant``)
-        self.scale_invariant: List[str] = []
-        self.scale_invariant_treatment = "learn"
+        # reason -> (names, treatment), declared by ``treat`` (MargLikCallback: from the structural analysis)
+        self.treatments: Dict[str, Tuple[List[str], str]] = {}
+
+    def treat(self, names: Sequence[str], treatment: str, reason: str) -> None:
+        """Declare a set of tensors whose precision is treated apart, and why; replaces an earlier
+        declaration of the same ``reason``.
+
+        ``"fixed"``: the evidence keeps their precision (like ``fixed=``). ``"decoupled"``: the
+        evidence learns its own precision for them (``log_precision``), but the MAP loss
+        (:meth:`penalty`) keeps the constructor's ``precision`` for them, so the learned value is
+        never fed back as weight decay. ``"learn"``: no special treatment. A tensor named under
+        several reasons takes the strongest treatment (``"fixed"``, then ``"decoupled"``); tensors in
+        ``fixed`` keep that treatment whatever ``treatment`` says.
+
+        Args:
+            names: Names of covered parameters (``param_names``).
+            treatment: One of ``"decoupled"``, ``"fixed"``, ``"learn"``.
+            reason: Why: ``"scale-invariant"`` (:meth:`treat_scale_invariant`), ``"bias/normalization"``
+                (:func:`no_decay_names`) or a reason of the caller's own.
+
+        Raises:
+            ValueError: On an unknown treatment or name, an empty reason, or a scalar prior with a
+                treatment other than ``"learn"`` (one precision cannot treat some tensors apart).
+        """
+        treatment = choice(treatment, TREATMENTS, "treatment")
+        if not isinstance(reason, str) or not reason:
+            raise ValueError(f"`reason` must be a non-empty string (e.g. {BIAS_NORMALIZATION!r}), got {reason!r}.")
+        unknown = [n for n in names if n not in self.param_names]
+        if unknown:
+            raise ValueError(f"treat({reason!r}): {unknown} are not parameters the prior covers.")
+        if names and treatment != "learn" and self.structure == "scalar":
+            raise ValueError(
+                f"treatment={treatment!r} of the {reason} tensors needs one precision per tensor, the prior is scalar: "
+                "use GaussianPrior(structure='layerwise') or treatment='learn'."
+            )
+        chosen = set(names)
+        self.treatments[reason] = ([n for n in self.param_names if n in chosen and n not in self.fixed], treatment)
+
+    def treated(self, treatment: str) -> List[str]:
+        """The tensors whose strongest declared treatment (:meth:`treat`) is ``treatment``, in
+        ``param_names`` order (those of ``fixed`` excluded)."""
+        rank = {"learn": 0, "decoupled": 1, "fixed": 2}
+        strongest: Dict[str, str] = {}
+        for names, declared in self.treatments.values():
+            for name in names:
+                if rank[declared] > rank[strongest.get(name, "learn")]:
+                    strongest[name] = declared
+        return [n for n in self.param_names if strongest.get(n, "learn") == treatment and n not in self.fixed]
+
+    @property
+    def scale_invariant(self) -> List[str]:
+        """The tensors declared scale-invariant (:meth:`treat_scale_invariant`)."""
+        return list(self.treatments.get(SCALE_INVARIANT, ([], "learn"))[0])
+
+    @property
+    def scale_invariant_treatment(self) -> str:
+        """Their treatment (``"learn"`` until declared)."""
+        return self.treatments.get(SCALE_INVARIANT, ([], "learn"))[1]
 
     def treat_scale_invariant(self, names: Sequence[str], treatment: str) -> None:
         """Declare the tensors the training loss is scale-invariant in, and how their precision is treated.
@@ -138,16 +329,12 @@ class GaussianPrior(nn.Module):
         """
         if treatment not in SCALE_INVARIANT_TREATMENTS:
             raise ValueError(f"`scale_invariant` must be one of {SCALE_INVARIANT_TREATMENTS}, got {treatment!r}.")
-        unknown = [n for n in names if n not in self.param_names]
-        if unknown:
-            raise ValueError(f"treat_scale_invariant: {unknown} are not parameters the prior covers.")
         if names and treatment != "learn" and self.structure == "scalar":
             raise ValueError(
                 f"scale_invariant={treatment!r} needs one precision per tensor, the prior is scalar: use "
                 "GaussianPrior(structure='layerwise') or scale_invariant='learn'."
             )
-        self.scale_invariant = [n for n in self.param_names if n in set(names) and n not in self.fixed]
-        self.scale_invariant_treatment = treatment
+        self.treat(names, treatment, SCALE_INVARIANT)
 
     def _group_mask(self, names: Sequence[str]) -> Tensor:
         """Boolean mask over ``log_precision``: the groups of the tensors ``names`` (not for a scalar prior)."""
@@ -186,9 +373,9 @@ class GaussianPrior(nn.Module):
         return ~self._group_mask(self.fixed_names())
 
     def fixed_names(self) -> List[str]:
-        """The tensors whose precision stays at the declared ``precision``: those of ``fixed`` and,
-        under ``treat_scale_invariant(..., "fixed")``, the scale-invariant ones."""
-        return self.fixed + (self.scale_invariant if self.scale_invariant_treatment == "fixed" else [])
+        """The tensors whose precision stays at the declared ``precision``: those of ``fixed`` and those
+        declared ``"fixed"`` by :meth:`treat` (e.g. the scale-invariant ones)."""
+        return self.fixed + self.treated("fixed")
 
     def learned_names(self) -> List[str]:
         """The tensors whose precision the evidence learns, in ``param_names`` order."""
@@ -266,22 +453,75 @@ class GaussianPrior(nn.Module):
     def penalty(self) -> Tensor:
         """``1/2 sum_g delta_g ||theta_g||^2`` at the current precision (the MAP loss term).
 
-        Scale-invariant tensors under the ``"decoupled"`` treatment use the constructor's
-        ``precision`` here, whatever the evidence learned for them (:meth:`treat_scale_invariant`).
+        Tensors under the ``"decoupled"`` treatment use the constructor's ``precision`` here,
+        whatever the evidence learned for them (:meth:`treat`).
         """
         return 0.5 * (self.weight_decay_log_precision().exp() * self.group_sq_norms()).sum()
 
     def weight_decay_log_precision(self) -> Tensor:
         """Log precision per group that the MAP loss uses (detached): ``log_precision``, except for
-        scale-invariant tensors under the ``"decoupled"`` treatment, which keep the initial precision."""
+        tensors under the ``"decoupled"`` treatment (:meth:`treat`), which keep the initial precision."""
         log_precision = self.log_precision.detach()
-        if self.scale_invariant and self.scale_invariant_treatment == "decoupled":
+        decoupled = self.treated("decoupled")
+        if decoupled:
             initial = torch.full_like(log_precision, math.log(self.initial_precision))
-            log_precision = torch.where(self._group_mask(self.scale_invariant), initial, log_precision)
+            log_precision = torch.where(self._group_mask(decoupled), initial, log_precision)
         return log_precision
 
+    def log_hyperprior(self, log_precision: Tensor) -> Tensor:
+        """``sum_g log p(rho_g)`` over the learned groups (:meth:`learned_groups`); 0 without a hyperprior.
+
+        Args:
+            log_precision: Log precisions of every group, shape ``(G,)``.
+
+        Returns:
+            A 0-dim tensor in ``log_precision``'s dtype, differentiable in it.
+        """
+        if self.hyperprior is None:
+            return log_precision.new_zeros(())
+        learned = self.learned_groups().to(log_precision.device)
+        density = self.hyperprior.log_density(log_precision, math.log(self.initial_precision))
+        return torch.where(learned, density, torch.zeros_like(density)).sum()
+
+    def log_hyperprior_derivatives(self, log_precision: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """:meth:`log_hyperprior` with its gradient and its (diagonal) Hessian per group, shape ``(G,)``
+        each, zero at the groups the evidence does not learn (closed form)."""
+        if self.hyperprior is None:
+            zeros = torch.zeros_like(log_precision)
+            return log_precision.new_zeros(()), zeros, zeros
+        learned = self.learned_groups().to(log_precision.device)
+        first, second = self.hyperprior.derivatives(log_precision, math.log(self.initial_precision))
+        zeros = torch.zeros_like(log_precision)
+        return self.log_hyperprior(log_precision), torch.where(learned, first, zeros), torch.where(learned, second, zeros)
+
     def extra_repr(self) -> str:
-        return f"structure={self.structure!r}, groups={self.log_precision.numel()}, learn={self.learn}, fixed={self.fixed}"
+        hyper = "" if self.hyperprior is None else f", hyperprior={self.hyperprior!r}"
+        return (
+            f"structure={self.structure!r}, groups={self.log_precision.numel()}, learn={self.learn}, "
+            f"fixed={self.fixed}{hyper}"
+        )
+
+
+def no_decay_names(prior: GaussianPrior) -> List[str]:
+    """The tensors practice trains without weight decay: biases and normalization parameters.
+
+    Found structurally as timm's ``param_groups_weight_decay`` does: every covered parameter with
+    at most one dimension (biases, BatchNorm/LayerNorm/GroupNorm scales and shifts, Fixup scalars)
+    or whose name ends in ``.bias``. Declare their treatment with
+    ``prior.treat(no_decay_names(prior), "decoupled", BIAS_NORMALIZATION)``.
+
+    Args:
+        prior: The prior whose covered parameters are searched.
+
+    Returns:
+        Their names, in ``param_names`` order.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 1))
+        >>> no_decay_names(GaussianPrior(net))
+        ['0.bias', '1.weight', '1.bias', '2.bias']
+    """
+    return [n for n, p in zip(prior.param_names, prior.params) if p.ndim <= 1 or n.endswith(".bias")]
 
 
 class Likelihood(nn.Module):

@@ -13,6 +13,11 @@ rejected point instead of an error.
   caller supplies as ``derivatives``), modified to ascend, a trust region on the largest log
   change and an Armijo backtracking line search. It typically converges to machine precision in a
   handful of evaluations.
+
+Both take an optional ``box`` of lower and upper bounds on some of the tensors: Adam clips every
+iterate into it, Newton solves the box-constrained problem (projected Newton: the coordinates at a
+bound whose gradient points out of the box are held, the Newton step is taken in the others and
+projected onto the box).
 """
 from __future__ import annotations
 
@@ -26,9 +31,11 @@ from torch import Tensor
 
 from .validators import integer, number
 
-__all__ = ["Objective", "SecondOrder", "Solution", "adam", "newton", "DENSE_LIMIT"]
+__all__ = ["Box", "Objective", "SecondOrder", "Solution", "adam", "newton", "DENSE_LIMIT"]
 
 Objective = Callable[[Dict[str, Tensor]], Tensor]
+# name -> (lower, upper) bounds of that tensor (same shape); names not given are unbounded
+Box = Dict[str, Tuple[Tensor, Tensor]]
 
 
 @dataclass
@@ -135,6 +142,22 @@ def _nothing_to_optimize(objective: Objective) -> Solution:
     return Solution({}, value.detach(), value.detach(), {}, 1, [value.item()], True, False)
 
 
+def _check_box(box: Optional[Box], initial: Dict[str, Tensor]) -> Box:
+    """``box`` with its bounds in the dtype and device of ``initial``; refuses one that does not fit."""
+    checked: Box = {}
+    for name, bounds in (box or {}).items():
+        if name not in initial:
+            raise ValueError(f"`box` bounds {name!r}, which is not among the optimized tensors {list(initial)}.")
+        if not (isinstance(bounds, tuple) and len(bounds) == 2):
+            raise ValueError(f"`box[{name!r}]` must be a pair (lower, upper) of tensors, got {bounds!r}.")
+        start = initial[name]
+        lower, upper = (torch.as_tensor(b).to(start.device, start.dtype).expand(start.shape) for b in bounds)
+        if not bool(((lower <= start) & (start <= upper)).all()):
+            raise ValueError(f"`box[{name!r}]` does not contain the initial point: start the solve inside the box.")
+        checked[name] = (lower, upper)
+    return checked
+
+
 # --- Adam ---------------------------------------------------------------------------------------
 
 
@@ -168,6 +191,7 @@ def adam(
     steps: int = 100,
     lr: float = 0.1,
     state: Optional[dict] = None,
+    box: Optional[Box] = None,
 ) -> Solution:
     """Maximize ``objective`` by ``steps`` Adam steps, returning the best point seen.
 
@@ -183,13 +207,15 @@ def adam(
         lr: Adam learning rate.
         state: ``Solution.state`` of an earlier call on tensors of the same names and shapes, to
             continue its moment estimates (the learning rate is still ``lr``).
+        box: Bounds ``{name: (lower, upper)}`` on some tensors; every iterate is clipped into them.
 
     Returns:
         The best point seen, with ``state = optimizer.state_dict()`` after the last step taken.
 
     Raises:
         ValueError: On ``steps`` that is not an int >= 0, ``lr`` that is not positive and finite,
-            a ``state`` for other tensors (count, names or shapes), or a non-scalar objective.
+            a ``state`` for other tensors (count, names or shapes), a ``box`` that does not fit
+            ``initial`` or does not contain it, or a non-scalar objective.
 
     Example:
         >>> import torch
@@ -201,6 +227,7 @@ def adam(
     steps, lr = integer(steps, "steps", 0), number(lr, "lr")
     if state and initial:
         _check_state(state, initial)
+    box = _check_box(box, initial)
     if not initial:
         return _nothing_to_optimize(objective)
 
@@ -229,6 +256,9 @@ def adam(
         optimizer.zero_grad()
         (-value).backward()
         optimizer.step()
+        with torch.no_grad():  # projected Adam: the moments keep the unclipped gradients
+            for name, (lower, upper) in box.items():
+                leaves[name].clamp_(lower, upper)
     if best is None:
         return _failed_start(initial, state or {})
 
@@ -288,6 +318,18 @@ class _Flat:
             chosen.append(torch.arange(offsets[i], offsets[i + 1]))
             total += self.sizes[i]
         return torch.cat(chosen) if chosen else torch.zeros(0, dtype=torch.long)
+
+
+def _restrict(
+    grad: Tensor, rows: Tensor, diagonal: Tensor, dense: Tensor, free: Tensor
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The arrowhead derivatives (``_AscentStep``'s inputs) of the ``free`` coordinates only, with the
+    dense indices renumbered among them."""
+    rest = torch.ones_like(free)
+    rest[dense] = False
+    kept = free[dense]
+    renumbered = torch.cumsum(free.long(), 0) - 1
+    return grad[free], rows[kept][:, free], diagonal[free[rest]], renumbered[dense[kept]]
 
 
 def _derivatives(value: Tensor, point: Tensor, dense: Tensor, probe: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
@@ -428,6 +470,7 @@ def newton(
     tol: float = 1e-6,
     max_evaluations: int = 20,
     derivatives: Optional[Derivatives] = None,
+    box: Optional[Box] = None,
 ) -> Solution:
     """Maximize ``objective`` by Newton's method with a line search in the (log) coordinates.
 
@@ -441,6 +484,9 @@ def newton(
     backtracked step, by more than twice the change accepted; a full step doubles it back) and an
     Armijo backtracking line search accepts it only if the objective rises; trial points where the
     objective is non-finite or raises ``torch.linalg.LinAlgError`` are rejected like any other.
+    With a ``box``, the coordinates at a bound whose gradient points out of the box are held, the
+    step is taken in the others and every trial point is projected onto the box (projected Newton,
+    Bertsekas 1982); at convergence the projected gradient vanishes.
 
     Args:
         objective: Maps ``{name: tensor}`` to a twice-differentiable scalar to maximize.
@@ -451,13 +497,15 @@ def newton(
         derivatives: Maps ``{name: tensor}`` to the objective with its gradient and Hessian
             (:class:`SecondOrder`, in the flat order of ``initial``); raising
             ``torch.linalg.LinAlgError`` or a non-finite value rejects the point.
+        box: Bounds ``{name: (lower, upper)}`` on some tensors, containing ``initial``.
 
     Returns:
         The best point reached (the last accepted one), with ``state = {}``.
 
     Raises:
         ValueError: On a ``tol`` that is not finite and >= 0, ``max_evaluations`` that is not an
-            int >= 1, or a non-scalar objective.
+            int >= 1, a ``box`` that does not fit ``initial`` or does not contain it, or a
+            non-scalar objective.
 
     Example:
         >>> import torch
@@ -467,10 +515,14 @@ def newton(
         (2.0, 2, True)
     """
     tol, max_evaluations = number(tol, "tol", 0, low_open=False), integer(max_evaluations, "max_evaluations", 1)
+    box = _check_box(box, initial)
     if not initial:
         return _nothing_to_optimize(objective)
 
     flat = _Flat(initial)
+    unbounded = {n: torch.full_like(t, math.inf) for n, t in initial.items()}
+    lower = torch.cat([box[n][0].reshape(-1) if n in box else -unbounded[n].reshape(-1) for n in flat.names])
+    upper = torch.cat([box[n][1].reshape(-1) if n in box else unbounded[n].reshape(-1) for n in flat.names])
     oracle = _Autograd(objective, flat) if derivatives is None else _ClosedForm(derivatives, _Autograd(objective, flat))
     point = flat.vector.clone()
     value = oracle.value(point)
@@ -484,21 +536,29 @@ def newton(
         if not (torch.isfinite(grad).all() and torch.isfinite(rows).all() and torch.isfinite(diagonal).all()):
             diverged = True
             break
-        ascent = _AscentStep(grad, rows, diagonal, dense)
-        predicted = 0.5 * float(grad @ ascent.newton)  # increase a full modified-Newton step predicts
+        # held: at a bound with the gradient pointing out of the box (their KKT condition holds)
+        free = ~(((point <= lower) & (grad < 0)) | ((point >= upper) & (grad > 0)))
+        if not bool(free.any()):
+            converged = True
+            break
+        ascent = _AscentStep(*_restrict(grad, rows, diagonal, dense, free))
+        predicted = 0.5 * float(grad[free] @ ascent.newton)  # increase a full modified-Newton step predicts
         if predicted <= max(tol, _noise(value)):
             converged = True
             break
         if evaluations >= max_evaluations:
             break
-        step = ascent.within(radius)
+        step = torch.zeros_like(point)
+        step[free] = ascent.within(radius)
         slope = float(grad @ step)
         alpha, accepted = 1.0, None
         while evaluations < max_evaluations and alpha * step.abs().max().item() > _noise(point.abs().max()):
-            trial = point + alpha * step
+            trial = torch.minimum(torch.maximum(point + alpha * step, lower), upper)
             trial_value = oracle.value(trial)
             evaluations += 1
-            if trial_value is not None and trial_value.item() >= value.item() + ARMIJO * alpha * slope:
+            # the increase the slope predicts along the projected path (alpha * slope without a box)
+            gain = max(float(grad @ (trial - point)), 0.0)
+            if trial_value is not None and trial_value.item() >= value.item() + ARMIJO * gain:
                 accepted = trial, trial_value
                 break
             if trial_value is None:

@@ -1,0 +1,369 @@
+"""Remedies for learned precisions that run away (issue 23), in the engine, in float64.
+
+1. A hyperprior on the log precisions (type-II MAP): its term in the reported evidence and in the
+   closed-form derivatives Newton uses, against hand computations, autograd and finite differences;
+   it makes the optimum of a zero-norm group finite, where without it the optimum runs away.
+2. A bounded move per solve (``optimize(max_step=r)``): the box solution against the clipped
+   separable optimum and the projected-gradient optimality condition.
+3. Decoupled / fixed treatments for a named reason, and the structural no-weight-decay tensors.
+4. The settle rule of the first estimate.
+"""
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_marglik import CategoricalLikelihood, GaussianLikelihood, GaussianPrior, LaplaceEvidence, map_loss
+from lightning_marglik import solvers
+from lightning_marglik.hyperparameters import (
+    BIAS_NORMALIZATION, SCALE_INVARIANT, GammaHyperprior, LogNormalHyperprior, no_decay_names,
+)
+from lightning_marglik.schedule_rules import loss_has_settled
+from tests.test_derivatives import check_against, closed_form, evidence, flat_objective
+
+HYPERPRIORS = [LogNormalHyperprior(scale=2.0), LogNormalHyperprior(scale=0.7, loc=0.3), GammaHyperprior(1.0),
+               GammaHyperprior(concentration=2.5, rate=0.4)]
+
+
+def with_hyperprior(hyperprior, kind="regression", structure="kron", prior_structure="layerwise", n=40,
+                    temperature=True, fixed=None) -> LaplaceEvidence:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # learn_temperature's warning
+        ev = evidence(kind, structure, prior_structure, n, temperature, fixed=fixed)
+    ev.prior.hyperprior = hyperprior
+    return ev
+
+
+# --- 1. the hyperprior ------------------------------------------------------------------------------
+
+
+def test_hyperprior_log_densities_by_hand():
+    rho = torch.tensor([-1.0, 0.5, 3.0], dtype=torch.float64)
+    by_hand = [-0.5 * ((r - 0.3) / 0.7) ** 2 - math.log(0.7) - 0.5 * math.log(2 * math.pi) for r in rho.tolist()]
+    assert torch.allclose(LogNormalHyperprior(0.7, loc=0.3).log_density(rho, 5.0), torch.tensor(by_hand, dtype=torch.float64))
+    # loc=None: centred at the prior's initial log precision
+    assert torch.allclose(LogNormalHyperprior(0.7).log_density(rho, 0.3), torch.tensor(by_hand, dtype=torch.float64))
+    # Gamma(a, b) on delta, as a density of rho = log delta: a rho - b e^rho + a log b - lgamma(a)
+    a, b = 2.5, 0.4
+    by_hand = [a * r - b * math.exp(r) + a * math.log(b) - math.lgamma(a) for r in rho.tolist()]
+    assert torch.allclose(GammaHyperprior(a, b).log_density(rho, 7.0), torch.tensor(by_hand, dtype=torch.float64))
+    # it integrates to one over rho (the Jacobian is in): trapezoid on a wide grid
+    grid = torch.linspace(-30, 6, 200001, dtype=torch.float64)
+    assert abs(torch.trapezoid(GammaHyperprior(a, b).log_density(grid, 0.0).exp(), grid).item() - 1) < 1e-8
+    # rate=None puts the mode a / b at the initial precision
+    mode = grid[GammaHyperprior(a).log_density(grid, math.log(3.0)).argmax()]
+    assert abs(mode.item() - math.log(3.0)) < 1e-3
+
+
+@pytest.mark.parametrize("hyperprior", HYPERPRIORS, ids=repr)
+def test_hyperprior_term_in_the_reported_evidence(hyperprior):
+    ev = with_hyperprior(None, fixed=["0.bias"])
+    plain = ev.log_marglik().item()
+    ev.prior.hyperprior = hyperprior
+    rho = ev.prior.log_precision.tolist()
+    initial = math.log(ev.prior.initial_precision)
+    # the fixed group 0.bias (index 1) has no density: its precision is not estimated
+    by_hand = sum(hyperprior.log_density(torch.tensor(r, dtype=torch.float64), initial).item()
+                  for i, r in enumerate(rho) if i != 1)
+    assert abs(ev.log_hyperprior().item() - by_hand) < 1e-12
+    assert abs(ev.log_marglik().item() - (plain + by_hand)) < 1e-10
+    values = ev._current()
+    assert abs(ev.log_marglik_at(values).item() - (plain + by_hand)) < 1e-10
+
+
+@pytest.mark.parametrize("hyperprior", HYPERPRIORS[::2], ids=repr)
+@pytest.mark.parametrize("structure,prior_structure", [("kron", "layerwise"), ("diag", "layerwise"), ("full", "layerwise"),
+                                                       ("diag", "diagonal"), ("full", "scalar")])
+@pytest.mark.parametrize("kind", ["regression", "classification"])
+def test_hyperprior_closed_form_matches_autograd(hyperprior, structure, prior_structure, kind):
+    """Every learned hyperparameter: the precisions, sigma (regression) and the temperature."""
+    ev = with_hyperprior(hyperprior, kind, structure, prior_structure)
+    objective, start, unflatten = flat_objective(ev)
+    assert len(start) == ev.prior.log_precision.numel() + (2 if kind == "regression" else 1)
+    check_against(closed_form(ev, start, unflatten), objective(start), torch.autograd.functional.jacobian(objective, start),
+                  torch.autograd.functional.hessian(objective, start), rtol=1e-12)
+
+
+@pytest.mark.parametrize("hyperprior", HYPERPRIORS[1:3], ids=repr)
+@pytest.mark.parametrize("structure", ["kron", "diag", "full"])
+def test_hyperprior_derivatives_match_finite_differences(hyperprior, structure):
+    """Central differences of the value give the gradient, of the gradient the Hessian (precisions, sigma, T)."""
+    ev = with_hyperprior(hyperprior, "regression", structure)
+    objective, start, unflatten = flat_objective(ev)
+    so = closed_form(ev, start, unflatten)
+    h = 1e-5
+    hessian = torch.zeros(len(start), len(start), dtype=torch.float64)
+    for i in range(len(start)):
+        e = torch.zeros_like(start)
+        e[i] = h
+        up, down = closed_form(ev, start + e, unflatten), closed_form(ev, start - e, unflatten)
+        assert abs((objective(start + e) - objective(start - e)).item() / (2 * h) - so.gradient[i].item()) < 1e-6
+        hessian[:, i] = (up.gradient - down.gradient) / (2 * h)
+    assert torch.allclose(hessian, hessian.T, atol=1e-6)
+    check_against(so, objective(start), so.gradient, hessian, rtol=1e-6)
+
+
+def zero_bias_evidence(hyperprior, structure="kron"):
+    """A classifier whose last bias is exactly zero: the evidence rises with its precision for ever."""
+    torch.manual_seed(1)
+    net = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    with torch.no_grad():
+        net[2].bias.zero_()
+    x, y = torch.randn(30, 3, dtype=torch.float64), torch.randint(0, 3, (30,))
+    prior = GaussianPrior(net, precision=1.0, hyperprior=hyperprior)
+    return LaplaceEvidence.fit(net, DataLoader(TensorDataset(x, y), batch_size=30), CategoricalLikelihood(), prior,
+                               structure=structure)
+
+
+@pytest.mark.parametrize("structure", ["kron", "diag", "full"])
+def test_zero_norm_group_runs_away_without_hyperprior_and_is_bounded_with_it(structure):
+    ev = zero_bias_evidence(None, structure)
+    free = ev.optimize(solver="newton", tol=1e-12, max_evaluations=200)
+    # the gradient in the bias's log precision is 1/2 sum_i s l_i / (s l_i + delta) > 0 everywhere: no maximum
+    assert free.values["log_precision"][3] > 12
+    far = {**ev._current(), "log_precision": free.values["log_precision"].clone()}
+    far["log_precision"][3] = 20.0
+    leaf = far["log_precision"].requires_grad_(True)
+    (gradient,) = torch.autograd.grad(ev.log_marglik_at(far), leaf)
+    assert 0 < gradient[3] < 1e-6
+
+    scale = 2.0
+    ev.prior.hyperprior = LogNormalHyperprior(scale=scale)
+    bounded = ev.optimize(solver="newton", tol=1e-12, max_evaluations=200)
+    assert bounded.converged
+    rho = bounded.values["log_precision"][3].item()
+    # the pull -(rho - loc) / s^2 must balance a rise of at most P_g / 2: rho* <= loc + s^2 P_g / 2
+    assert 0 < rho <= scale**2 * 3 / 2
+    at = {**ev._current(), **bounded.values}
+    top = ev.log_marglik_at(at).item()
+    for far_rho in (rho + 5, 30.0, 60.0):
+        at["log_precision"] = bounded.values["log_precision"].clone()
+        at["log_precision"][3] = far_rho
+        assert ev.log_marglik_at(at).item() < top
+    assert ev.log_marglik_at(at).item() < top - 100  # falls without bound as log delta -> inf
+
+    ev.prior.hyperprior = GammaHyperprior(concentration=1.0)  # rate 1 / precision: delta* <= (a + P_g/2) / b
+    gamma = ev.optimize(solver="newton", tol=1e-12, max_evaluations=200)
+    assert gamma.converged and math.exp(gamma.values["log_precision"][3].item()) <= (1.0 + 3 / 2) / 1.0
+
+
+def test_adam_sees_the_hyperprior():
+    ev = zero_bias_evidence(LogNormalHyperprior(scale=1.0))
+    newton = ev.optimize(solver="newton", tol=1e-12)
+    adam = ev.optimize(solver="adam", steps=1500, lr=0.05)
+    assert torch.allclose(adam.values["log_precision"], newton.values["log_precision"], atol=1e-3)
+
+
+def test_hyperprior_is_checked_and_shown():
+    net = nn.Linear(2, 1)
+    with pytest.raises(ValueError, match="`hyperprior` must be None or a Hyperprior.*got 2.0"):
+        GaussianPrior(net, hyperprior=2.0)
+    with pytest.raises(ValueError, match="`scale` must be a finite number in \\(0, inf\\).*got 0"):
+        LogNormalHyperprior(scale=0)
+    with pytest.raises(ValueError, match="`loc`.*got nan"):
+        LogNormalHyperprior(loc=float("nan"))
+    with pytest.raises(ValueError, match="`rate`.*got -1"):
+        GammaHyperprior(rate=-1)
+    with pytest.raises(ValueError, match="`concentration`.*got True"):
+        GammaHyperprior(concentration=True)
+    assert "hyperprior=LogNormalHyperprior(scale=3, loc=None)" in repr(GaussianPrior(net, hyperprior=LogNormalHyperprior(3)))
+
+
+# --- 2. a bounded move per solve ------------------------------------------------------------------
+
+
+def separable_evidence(structure="kron"):
+    """Classification without a learned temperature: the log evidence is a sum of concave functions,
+    one per layerwise log precision (kron, diag), so the box optimum is the clipped free optimum."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return evidence("classification", structure, "layerwise", 40, False)
+
+
+@pytest.mark.parametrize("solver", ["newton", "adam"])
+@pytest.mark.parametrize("structure", ["kron", "diag"])
+def test_max_step_clips_a_separable_optimum(structure, solver):
+    ev = separable_evidence(structure)
+    start = ev.prior.log_precision.detach().clone()
+    free = ev.optimize(solver="newton", tol=1e-12, max_evaluations=100)
+    moves = (free.values["log_precision"] - start).abs()
+    radius = 0.5 * moves.max().item()
+    assert (moves > radius).any() and (moves < radius).any()  # some coordinates outside the box, some inside
+    options = {"tol": 1e-12, "max_evaluations": 100} if solver == "newton" else {"steps": 2000, "lr": 0.02}
+    boxed = ev.optimize(solver=solver, max_step=radius, **options)
+    rho = boxed.values["log_precision"]
+    assert ((rho - start).abs() <= radius * (1 + 1e-12)).all()
+    expected = torch.minimum(torch.maximum(free.values["log_precision"], start - radius), start + radius)
+    assert torch.allclose(rho, expected, atol=1e-9 if solver == "newton" else 2e-3)
+    if solver == "newton":
+        assert boxed.converged and bool(((rho - start).abs() == radius).any())  # on the face, exactly
+
+
+@pytest.mark.parametrize("structure", ["kron", "diag", "full"])
+def test_max_step_newton_is_optimal_in_the_box(structure):
+    """Coupled coordinates (sigma, T; the full curvature): the projected gradient vanishes at the box solution."""
+    ev = with_hyperprior(LogNormalHyperprior(scale=1.0), "regression", structure)
+    start = ev.prior.log_precision.detach().clone()
+    free = ev.optimize(solver="newton", tol=1e-12, max_evaluations=100)
+    radius = (free.values["log_precision"] - start).abs().median().item()
+    boxed = ev.optimize(solver="newton", max_step=radius, tol=1e-12, max_evaluations=100)
+    assert boxed.converged and boxed.value <= free.value
+    rho = boxed.values["log_precision"]
+    at_upper, at_lower = rho >= start + radius, rho <= start - radius
+    assert (at_upper | at_lower).any() and ((rho - start).abs() <= radius * (1 + 1e-12)).all()
+    clipped = {**free.values, "log_precision": torch.minimum(torch.maximum(free.values["log_precision"], start - radius),
+                                                             start + radius)}
+    assert boxed.value >= ev.log_marglik_at({**ev._current(), **clipped})  # at least as good as a feasible guess
+    ev.set_hyperparameters(boxed.values)  # the gradient at the box solution
+    gradient = ev.gradient()
+    g = gradient["log_precision"]
+    assert (g[at_upper] > 0).all() and (g[at_lower] < 0).all()  # pushing out of the box: the face holds them
+    inside = ~(at_upper | at_lower)
+    assert (g[inside].abs() < 1e-5).all() and all(gradient[n].abs() < 1e-5 for n in gradient if n != "log_precision")
+
+
+@pytest.mark.parametrize("solver", ["newton", "adam"])
+def test_max_step_equals_the_free_solution_when_it_lies_inside(solver):
+    ev = separable_evidence("kron")
+    start = ev.prior.log_precision.detach().clone()
+    options = {"tol": 1e-12, "max_evaluations": 100} if solver == "newton" else {"steps": 300, "lr": 0.05}
+    free = ev.optimize(solver=solver, **options)
+    radius = (free.values["log_precision"] - start).abs().max().item() + 0.5
+    boxed = ev.optimize(solver=solver, max_step=radius, **options)
+    # the same optimum (an early iterate of the free solve may have left the box: the paths differ)
+    assert torch.allclose(boxed.values["log_precision"], free.values["log_precision"], rtol=0, atol=1e-7)
+    assert abs(boxed.value.item() - free.value.item()) < 1e-10
+
+
+def test_max_step_is_checked():
+    ev = separable_evidence("kron")
+    for bad in (0, -1.0, float("nan"), True, "1"):
+        with pytest.raises(ValueError, match="`max_step` must be a finite number in \\(0, inf\\)"):
+            ev.optimize(max_step=bad)
+    with pytest.raises(ValueError, match="does not contain the initial point"):
+        solvers.newton(lambda v: -(v["x"] ** 2).sum(), {"x": torch.zeros(2, dtype=torch.float64)},
+                       box={"x": (torch.ones(2, dtype=torch.float64), 2 * torch.ones(2, dtype=torch.float64))})
+    with pytest.raises(ValueError, match="'y', which is not among"):
+        solvers.adam(lambda v: -(v["x"] ** 2).sum(), {"x": torch.zeros(2, dtype=torch.float64)},
+                     box={"y": (torch.zeros(2), torch.ones(2))})
+
+
+# --- 3. decoupled and fixed treatments for a named reason ---------------------------------------------
+
+
+class Fixup(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, bias=False)
+        self.norm = nn.BatchNorm2d(3)
+        self.bias1 = nn.Parameter(torch.zeros(()))  # a Fixup scalar
+        self.scale = nn.Parameter(torch.ones(1))
+        self.head = nn.Linear(3, 2)
+
+
+def test_no_decay_names_follow_timm():
+    model = Fixup()
+    prior = GaussianPrior(model)
+    expected = [n for n, p in model.named_parameters() if p.ndim <= 1 or n.endswith(".bias")]
+    assert no_decay_names(prior) == expected == ["bias1", "scale", "norm.weight", "norm.bias", "head.bias"]
+    # only the tensors the prior covers
+    model.head.bias.requires_grad_(False)
+    assert no_decay_names(GaussianPrior(model)) == ["bias1", "scale", "norm.weight", "norm.bias"]
+
+
+def test_bias_treatments_in_the_map_loss_and_the_evidence():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Tanh(), nn.Linear(4, 2)).double()
+    prior = GaussianPrior(net, precision=2.0)
+    x, y = torch.randn(20, 3, dtype=torch.float64), torch.randint(0, 2, (20,))
+    data = DataLoader(TensorDataset(x, y), batch_size=20)
+    names = no_decay_names(prior)
+    assert names == ["0.bias", "1.weight", "1.bias", "3.bias"]
+    prior.treat(names, "decoupled", BIAS_NORMALIZATION)
+    assert prior.learned_groups().all() and prior.treated("decoupled") == names
+    ev = LaplaceEvidence.fit(net, data, CategoricalLikelihood(), prior)
+    ev.set_hyperparameters(ev.optimize().values)
+    learned = prior.log_precision.clone()
+    assert (learned[[1, 2, 3, 5]] - math.log(2.0)).abs().min() > 1e-3  # the evidence learned them ...
+    wd = prior.weight_decay_log_precision()
+    assert torch.allclose(wd[[1, 2, 3, 5]], torch.full((4,), math.log(2.0), dtype=wd.dtype))  # ... the MAP loss did not
+    assert torch.equal(wd[[0, 4]], learned[[0, 4]])
+    out = net(x)
+    sq = prior.group_sq_norms()
+    expected = CategoricalLikelihood().nll(out, y).mean() + 0.5 * (wd.exp() * sq).sum() / 20
+    assert torch.allclose(map_loss(out, y, CategoricalLikelihood(), prior), expected)
+
+    prior.treat(names, "fixed", BIAS_NORMALIZATION)  # replaces the declaration of that reason
+    assert prior.learned_groups().tolist() == [True, False, False, False, True, False]
+    assert prior.learned_names() == ["0.weight", "3.weight"] and prior.treated("decoupled") == []
+    prior.treat(names, "learn", BIAS_NORMALIZATION)
+    assert prior.learned_groups().all() and torch.equal(prior.weight_decay_log_precision(), prior.log_precision)
+
+
+def test_treatments_of_several_reasons_combine_strongest_first():
+    net = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+    prior = GaussianPrior(net, fixed=["2.bias"])
+    prior.treat_scale_invariant(["0.weight", "0.bias"], "decoupled")
+    prior.treat(no_decay_names(prior), "fixed", BIAS_NORMALIZATION)
+    assert prior.scale_invariant == ["0.weight", "0.bias"] and prior.scale_invariant_treatment == "decoupled"
+    assert prior.treated("fixed") == ["0.bias", "1.weight", "1.bias"]  # 2.bias keeps GaussianPrior(fixed=...)
+    assert prior.treated("decoupled") == ["0.weight"]
+    assert prior.fixed_names() == ["2.bias", "0.bias", "1.weight", "1.bias"]
+    prior.treat(no_decay_names(prior), "learn", BIAS_NORMALIZATION)
+    assert prior.treated("decoupled") == ["0.weight", "0.bias"] and prior.fixed_names() == ["2.bias"]
+    assert set(prior.treatments) == {SCALE_INVARIANT, BIAS_NORMALIZATION}
+
+
+def test_treat_is_checked():
+    net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    prior = GaussianPrior(net)
+    with pytest.raises(ValueError, match="`treatment` must be one of .*got 'decouple' \\(did you mean 'decoupled'\\?\\)"):
+        prior.treat(["0.bias"], "decouple", BIAS_NORMALIZATION)
+    with pytest.raises(ValueError, match="\\['nope'\\] are not parameters the prior covers"):
+        prior.treat(["nope"], "fixed", BIAS_NORMALIZATION)
+    with pytest.raises(ValueError, match="`reason` must be a non-empty string"):
+        prior.treat(["0.bias"], "fixed", "")
+    with pytest.raises(ValueError, match="bias/normalization tensors needs one precision per tensor, the prior is scalar"):
+        GaussianPrior(net, structure="scalar").treat(["0.bias"], "decoupled", BIAS_NORMALIZATION)
+    GaussianPrior(net, structure="scalar").treat(["0.bias"], "learn", BIAS_NORMALIZATION)  # nothing apart: allowed
+
+
+def test_treatments_are_declarations_not_state():
+    """The state dict (checkpoints) is unchanged by a treatment: a restored prior gets it declared again,
+    as MargLikCallback re-derives the scale-invariant tensors when training starts, and then has
+    the same MAP loss."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    prior = GaussianPrior(net, precision=0.5)
+    before = set(prior.state_dict())
+    prior.treat(no_decay_names(prior), "decoupled", BIAS_NORMALIZATION)
+    with torch.no_grad():
+        prior.log_precision.copy_(torch.tensor([0.1, 3.0, -0.2, 4.0]))
+    assert set(prior.state_dict()) == before
+    restored = GaussianPrior(net, precision=0.5)
+    restored.load_state_dict(prior.state_dict())
+    assert not torch.equal(restored.penalty(), prior.penalty())  # undeclared: the learned bias precisions act
+    restored.treat(no_decay_names(restored), "decoupled", BIAS_NORMALIZATION)
+    assert torch.equal(restored.penalty(), prior.penalty())
+
+
+# --- 4. the settle rule -----------------------------------------------------------------------------
+
+
+def test_loss_has_settled():
+    history = [2.3, 1.2, 0.9, 0.80, 0.78, 0.775]
+    assert not loss_has_settled(history[:2], window=2, rel_tol=0.05)  # not enough epochs yet
+    assert not loss_has_settled(history[:4], window=2, rel_tol=0.05)  # 0.9 -> 0.80: 11 %
+    assert not loss_has_settled(history[:5], window=2, rel_tol=0.05)  # 0.9 -> 0.78: 13 %
+    assert loss_has_settled(history, window=2, rel_tol=0.05)  # 0.80 -> 0.775: 3.1 %
+    assert not loss_has_settled(history, window=2, rel_tol=0.01)
+    assert not loss_has_settled([1.0, float("nan"), 1.0], window=2, rel_tol=0.5)
+    assert loss_has_settled([1.0, 1.5, 1.04], window=2, rel_tol=0.05)  # only the ends of the window count
+    for bad, match in ((0, "`window` must be an int >= 1"), (1.0, "`window`")):
+        with pytest.raises(ValueError, match=match):
+            loss_has_settled(history, window=bad, rel_tol=0.1)
+    with pytest.raises(ValueError, match="`rel_tol` must be a finite number in \\(0, inf\\)"):
+        loss_has_settled(history, window=1, rel_tol=0)
