@@ -105,6 +105,9 @@ def test_readme_lightning_example_trains_and_reads_the_result(tmp_path, monkeypa
     assert marglik and math.isfinite(float(marglik.group(1))), printed[-2000:]
     best = Path(checkpoint.best_model_path)
     assert best.is_file() and tmp_path in best.parents
+    saved = torch.load(best, weights_only=True)["state_dict"]  # trainer.test(ckpt_path="best") loaded it
+    assert torch.equal(saved["prior.log_precision"], module.prior.log_precision)
+    assert torch.equal(saved["likelihood.log_sigma"], module.likelihood.log_sigma)
     assert len(module.prior.param_names) == module.prior.precision.numel() == 4
     assert module.prior.precision.ne(1.0).all() and module.likelihood.sigma.item() != 1.0  # learned
     assert "0.weight: prior precision" in printed and "sigma" in printed and "test_rmse" in printed

@@ -1,7 +1,7 @@
 """The options tables of MargLikCallback say what the signature says.
 
 The callback reference (docs/callback.md) lists every option with its default; the README's summary
-lists five of them, with the same defaults.
+lists five of them, with the same defaults, and names the default `rank_by` of `select_models`.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import inspect
 import re
 from pathlib import Path
 
-from lightning_marglik import MargLikCallback
+from lightning_marglik import MargLikCallback, select_models
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADINGS = {"docs/callback.md": "## Options of `MargLikCallback`", "README.md": "## Options"}
@@ -52,3 +52,8 @@ def test_readme_summary_is_five_options_with_the_signatures_defaults():
     rows = options_table("README.md")
     assert len(rows) == 5 and len({name for name, _ in rows}) == 5, rows
     check_defaults("README.md", rows)
+
+
+def test_readme_names_select_models_default_rank_by():
+    named = re.findall(r'`select_models`\' default\s+re-estimate \(`rank_by="([\w-]+)"`\)', (ROOT / "README.md").read_text())
+    assert named == [inspect.signature(select_models).parameters["rank_by"].default], named
