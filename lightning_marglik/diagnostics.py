@@ -33,7 +33,7 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -46,6 +46,7 @@ from .hyperparameters import CategoricalLikelihood, GaussianLikelihood, Likeliho
 
 __all__ = [
     "EF_RATIO_THRESHOLD",
+    "batch_traces",
     "curvature_traces",
     "ef_curvature_ratio",
     "ef_unreliable_message",
@@ -85,26 +86,63 @@ def _categorical_traces(logits: Tensor, labels: Tensor) -> Tuple[Tensor, Tensor]
     return residual.pow(2).sum(1), (probs * complement).sum(1)
 
 
+def _check_likelihood(likelihood: Any) -> None:
+    if not isinstance(likelihood, _SUPPORTED):
+        raise TypeError(
+            f"`likelihood` must be a CategoricalLikelihood or GaussianLikelihood, got {type(likelihood).__name__}: "
+            "the curvature ratio is defined for these two."
+        )
+
+
+def batch_traces(output: Tensor, target: Tensor, likelihood: Likelihood) -> Tensor:
+    """``[sum_n tr EF_n, sum_n tr GGN_n, n]`` of one batch's outputs, at unit curvature scale.
+
+    For a pass that already has the outputs (e.g. the evidence pass): sum these over its batches
+    (and processes), then :func:`ratio_from_traces`. Per datum, ``||y - p||^2`` and ``1 - ||p||^2``
+    (categorical, positions labelled ``ignore_index`` left out) or ``||y - f||^2`` and ``D``
+    (Gaussian); outputs ``(B, ..., C)`` are split into data as the likelihood's ``terms`` does.
+
+    Args:
+        output: The network's outputs ``(B, ..., C)``.
+        target: The batch's targets.
+        likelihood: A ``CategoricalLikelihood`` or ``GaussianLikelihood``.
+
+    Returns:
+        A float64 tensor of three sums on the output's device.
+
+    Raises:
+        TypeError: On a likelihood of another type.
+        ValueError: On targets that do not fit the likelihood.
+    """
+    _check_likelihood(likelihood)
+    flat, flat_target, mask = likelihood.terms(output.detach(), target)
+    flat, flat_target = flat[mask].double(), flat_target[mask]
+    if isinstance(likelihood, CategoricalLikelihood):
+        ef, ggn = _categorical_traces(flat, flat_target)
+    else:
+        ef = (flat_target.double() - flat).pow(2).sum(1)
+        ggn = torch.full_like(ef, flat.shape[1])
+    return torch.stack([ef.sum(), ggn.sum(), mask.sum().double()])
+
+
 def curvature_traces(
     model: nn.Module, dataloader: Iterable, likelihood: Likelihood, batch_fn: Optional[BatchFn] = None,
 ) -> Tensor:
-    """The summed traces ``[tr EF, tr GGN, n_data]`` of the output-space curvature over ``dataloader``.
+    """:func:`batch_traces` summed over ``dataloader``: one forward pass, no Jacobians.
 
-    One forward pass in eval mode (every submodule's mode restored after), without gradients. The
-    traces include the likelihood's curvature scale at its current hyperparameters (``1 / sigma^4``
-    and ``1 / sigma^2`` for the Gaussian, ``1 / T`` for both approximations), so that their ratio
-    compares the curvature the EF and the GGN evidence use. Sums over processes (all-reduce the
-    tensor) give the traces of the whole data; :func:`ratio_from_traces` divides them.
+    The pass runs in eval mode (every submodule's mode restored after) without gradients, inputs
+    moved to the device and floating dtype of the model's parameters. Sum the result over
+    processes (all-reduce) for the traces of the whole data, then :func:`ratio_from_traces`.
 
     Args:
         model: Network mapping inputs to outputs ``(B, ..., C)`` (logits or predictions).
         dataloader: Iterable of batches covering the evidence data once.
-        likelihood: A ``CategoricalLikelihood`` (positions labelled ``ignore_index`` left out) or a
-            ``GaussianLikelihood``.
+        likelihood: A ``CategoricalLikelihood`` or ``GaussianLikelihood``.
         batch_fn: Maps a batch to ``(inputs, targets)``; default: batches are such pairs.
 
     Returns:
-        A float64 CPU tensor of three sums: the EF trace, the GGN trace and the number of data.
+        A float64 CPU tensor of three sums: the EF trace, the GGN trace (both at unit scale) and
+        the number of data.
 
     Raises:
         TypeError: On a model that is not an ``nn.Module``, a likelihood of another type, a
@@ -114,61 +152,53 @@ def curvature_traces(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"`model` must be a torch.nn.Module, got {type(model).__name__}.")
-    if not isinstance(likelihood, _SUPPORTED):
-        raise TypeError(
-            f"`likelihood` must be a CategoricalLikelihood or GaussianLikelihood, got {type(likelihood).__name__}: "
-            "the curvature ratio is defined for these two."
-        )
+    _check_likelihood(likelihood)
     if batch_fn is not None and not callable(batch_fn):
         raise TypeError(f"`batch_fn` must map a batch to (inputs, targets), got {type(batch_fn).__name__} {batch_fn!r}.")
     param = next(model.parameters(), None)
-    ef = ggn = torch.zeros((), dtype=torch.float64)
-    n_data, batches = 0, 0
+    total: Optional[Tensor] = None
     with eval_mode(model), torch.no_grad():
         for batch in dataloader:
             inputs, target = split_batch(batch, batch_fn)
             if param is not None:
                 inputs, target = move(inputs, param.device, param.dtype), target.to(param.device)
-            flat, flat_target, mask = likelihood.terms(call_model(model, inputs), target)
-            flat, flat_target = flat[mask].double(), flat_target[mask]
-            if isinstance(likelihood, CategoricalLikelihood):
-                ef_n, ggn_n = _categorical_traces(flat, flat_target)
-            else:
-                ef_n = (flat_target.double() - flat).pow(2).sum(1)
-                ggn_n = torch.full_like(ef_n, flat.shape[1])
-            ef, ggn = ef + ef_n.sum().cpu(), ggn + ggn_n.sum().cpu()
-            n_data += int(mask.sum())
-            batches += 1
-    if batches == 0:
+            traces = batch_traces(call_model(model, inputs), target, likelihood).cpu()
+            total = traces if total is None else total + traces
+    if total is None:
         raise ValueError("The data loader yielded no batch: the curvature ratio needs the evidence data.")
-    values = {name: value.detach().double().cpu() for name, value in likelihood.hyperparameters().items()}
-    scale_ef, scale_ggn = (likelihood.curvature_scale(approx, values) for approx in ("ef", "ggn"))
-    return torch.stack([ef * scale_ef, ggn * scale_ggn, torch.tensor(float(n_data), dtype=torch.float64)])
+    return total
 
 
-def ratio_from_traces(traces: Tensor, likelihood: Optional[Likelihood] = None) -> float:
-    """``tr EF / tr GGN`` from :func:`curvature_traces` (summed over processes where there are several).
+def ratio_from_traces(traces: Tensor, likelihood: Likelihood) -> float:
+    """``tr EF / tr GGN`` from summed :func:`batch_traces`, with the likelihood's curvature scales.
+
+    The scales are those the evidence uses at the likelihood's current hyperparameters:
+    ``1 / sigma^4`` and ``1 / sigma^2`` for the Gaussian, ``1 / T`` for both approximations of the
+    categorical (so that the temperature cancels).
 
     Args:
-        traces: The three sums ``[tr EF, tr GGN, n_data]``.
-        likelihood: Named in the error for data without a datum (its ``ignore_index``).
+        traces: The three sums ``[tr EF, tr GGN, n_data]`` at unit scale (over every process).
+        likelihood: The likelihood at its current hyperparameters.
 
     Returns:
         The ratio; 0 where both traces vanish (a softmax one-hot in float64 on every datum: the
         most confident fit there is), NaN where the outputs were not finite.
 
     Raises:
+        TypeError: On a likelihood of another type.
         ValueError: On a tensor that is not three sums, or no datum (e.g. every label ``ignore_index``).
     """
+    _check_likelihood(likelihood)
     if not isinstance(traces, Tensor) or traces.shape != (3,):
         shape = tuple(traces.shape) if isinstance(traces, Tensor) else type(traces).__name__
         raise ValueError(f"`traces` must be the tensor [tr EF, tr GGN, n_data] of curvature_traces, got {shape}.")
     ef, ggn, n_data = (float(v) for v in traces)
-    if n_data == 0:
-        require_data(0, likelihood if likelihood is not None else CategoricalLikelihood())
+    require_data(int(n_data), likelihood)
     if ggn == 0 and ef == 0:
         return 0.0
-    return ef / ggn
+    values = {name: value.detach().double().cpu() for name, value in likelihood.hyperparameters().items()}
+    scale_ef, scale_ggn = (float(likelihood.curvature_scale(approx, values)) for approx in ("ef", "ggn"))
+    return ef * scale_ef / (ggn * scale_ggn)
 
 
 def ef_curvature_ratio(

@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_marglik import CategoricalLikelihood, GaussianLikelihood, GaussianPrior, LaplaceEvidence
 from lightning_marglik.diagnostics import (
-    EF_RATIO_THRESHOLD, curvature_traces, ef_curvature_ratio, ef_unreliable_message, ratio_from_traces,
+    EF_RATIO_THRESHOLD, batch_traces, curvature_traces, ef_curvature_ratio, ef_unreliable_message, ratio_from_traces,
 )
 
 
@@ -56,7 +56,7 @@ def test_sequence_outputs_count_every_kept_position():
         expected = categorical_by_hand(net(x), y)
     traces = curvature_traces(net, loader(x, y, 4), CategoricalLikelihood())
     assert traces[2].item() == 15  # 5 sequences of 3 kept positions
-    assert ratio_from_traces(traces) == pytest.approx(expected, rel=1e-12)
+    assert ratio_from_traces(traces, CategoricalLikelihood()) == pytest.approx(expected, rel=1e-12)
 
 
 @pytest.mark.parametrize("shape", [(40, 2), (8, 5, 3)])
@@ -71,21 +71,23 @@ def test_gaussian_is_mean_squared_residual_over_sigma_squared(shape):
 
 @pytest.mark.parametrize("likelihood", [CategoricalLikelihood(temperature=2.0), GaussianLikelihood(sigma=0.6)])
 def test_traces_are_the_library_curvature_factors(likelihood):
-    """Per datum, tr(L L^T) of the likelihood's own EF and GGN factors times its curvature scales."""
+    """The unit-scale traces are tr(L L^T) of the likelihood's own EF and GGN factors; the ratio
+    applies its curvature scales (the temperature cancels, sigma does not)."""
     categorical = isinstance(likelihood, CategoricalLikelihood)
     net = nn.Linear(3, 4)
     x = torch.randn(25, 3)
     y = torch.randint(0, 4, (25,)) if categorical else torch.randn(25, 4)
     with torch.no_grad():
         f = net(x)
+    unit = [likelihood.term_hessian_sqrt(f, y, approx, 0, None).pow(2).sum().item() for approx in ("ef", "ggn")]
     values = {k: v.double() for k, v in likelihood.hyperparameters().items()}
-    expected = [
-        likelihood.term_hessian_sqrt(f, y, approx, 0, None).pow(2).sum().item()
-        * likelihood.curvature_scale(approx, values).item()
-        for approx in ("ef", "ggn")
-    ]
+    scales = [likelihood.curvature_scale(approx, values).item() for approx in ("ef", "ggn")]
     traces = curvature_traces(net, loader(x, y), likelihood)
-    assert traces[:2].tolist() == pytest.approx(expected, rel=1e-12)
+    assert traces.tolist() == pytest.approx([*unit, 25], rel=1e-12)
+    assert batch_traces(f, y, likelihood).tolist() == pytest.approx(traces.tolist(), rel=1e-12)
+    expected = unit[0] * scales[0] / (unit[1] * scales[1])
+    assert ratio_from_traces(traces, likelihood) == pytest.approx(expected, rel=1e-12)
+    assert (scales[0] / scales[1] == pytest.approx(1.0)) == categorical
 
 
 def test_ratio_equals_the_evidence_pass_diagonals_when_the_jacobian_is_the_identity():
@@ -191,12 +193,16 @@ def test_bad_input_refused():
     with pytest.raises(TypeError, match="not an \\(inputs, targets\\) pair"):
         ef_curvature_ratio(net, [torch.randn(4, 3)], CategoricalLikelihood())
     with pytest.raises(ValueError, match="must be the tensor \\[tr EF, tr GGN, n_data\\].*got \\(2,\\)"):
-        ratio_from_traces(torch.ones(2))
+        ratio_from_traces(torch.ones(2), CategoricalLikelihood())
+    with pytest.raises(TypeError, match="got NoneType"):
+        ratio_from_traces(torch.ones(3), None)
+    with pytest.raises(TypeError, match="got str"):
+        batch_traces(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), "categorical")
 
 
 def test_both_traces_zero_is_ratio_zero():
-    assert ratio_from_traces(torch.tensor([0.0, 0.0, 5.0])) == 0.0
-    assert ratio_from_traces(torch.tensor([1.0, 4.0, 5.0])) == 0.25
+    assert ratio_from_traces(torch.tensor([0.0, 0.0, 5.0]), CategoricalLikelihood()) == 0.0
+    assert ratio_from_traces(torch.tensor([1.0, 4.0, 5.0]), CategoricalLikelihood()) == 0.25
 
 
 def test_message_names_every_model_below_the_threshold_and_the_fix():
@@ -218,3 +224,13 @@ def test_message_bad_input_refused():
         ef_unreliable_message({"a": 0.1}, where="trainer")
     with pytest.raises(ValueError, match="curvature ratio of 'a' must be a number, got '0.1'"):
         ef_unreliable_message({"a": "0.1"})
+
+
+def test_traces_of_shards_sum_to_the_traces_of_the_data():
+    """What an all-reduce over processes relies on: the sums of disjoint shards add up."""
+    net = nn.Linear(3, 4)
+    x, y = torch.randn(30, 3), torch.randint(0, 4, (30,))
+    likelihood = CategoricalLikelihood()
+    shards = curvature_traces(net, loader(x[:11], y[:11]), likelihood) + curvature_traces(net, loader(x[11:], y[11:]), likelihood)
+    assert shards.tolist() == pytest.approx(curvature_traces(net, loader(x, y), likelihood).tolist(), rel=1e-12)
+    assert ratio_from_traces(shards, likelihood) == pytest.approx(ef_curvature_ratio(net, loader(x, y), likelihood))
