@@ -163,7 +163,7 @@ def parser(description: str, config: str) -> argparse.ArgumentParser:
     found.add_argument("--config", default=config, help="YAML with trainer, model and data (default: %(default)s)")
     found.add_argument("--quick", action="store_true", help="smoke test: a few epochs (seconds)")
     found.add_argument("--threads", type=int, default=DEFAULT_THREADS,
-                       help="torch threads (default %(default)s: fastest for these small models, see the README)")
+                       help="torch threads (default %(default)s: fastest for these small models, see docs/install.md)")
     found.add_argument("--output-dir", help="where plots and tables go (default: outputs/, ignored by git)")
     found.add_argument("--results", action="store_true", help="rewrite the committed examples/results/ instead")
     return found

@@ -106,7 +106,7 @@ def test_trainer_takes_our_callbacks_and_best_loads_the_best_evidence_model(pack
 
 def test_ckpt_path_best_follows_the_first_checkpoint_callback_in_the_list(package, tmp_path):
     """With a ModelCheckpoint of the user's as well, Lightning's ``checkpoint_callback`` (what
-    ``ckpt_path="best"`` loads) is whichever comes first in ``callbacks`` (the README says so)."""
+    ``ckpt_path="best"`` loads) is whichever comes first in ``callbacks`` (docs/callback.md says so)."""
     ours = package.ours
     mine = ours.MargLikCheckpoint(dirpath=str(tmp_path / "a"))
     theirs = package.pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "b"), monitor="val_mse")
