@@ -31,9 +31,11 @@ def _unsupported(net: nn.Module, owners: List[Tuple[str, nn.Module, str]], optio
     if not isinstance(net, nn.Sequential):
         return f"the prior's network is a {type(net).__name__}, BackPACK's second-order extensions need an nn.Sequential"
     layers = (nn.Linear,) if options.structure == "kron" else (nn.Linear, nn.Conv2d)
-    for name, module, _ in owners:
-        if not isinstance(module, layers):
+    for name, module, role in owners:
+        if type(module) not in layers:  # a subclass may compute another function (BackPACK maps exact types)
             return f"module '{name}' ({type(module).__name__}) is not one of {[t.__name__ for t in layers]}"
+        if role not in ("weight", "bias"):
+            return f"parameter '{name}.{role}' is not a layer's weight or bias (torch.nn.utils.prune, weight_norm)"
     if options.structure in ("full", "ekfac"):
         return f"structure={options.structure!r} has no BackPACK extension here"
     if options.structure == "kron" and options.approx == "ef":

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from .batches import Inputs, batch_size, call_model
-from .layers import layer_rule
+from .layers import check_rule, layer_rule
 
 __all__ = ["Recorder", "graph_uses"]
 
@@ -57,6 +57,7 @@ class Recorder:
         self._unshared: Set[str] = set()  # ... and whose expansion changed the output: never again
         self._copied: Set[str] = set()  # layers whose input or output a later in-place op modifies
         self._versions: Dict[str, Tuple[int, int]] = {}
+        self._rules_checked = False  # the kept layers' rules were held to their contract (first strict batch)
 
     def __enter__(self) -> "Recorder":
         for name, module in self.model.named_modules():
@@ -189,6 +190,10 @@ class Recorder:
 
         Returns:
             Per kept layer, a tensor ``(K, *layer_output.shape)``.
+
+        Raises:
+            ValueError: On the first batch after the plan, if a registered rule breaks its contract
+                (:func:`.layers.check_rule`).
         """
         names = [n for n in self.keep if n in self.outputs]
         outs = [self.outputs[n] for n in names]
@@ -210,10 +215,15 @@ class Recorder:
                     stacked[i] = g.new_empty((k,) + g.shape)
                     stacked[i][:j] = 0
                 stacked[i][j] = g
-        return {
+        grads = {
             n: torch.zeros((k,) + o.shape, dtype=o.dtype, device=o.device) if g is None else g
             for n, o, g in zip(names, outs, stacked)
         }
+        if self.strict and not self._rules_checked:
+            for name in names:
+                check_rule(name, self.keep[name], self.inputs[name], grads[name])
+            self._rules_checked = True
+        return grads
 
 
 def graph_uses(output: Tensor, params: Sequence[Tensor]) -> List[int]:

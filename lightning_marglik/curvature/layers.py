@@ -6,7 +6,13 @@ outputs w.r.t. each layer's output. The exact diagonal and the Kronecker factors
 ``a`` and ``g`` alone, without per-example Jacobians of the whole network.
 
 What the hook path does with a layer is one :class:`LayerRule` per layer type, in one table keyed
-by module type and looked up along the class's MRO (a subclass takes its base's rule):
+by module type and looked up along the class's MRO. A subclass takes its base's rule only if it
+keeps the base's ``forward`` (or the rule sets ``applies_to_subclasses``): a subclass that
+transforms its weight in ``forward`` (weight standardisation, a mask) computes another function of
+it, and its parameters take the exact path. So do the parameters of a layer with a trainable
+parameter its rule does not compute (``LayerRule.roles``): ``weight_orig`` after
+``torch.nn.utils.prune``, ``weight_g``/``weight_v`` of the old ``torch.nn.utils.weight_norm``, from
+which the weight is computed. The rules:
 
 * ``nn.Linear``, ``nn.Conv1d``, ``nn.Conv2d`` (any groups, stride, padding, dilation),
   ``nn.Embedding`` and Hugging Face's ``transformers.pytorch_utils.Conv1D`` (a Linear whose weight
@@ -16,7 +22,8 @@ by module type and looked up along the class's MRO (a subclass takes its base's 
   of their affine parameters (they have no Kronecker form; under ``kron`` they are exact
   diagonal blocks).
 
-:func:`register_layer_rule` adds a user's own layer.
+:func:`register_layer_rule` adds a user's own layer; :func:`check_rule` holds its output to the
+rule's contract once, on the first batch.
 
 Weight sharing (conv positions, sequence positions of a Linear, token positions of an
 Embedding) uses the *expand* convention: every row (position) counts as an example for the
@@ -30,7 +37,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple, Type
+from typing import Dict, Iterable, List, Optional, Tuple, Type
 
 import torch
 from torch import Tensor, nn
@@ -41,6 +48,7 @@ __all__ = [
     "KronShape",
     "KronSums",
     "LayerRule",
+    "check_rule",
     "hook_reason",
     "is_kron_layer",
     "layer_diagonal",
@@ -101,10 +109,16 @@ class LayerRule:
         kron: Whether the layer has Kronecker factors (else only an exact diagonal).
         shared_input: Whether an input shared by the whole batch (leading size 1, e.g. position
             indices ``arange(T)[None]``) may be expanded to one copy per example for the pass.
+        roles: Names (in the module) of the parameters the rule computes curvature for; a layer
+            with another trainable parameter takes the exact path.
+        applies_to_subclasses: Whether the rule also holds for subclasses that override the
+            registered class's ``forward`` (else they take the exact path, unless registered themselves).
     """
 
     kron: bool = False
     shared_input: bool = False
+    roles: Tuple[str, ...] = ("weight", "bias")
+    applies_to_subclasses: bool = False
 
     def reason(self, module: nn.Module) -> Optional[str]:
         """Why this rule cannot take ``module`` (``None`` if it can)."""
@@ -130,6 +144,8 @@ class LayerRule:
 class _Refused(LayerRule):
     """A module type the hook path must never take, with the reason."""
 
+    applies_to_subclasses = True
+
     def __init__(self, why: str) -> None:
         self.why = why
 
@@ -142,7 +158,12 @@ _OPTIONAL: Dict[str, Tuple[str, str]] = {"transformers.pytorch_utils": ("Conv1D"
 
 
 def register_layer_rule(module_type: Type[nn.Module], rule: LayerRule) -> None:
-    """Take ``module_type`` (and its subclasses without a rule of their own) on the hook path with ``rule``.
+    """Take ``module_type`` (and its subclasses that keep its ``forward``) on the hook path with ``rule``.
+
+    The rule's output is checked once, on the first batch of every evidence pass (:func:`check_rule`).
+    A subclass that overrides ``forward`` takes the exact path unless registered itself: if its
+    forward computes its base's function, ``register_layer_rule(MyLinear, layer_rule(nn.Linear(1, 1)))``
+    (:func:`layer_rule` from ``lightning_marglik.curvature.layers``) gives it the base's rule.
 
     Args:
         module_type: The layer class, e.g. ``MyLinear``.
@@ -179,22 +200,122 @@ def _register_optional() -> None:
 
 
 def layer_rule(module: nn.Module) -> Optional[LayerRule]:
-    """The rule of ``module``'s class or of its nearest base class with one (``None``: no rule)."""
+    """The rule of ``module``'s class or of its nearest base class with one (``None``: no rule).
+
+    A base class's rule holds for a subclass that keeps the base's ``forward``; for one that
+    overrides it (unless the rule sets ``applies_to_subclasses``) the result is a refusal naming why.
+    """
     if _OPTIONAL:
         _register_optional()
-    for cls in type(module).__mro__:
-        rule = _RULES.get(cls)
-        if rule is not None:
+    cls_ = type(module)
+    for base in cls_.__mro__:
+        rule = _RULES.get(base)
+        if rule is None:
+            continue
+        if base is cls_ or rule.applies_to_subclasses or cls_.forward is base.forward:
             return rule
+        return _Refused(
+            f"{cls_.__name__} overrides the forward of {base.__name__}, whose hook rule it would inherit, and may "
+            f"compute another function of its weights (register_layer_rule({cls_.__name__}, rule) takes it on the "
+            "hook path)"
+        )
     return None
 
 
-def hook_reason(module: nn.Module) -> Optional[str]:
-    """Why the hook path cannot take ``module``'s own parameters (``None`` if it can)."""
+def hook_reason(module: nn.Module, roles: Iterable[str] = ()) -> Optional[str]:
+    """Why the hook path cannot take ``module``'s own parameters (``None`` if it can).
+
+    Args:
+        module: The layer.
+        roles: Names (in ``module``) of its parameters the curvature covers; one the rule does not
+            compute (``weight_orig`` of a pruned layer) rules the hook path out.
+    """
     rule = layer_rule(module)
     if rule is None:
         return f"{type(module).__name__} has no hook rule (lightning_marglik.register_layer_rule adds one)"
-    return rule.reason(module)
+    reason = rule.reason(module)
+    foreign = [role for role in roles if role not in rule.roles]
+    if reason is None and foreign:
+        return (
+            f"its parameter(s) {', '.join(map(repr, foreign))} are not among those its layer rule computes "
+            f"({', '.join(map(repr, rule.roles))}), e.g. the tensors torch.nn.utils.prune or the old "
+            "torch.nn.utils.weight_norm compute the weight from"
+        )
+    return reason
+
+
+def check_rule(name: str, module: nn.Module, a: Tensor, g: Tensor) -> None:
+    """Hold a registered rule's output on one batch to its contract (the library's own rules are
+    proven against the dense reference in the test suite and not re-checked).
+
+    The diagonal must hold one tensor shaped like each trainable parameter, keyed by its name in
+    the module, and nothing else; a Kronecker layout must multiply out to the weight's size and the
+    Kronecker sums must have its factors' shapes. A transposed or misnamed result would otherwise be
+    summed into the wrong scalars, or fail deep in a structure.
+
+    Args:
+        name: The layer's module name (for the message).
+        module: The layer.
+        a: Its recorded input on the batch.
+        g: Gradients w.r.t. its output, ``(K, *output.shape)``.
+
+    Raises:
+        ValueError: Naming the rule, the layer, what it returned and the fix.
+    """
+    rule = layer_rule(module)
+    if rule is None or type(rule) in _BUILT_IN:
+        return
+    label = f"Layer rule {type(rule).__name__} for module '{name}' ({type(module).__name__})"
+    params = dict(module.named_parameters(recurse=False))
+    diagonal = rule.diagonal(module, a, g)
+    if not isinstance(diagonal, dict):
+        raise ValueError(f"{label}: diagonal() returned {type(diagonal).__name__}; return a dict of tensors by role.")
+    unknown = [role for role in diagonal if role not in params]
+    missing = [role for role, p in params.items() if p.requires_grad and role not in diagonal]
+    if unknown or missing:
+        raise ValueError(
+            f"{label}: diagonal() returned the role(s) {', '.join(map(repr, diagonal))}, the layer's parameters are "
+            f"{', '.join(map(repr, params))}; key each tensor by its parameter's name in the module, one for every "
+            "trainable parameter (and set the rule's `roles` to those names if they are not 'weight' and 'bias')."
+        )
+    for role, value in diagonal.items():
+        shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+        if shape != tuple(params[role].shape):
+            raise ValueError(
+                f"{label}: diagonal() returned {role!r} of shape {shape}, the parameter {role!r} is "
+                f"{tuple(params[role].shape)}; return, per role, a tensor shaped like the parameter (in its own "
+                "layout: not transposed or flattened)."
+            )
+    if rule.kron:
+        _check_kron(label, rule, module, params, a, g)
+
+
+def _check_kron(label: str, rule: LayerRule, module: nn.Module, params: Dict[str, Tensor], a: Tensor, g: Tensor) -> None:
+    """The Kronecker half of :func:`check_rule`."""
+    shape = rule.kron_shape(module)
+    weight, bias = params.get("weight"), params.get("bias")
+    if weight is not None and shape.out * shape.inp != weight.numel():
+        raise ValueError(
+            f"{label}: kron_shape() gives factors {shape.out} x {shape.inp} (out x inp) for a weight of "
+            f"{weight.numel()} scalars {tuple(weight.shape)}; out * inp must be the weight's size (inp per conv group)."
+        )
+    if bias is not None and bias.numel() != shape.out:
+        raise ValueError(
+            f"{label}: kron_shape() gives out={shape.out} for a bias of {bias.numel()} scalars; out must be its size."
+        )
+    sums = rule.kron_sums(module, a, g)
+    want = {
+        "g": (shape.out, shape.out),
+        "a": (shape.inp,) if shape.diagonal_input else (shape.groups, shape.inp, shape.inp),
+        "rows": (),
+    }
+    for field, expected in want.items():
+        got = tuple(getattr(sums, field).shape)
+        if got != expected:
+            raise ValueError(
+                f"{label}: kron_sums() returned {field} of shape {got}, its kron_shape() {shape} needs {expected} "
+                "(KronSums: g is out x out, a one inp x inp block per group or the inp counts, rows a 0-dim count)."
+            )
 
 
 def is_kron_layer(module: nn.Module) -> bool:
@@ -497,3 +618,4 @@ register_layer_rule(
     parametrize.ParametrizationList,
     _Refused("a parametrized weight (torch.nn.utils.parametrize): exact diagonal of the tensors it is computed from"),
 )
+_BUILT_IN = {type(rule) for rule in _RULES.values()} | {_TransposedLinearRule}

@@ -21,10 +21,10 @@ from typing import Dict, List, NamedTuple, Sequence, Tuple
 from torch import nn
 
 from ..hyperparameters import GaussianPrior
-from .layers import hook_reason, is_kron_layer
+from .layers import hook_reason
 from .options import CurvatureOptions
 from .statistics import LayerPlan, Structure
-from .structures import DiagStructure, EKFACStructure, FullStructure, KronStructure
+from .structures import structure_class
 
 __all__ = ["LayerLayout", "Plan", "candidates", "check_model", "locate", "make_plan"]
 
@@ -96,17 +96,23 @@ def check_model(model: nn.Module, prior: GaussianPrior, options: CurvatureOption
         ValueError: Naming the problem and a fix.
     """
     locate(model, prior)
-    if options.structure in ("kron", "ekfac"):
-        prior.per_tensor(prior.log_precision)
-    if options.structure == "full":
-        FullStructure(range(len(prior.param_sizes)), prior.param_sizes, prior.structure, options.max_memory)
+    structure_class(options.structure).check(prior, options)
 
 
 def candidates(owners: Sequence[Owner], options: CurvatureOptions) -> Dict[str, nn.Module]:
     """Modules that may take the hook path (to record on the first batch)."""
-    if options.structure == "full":
+    if not structure_class(options.structure).hook_path:
         return {}
-    return {name: module for name, module, _ in owners if hook_reason(module) is None}
+    roles = _roles(owners)
+    return {name: module for name, module, _ in owners if hook_reason(module, roles[name]) is None}
+
+
+def _roles(owners: Sequence[Owner]) -> Dict[str, List[str]]:
+    """Per module name, the roles of its parameters the prior covers."""
+    roles: Dict[str, List[str]] = {}
+    for name, _, role in owners:
+        roles.setdefault(name, []).append(role)
+    return roles
 
 
 def make_plan(
@@ -133,14 +139,14 @@ def make_plan(
     """
     sizes = prior.param_sizes
     everything = list(range(len(sizes)))
-    if options.structure == "full":
-        full = FullStructure(everything, sizes, prior.structure, options.max_memory)
-        return Plan([], everything, {}, [full])
-    if options.structure in ("kron", "ekfac"):
-        prior.per_tensor(prior.log_precision)  # raises for a diagonal prior, with the explanation
+    structure = structure_class(options.structure)
+    if not structure.hook_path:
+        return Plan([], everything, {}, structure.from_plan([], everything, prior, options))
+    structure.check(prior, options)  # e.g. a diagonal prior with kron, with the explanation
     reasons: Dict[str, str] = {}  # per module: a layer takes the hook path whole or not at all
+    roles = _roles(owners)
     for index, (name, module, role) in enumerate(owners):
-        reason = reasons.get(name) or hook_reason(module)
+        reason = reasons.get(name) or hook_reason(module, roles[name])
         if reason is None and calls.get(name, 0) != 1:
             count = calls.get(name, 0)
             reason = (
@@ -175,15 +181,4 @@ def make_plan(
             layers.setdefault(name, LayerPlan(name, module, {})).roles[role] = index
     slow = dict(reasons)
     hooked = list(layers.values())
-    if options.structure == "diag":
-        return Plan(hooked, exact, slow, [DiagStructure(everything, sizes, hooked, exact)])
-    kron = [layer for layer in hooked if is_kron_layer(layer.module)]
-    kron_indices = sorted(i for layer in kron for i in layer.roles.values())
-    rest = [i for i in everything if i not in set(kron_indices)]
-    structures: List[Structure] = []
-    if kron:
-        structures.append((EKFACStructure if options.structure == "ekfac" else KronStructure)(kron_indices, sizes, kron))
-    if rest:
-        diag_layers = [layer for layer in hooked if not is_kron_layer(layer.module)]
-        structures.append(DiagStructure(rest, sizes, diag_layers, exact))
-    return Plan(hooked, exact, slow, structures)
+    return Plan(hooked, exact, slow, structure.from_plan(hooked, exact, prior, options))
