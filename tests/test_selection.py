@@ -21,7 +21,7 @@ from lightning_marglik import (
     CategoricalLikelihood, GaussianPrior, LaplaceEvidence, MargLikCallback, NegativeLogLikelihood, map_loss,
     select_models,
 )
-from lightning_marglik.selection import build_parser, label_points, load_results, run_command_line
+from lightning_marglik.selection import build_parser, label_points, load_results, run_command_line, select_from_config
 from tests.lightning_models import BlobData, Classifier, blobs
 
 CALLBACK = {"structure": "diag", "approx": "ggn", "steps": 50}
@@ -184,9 +184,13 @@ def test_command_line_overrides(tmp_path, capsys):
     assert "rank_by" in capsys.readouterr().err
 
 
-def test_quick_mode_writes_apart_and_later_overrides_win(tmp_path):
+def test_quick_mode_writes_apart_and_later_overrides_win(tmp_path, capsys):
     path = write_config(tmp_path)
     results, _ = run_command_line([path, "--quick", "--callback.steps=7"])
+    out = capsys.readouterr().out.splitlines()
+    notice = "--quick: a smoke test (1 epoch of 2 batches per candidate) that checks everything runs; its ranking means nothing."
+    assert out[0].startswith(notice) and out[-1].startswith(notice)  # before the run and under the table
+    assert "ranking means nothing" in " ".join(build_parser().format_help().split())
     assert {r.epochs for r in results} == {1}
     settings = results[0].settings
     assert settings["trainer"]["limit_train_batches"] == 2 and settings["callback"]["steps"] == 7
@@ -245,9 +249,71 @@ def test_bad_arguments():
         select_models({"a": lambda: Classifier(60)})
     with pytest.raises(ValueError, match="predictive.*'mc'"):
         select_models({"a": lambda: Classifier(60)}, datamodule=BlobData(), predictive="mc")
-    for rank_by in ("kron", "KRON-EF", "kron-mc", "best", None):
+    for rank_by in ("kron", "kron-mc", "best", None):  # "KRON-EF" is kron-ef: test_rank_by_forgives_case...
         with pytest.raises(ValueError, match="`rank_by` must be one of"):
             select_models({"a": lambda: Classifier(60)}, datamodule=BlobData(), rank_by=rank_by)
+
+
+def test_rank_by_forgives_case_and_suggests_near_misses(tmp_path, capsys):
+    from lightning_marglik import CurvatureOptions
+    from lightning_marglik.selection import check_config
+    from lightning_marglik.selection.driver import check_rank_by
+
+    assert check_rank_by("KRON-EF") == ("kron-ef", CurvatureOptions("kron", "ef"))
+    assert check_rank_by(" Online") == ("online", None)
+    with pytest.raises(ValueError, match=r"`rank_by` must be one of .*got 'kron_ef' \(did you mean 'kron-ef'\?\)"):
+        select_models({"a": lambda: Classifier(60)}, datamodule=BlobData(), rank_by="kron_ef")
+    path = write_config(tmp_path, rank_by="Diag-GGN")
+    config = yaml.safe_load(open(path))
+    check_config(config)  # the YAML's spelling is forgiven too
+    with pytest.raises(ValueError, match=r"got 'diag-gnn' \(did you mean 'diag-ggn'\?\)"):
+        check_config({**config, "rank_by": "diag-gnn"})
+    for argument, suggested in [("--rank_by=kron-eff", "did you mean 'kron-ef'?"),
+                                ("--callback.structure=kfac", "did you mean 'kron'?"),
+                                ("--callback.approx=fisher", "did you mean 'ggn'?")]:
+        with pytest.raises(SystemExit):
+            run_command_line([path, argument])
+        assert suggested in capsys.readouterr().err, argument
+
+
+def write_module(directory, name: str, text: str) -> None:
+    directory.mkdir(exist_ok=True)
+    (directory / f"{name}.py").write_text(text)
+
+
+def test_a_class_path_whose_module_is_not_on_the_path_names_the_fix(tmp_path, monkeypatch, capsys):
+    """As ``marglik-select configs/digits_selection.yaml`` without ``PYTHONPATH=examples``: the
+    module sits in a subdirectory of the working directory, which is not on the Python path."""
+    write_module(tmp_path / "mymodels", "elsewhere_models", "from tests.lightning_models import BlobData, Classifier\n")
+    configs = tmp_path / "configs"  # not the working directory (jsonargparse parses in the YAML's directory)
+    configs.mkdir()
+    monkeypatch.chdir(tmp_path)
+    fix = ("is in neither: run marglik-select from the directory that holds elsewhere_models.py, or set "
+           "PYTHONPATH=mymodels")
+    data = {"class_path": "elsewhere_models.BlobData", "init_args": {"n_train": 60}}
+    for changes in ({"data": data},  # imported by jsonargparse while parsing
+                    {"candidates": {"a": {"class_path": "elsewhere_models.Classifier"}}}):  # by check_config
+        path = write_config(configs, **changes)
+        with pytest.raises(SystemExit):
+            run_command_line([path])
+        err = capsys.readouterr().err
+        assert "No module named 'elsewhere_models'" in err and fix in err, err
+        assert "Does not validate against any of the Union subtypes" not in err  # not jsonargparse's raw report
+    with pytest.raises(ValueError, match="set PYTHONPATH=mymodels"):
+        select_from_config({**yaml.safe_load(open(path)), "candidates": {"a": {"class_path": "elsewhere_models.X"}}})
+    monkeypatch.syspath_prepend(str(tmp_path / "mymodels"))  # the fix works
+    results, _ = run_command_line([write_config(configs, data=data), "--trainer.max_epochs=1"])
+    assert len(results) == 2
+
+
+def test_a_missing_dependency_of_a_found_module_is_reported_as_it_is(tmp_path, monkeypatch):
+    """The module is on the path but imports a package that is not installed: no PYTHONPATH advice."""
+    write_module(tmp_path / "found", "needs_a_package", "import no_such_package_anywhere\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "found"))
+    with pytest.raises(ValueError, match="No module named 'no_such_package_anywhere'") as info:
+        select_from_config({"data": {"class_path": "tests.lightning_models.BlobData"},
+                            "candidates": {"a": {"class_path": "needs_a_package.Model"}}})
+    assert "PYTHONPATH" not in str(info.value)
 
 
 # --- issue 17: test metrics, results files, trainer overrides, help ---------------------------
@@ -425,8 +491,8 @@ def test_a_subset_run_keeps_the_other_candidates_results(tmp_path, capsys):
 
 
 HOLD_LOCK = (
-    "import sys; from lightning_marglik.selection import _run_lock\n"
-    "lock = _run_lock(sys.argv[1]); lock.__enter__(); print('locked', flush=True); sys.stdin.read()\n"
+    "import sys; from lightning_marglik.selection.results import run_lock\n"
+    "lock = run_lock(sys.argv[1]); lock.__enter__(); print('locked', flush=True); sys.stdin.read()\n"
 )
 
 

@@ -17,6 +17,7 @@ from lightning_marglik import CurvatureOptions, LaplaceEvidence, MargLikCallback
 from lightning_marglik.curvature.structures import (
     DiagStructure, register_structure, structure_class, structure_names, structures_with, unregister_structure,
 )
+from lightning_marglik.selection.driver import check_rank_by, rank_by_choices
 from tests.reference import (  # noqa: F401 (reference_env: autouse fixture)
     Problem, curvature_scale, hyper, loader, reference_env, rel_err, setup,
 )
@@ -70,10 +71,12 @@ def test_a_name_is_accepted_exactly_while_registered_and_the_registry_lists_capa
         assert NAME in structures_with("rank_by") and NAME in structures_with("parametric_bound")
         assert NAME not in structures_with("training_statistics") and NAME not in structures_with("per_tensor_prior")
         assert CurvatureOptions(NAME.upper()).structure == NAME
+        assert check_rank_by("Scaled-Diag-EF") == ("scaled-diag-ef", CurvatureOptions(NAME, "ef"))
     finally:
         assert unregister_structure(NAME) is ScaledDiagStructure
     with pytest.raises(ValueError, match=refused):
         CurvatureOptions(NAME)
+    assert f"{NAME}-ef" not in rank_by_choices()
 
 
 def test_registration_refuses_a_taken_or_missing_name(toy):

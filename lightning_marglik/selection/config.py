@@ -1,0 +1,157 @@
+"""A selection configuration (the YAML's ``data``, ``candidates``, ``trainer``, ``callback``, ...):
+its classes resolved and checked before any is called, then :func:`.select_models`."""
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+from typing import Any, List, Mapping, Optional
+
+import pytorch_lightning as pl
+
+from ..callbacks import MargLikCallback
+from .driver import DEFAULT_RANK_BY, check_rank_by, check_trainer_arguments, select_models
+from .results import CandidateResult
+
+__all__ = ["check_config", "instantiate", "missing_module_fix", "resolve_class", "select_from_config"]
+
+
+def resolve_class(class_path: str, expected: type) -> type:
+    """Import ``class_path`` and check that it is a subclass of ``expected`` (nothing is called).
+
+    Example:
+        >>> resolve_class("os.system", pl.LightningModule)
+        Traceback (most recent call last):
+        ...
+        ValueError: class_path 'os.system' is a builtin_function_or_method, not a subclass of pytorch_lightning.LightningModule: refused.
+
+    Raises:
+        ValueError: If it cannot be imported (naming the fix where its module is not on the
+            Python path: :func:`missing_module_fix`) or is not such a class (the message names both).
+    """
+    wanted = f"{expected.__module__.split('.')[0]}.{expected.__qualname__}"
+    module_name, _, attr = str(class_path).rpartition(".")
+    if not module_name:
+        raise ValueError(f"class_path {class_path!r} must be a dotted path module.Class of a {wanted} subclass.")
+    try:
+        found = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as error:
+        fix = missing_module_fix(class_path, getattr(error, "name", None)) if isinstance(error, ImportError) else None
+        raise ValueError(
+            f"class_path {class_path!r} (expected a {wanted} subclass) cannot be imported: {error}{'. ' + fix if fix else ''}"
+        ) from error
+    if not (inspect.isclass(found) and issubclass(found, expected)):
+        kind = f"class {found.__module__}.{found.__qualname__}" if inspect.isclass(found) else type(found).__name__
+        raise ValueError(f"class_path {class_path!r} is a {kind}, not a subclass of {wanted}: refused.")
+    return found
+
+
+def missing_module_fix(class_path: str, missing: Optional[str], directory: Optional[str] = None) -> Optional[str]:
+    """How to put the module of ``class_path`` on the Python path, where ``missing`` (the module an
+    ``ImportError`` names) is that module or a package above it.
+
+    A YAML's own modules (e.g. ``digits_models`` of ``configs/digits_selection.yaml``, in
+    ``examples/``) are found only in the working directory and on ``PYTHONPATH``; a subdirectory
+    of the working directory that holds the module is named in the fix.
+
+    Args:
+        class_path: The ``module.Class`` that failed to import.
+        missing: The module the ``ImportError`` names (its ``name``).
+        directory: The working directory the command was started in (default: the current one;
+            jsonargparse changes to the YAML's directory while it parses).
+
+    Returns:
+        The fix in one sentence, or ``None`` for another missing module (a dependency of the
+        user's module, whose own error says what to install).
+    """
+    module = str(class_path).rpartition(".")[0]
+    if not missing or not (module == missing or module.startswith(missing + ".")):
+        return None
+    top = missing.split(".")[0]
+    cwd = directory or os.getcwd()
+    holders = [name for name in sorted(os.listdir(cwd)) if not name.startswith(".")
+               and (os.path.isfile(os.path.join(cwd, name, f"{top}.py")) or os.path.isdir(os.path.join(cwd, name, top)))]
+    where = f"set PYTHONPATH={holders[0]}" if holders else "add the directory that holds it to PYTHONPATH"
+    return (f"Modules named by class_path are found in the working directory ({cwd}) and on PYTHONPATH, and "
+            f"{top!r} is in neither: run marglik-select from the directory that holds {top}.py, or {where} "
+            f"(e.g. PYTHONPATH={holders[0] if holders else 'examples'} marglik-select CONFIG.yaml).")
+
+
+def instantiate(spec: Mapping[str, Any], expected: type, **defaults: Any) -> Any:
+    """Build ``class_path(**init_args)`` after checking that ``class_path`` is a subclass of ``expected``.
+
+    ``defaults`` fill constructor arguments that the spec leaves out and the class accepts.
+
+    Raises:
+        ValueError: If ``spec`` has no ``class_path`` or it is not an ``expected`` subclass.
+    """
+    if not isinstance(spec, Mapping) or "class_path" not in spec:
+        raise ValueError(f"Expected a mapping with `class_path` (and `init_args`), got {spec!r}.")
+    cls = resolve_class(spec["class_path"], expected)
+    kwargs = dict(spec.get("init_args") or {})
+    accepted = inspect.signature(cls).parameters
+    kwargs.update({k: v for k, v in defaults.items() if k in accepted and k not in kwargs})
+    return cls(**kwargs)
+
+
+def check_config(config: Mapping[str, Any]) -> None:
+    """Check a selection configuration without training anything.
+
+    Every ``class_path`` must resolve to the expected kind of class, the trainer arguments must
+    fit ``pl.Trainer``'s signature (names and types) and the callback arguments must be valid.
+
+    Raises:
+        ValueError: On the first problem found (the message names the key or class_path).
+    """
+    for key in ("data", "candidates"):
+        if not config.get(key):
+            raise ValueError(f"The configuration needs a `{key}` section (see `marglik-select --help`).")
+    resolve_class(_class_path(config["data"], "data"), pl.LightningDataModule)
+    for name, spec in config["candidates"].items():
+        resolve_class(_class_path(spec, f"candidates.{name}"), pl.LightningModule)
+    check_trainer_arguments(config.get("trainer") or {})
+    MargLikCallback(**(config.get("callback") or {}))  # raises ValueError naming a bad argument
+    check_rank_by(config.get("rank_by", DEFAULT_RANK_BY))
+
+
+def _class_path(spec: Any, where: str) -> str:
+    if not isinstance(spec, Mapping) or "class_path" not in spec:
+        raise ValueError(f"`{where}` must be a mapping with `class_path` (and `init_args`), got {spec!r}.")
+    return spec["class_path"]
+
+
+def select_from_config(config: Mapping[str, Any], resume: bool = False, verbose: bool = True) -> List[CandidateResult]:
+    """Run :func:`select_models` from a parsed YAML configuration (see the module docstring).
+
+    Every ``class_path`` is checked (:func:`check_config`) before any of them is called.
+
+    Args:
+        config: ``data``, ``candidates`` and optionally ``trainer``, ``callback``, ``seed``,
+            ``predictive``, ``rank_by``, ``output_dir``.
+        resume: Reuse results in ``output_dir`` of candidates trained with the same settings.
+        verbose: Print one line per candidate.
+
+    Raises:
+        ValueError: On an invalid configuration, e.g. a ``class_path`` of the wrong kind.
+    """
+    check_config(config)
+    datamodule = instantiate(config["data"], pl.LightningDataModule)
+    datamodule.setup("fit")
+    n_data = len(datamodule.train_dataloader().dataset)
+    candidates = {
+        name: (lambda spec=spec: instantiate(spec, pl.LightningModule, n_data=n_data))
+        for name, spec in config["candidates"].items()
+    }
+    return select_models(
+        candidates,
+        datamodule=datamodule,
+        callback=config.get("callback"),
+        trainer=config.get("trainer"),
+        predictive=config.get("predictive", "map"),
+        rank_by=config.get("rank_by", DEFAULT_RANK_BY),
+        output_dir=config.get("output_dir"),
+        seed=config.get("seed", 0),
+        verbose=verbose,
+        resume=resume,
+        settings={name: {**spec, "data": config["data"]} for name, spec in config["candidates"].items()},
+    )
