@@ -12,16 +12,21 @@ import math
 import warnings
 
 import pytest
+import pytorch_lightning as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_marglik import CategoricalLikelihood, GaussianLikelihood, GaussianPrior, LaplaceEvidence, map_loss
-from lightning_marglik import solvers
+from lightning_marglik import (
+    CategoricalLikelihood, GaussianPrior, LaplaceEvidence, MargLikCallback, map_loss, solvers,
+)
 from lightning_marglik.hyperparameters import (
     BIAS_NORMALIZATION, SCALE_INVARIANT, GammaHyperprior, LogNormalHyperprior, no_decay_names,
 )
 from lightning_marglik.schedule_rules import loss_has_settled
+from tests.lightning_models import Classifier, blobs
+from tests.lightning_models import loader as lightning_loader
+from tests.lightning_models import trainer as lightning_trainer
 from tests.test_derivatives import check_against, closed_form, evidence, flat_objective
 
 HYPERPRIORS = [LogNormalHyperprior(scale=2.0), LogNormalHyperprior(scale=0.7, loc=0.3), GammaHyperprior(1.0),
@@ -367,3 +372,66 @@ def test_loss_has_settled():
             loss_has_settled(history, window=bad, rel_tol=0.1)
     with pytest.raises(ValueError, match="`rel_tol` must be a finite number in \\(0, inf\\)"):
         loss_has_settled(history, window=1, rel_tol=0)
+
+
+# --- through a real Trainer (the callback solves on the user's prior) ------------------------------
+
+
+class ZeroBiasClassifier(Classifier):
+    """The blob classifier with every bias started at zero: the output bias is the group that runs away."""
+
+    def __init__(self, hyperprior=None, biases=None):
+        torch.manual_seed(0)  # the same weights in every test
+        super().__init__(60, width=8)
+        with torch.no_grad():
+            for layer in self.net:
+                if isinstance(layer, nn.Linear):
+                    layer.bias.zero_()
+        self.prior = GaussianPrior(self.net, hyperprior=hyperprior)
+        if biases is not None:  # declared at construction: a module restored from a checkpoint declares it again
+            self.prior.treat(no_decay_names(self.prior), biases, BIAS_NORMALIZATION)
+
+
+def blob_data() -> TensorDataset:
+    x, y = blobs(60, 0).tensors
+    return TensorDataset(x.double(), y)  # the tests' default dtype
+
+
+def fit_blobs(model, epochs=8, **callback):
+    pl.seed_everything(0, verbose=False)
+    marglik = MargLikCallback(frequency=1, **callback)
+    fitted = lightning_trainer([marglik], epochs)
+    fitted.fit(model, lightning_loader(blob_data(), 20))
+    return marglik, fitted
+
+
+def test_trainer_hyperprior_bounds_a_bias_that_starts_at_zero():
+    plain, _ = fit_blobs(ZeroBiasClassifier())
+    assert plain.prior.log_precision[3] > 6 and plain.prior.group_sq_norms()[3] < 1e-3  # the feedback loop
+    scale = 2.0
+    marglik, _ = fit_blobs(ZeroBiasClassifier(LogNormalHyperprior(scale=scale)))
+    prior = marglik.prior
+    # the learned log precision of a group of P_g = 3 cannot exceed loc + s^2 P_g / 2 (its pull beats the evidence's)
+    assert prior.log_precision[3] < min(scale**2 * 3 / 2, plain.prior.log_precision[3].item() - 3)
+    assert prior.group_sq_norms()[3] > 10 * plain.prior.group_sq_norms()[3]
+    # the logged evidence is the type-II MAP objective: the hyperprior's term is in it
+    evidence = marglik.evidence
+    assert evidence.log_hyperprior() < 0
+    assert abs(marglik.last_marglik - evidence.log_marglik().item() / evidence.n_data) < 1e-9
+
+
+def test_trainer_bias_treatment_declared_on_the_prior_survives_a_checkpoint(tmp_path):
+    model = ZeroBiasClassifier(biases="decoupled")
+    marglik, fitted = fit_blobs(model)
+    prior = model.prior
+    biases = [1, 3]
+    assert (prior.log_precision[biases] != 0).all()  # the evidence learned the bias precisions ...
+    assert torch.equal(prior.weight_decay_log_precision()[biases], torch.zeros(2))  # ... the MAP loss kept delta_0
+    path = tmp_path / "blobs.ckpt"
+    fitted.save_checkpoint(path)
+    restored = ZeroBiasClassifier.load_from_checkpoint(path, biases="decoupled")
+    assert torch.equal(restored.prior.log_precision, prior.log_precision)
+    x, y = blob_data().tensors
+    assert torch.equal(restored.prior.weight_decay_log_precision(), prior.weight_decay_log_precision())
+    assert torch.equal(map_loss(restored(x), y, restored.likelihood, restored.prior),
+                       map_loss(model(x), y, model.likelihood, model.prior))
