@@ -6,7 +6,8 @@ set-up checks (:mod:`.checks`), the count of ``N`` stored on the prior, the reco
 checkpoint state. :class:`MargLikCallbackCore` adds Algorithm 1: the evidence pass after the
 epochs an :class:`~.schedule.EpochSchedule` names, or the training passes' own sums
 (``statistics="training"``, :mod:`.training_statistics`), and the hyperparameter steps.
-Every call of ``collect_statistics`` the callbacks make is in this module (:meth:`EstimatorCore._collect`).
+The set-up check's, the first training batch's and the estimates' evidence passes all call
+``collect_statistics`` from this module (:meth:`EstimatorCore._collect`), where tests and benchmarks count them.
 """
 from __future__ import annotations
 
