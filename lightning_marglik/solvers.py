@@ -151,7 +151,13 @@ def _check_box(box: Optional[Box], initial: Dict[str, Tensor]) -> Box:
         if not (isinstance(bounds, tuple) and len(bounds) == 2):
             raise ValueError(f"`box[{name!r}]` must be a pair (lower, upper) of tensors, got {bounds!r}.")
         start = initial[name]
-        lower, upper = (torch.as_tensor(b).to(start.device, start.dtype).expand(start.shape) for b in bounds)
+        lower, upper = (torch.as_tensor(b).to(start.device, start.dtype) for b in bounds)
+        if {lower.shape, upper.shape} - {torch.Size(), start.shape}:
+            raise ValueError(
+                f"`box[{name!r}]` bounds of shapes {tuple(lower.shape)} and {tuple(upper.shape)} do not fit {name!r} of "
+                f"shape {tuple(start.shape)}: give bounds of its shape, or scalars."
+            )
+        lower, upper = lower.expand(start.shape), upper.expand(start.shape)
         if not bool(((lower <= start) & (start <= upper)).all()):
             raise ValueError(f"`box[{name!r}]` does not contain the initial point: start the solve inside the box.")
         checked[name] = (lower, upper)

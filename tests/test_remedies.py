@@ -251,6 +251,9 @@ def test_max_step_is_checked():
     with pytest.raises(ValueError, match="does not contain the initial point"):
         solvers.newton(lambda v: -(v["x"] ** 2).sum(), {"x": torch.zeros(2, dtype=torch.float64)},
                        box={"x": (torch.ones(2, dtype=torch.float64), 2 * torch.ones(2, dtype=torch.float64))})
+    with pytest.raises(ValueError, match="bounds of shapes \\(3,\\) and \\(\\) do not fit 'x' of shape \\(2,\\)"):
+        solvers.newton(lambda v: -(v["x"] ** 2).sum(), {"x": torch.zeros(2, dtype=torch.float64)},
+                       box={"x": (-torch.ones(3, dtype=torch.float64), torch.tensor(1.0))})
     with pytest.raises(ValueError, match="'y', which is not among"):
         solvers.adam(lambda v: -(v["x"] ** 2).sum(), {"x": torch.zeros(2, dtype=torch.float64)},
                      box={"y": (torch.zeros(2), torch.ones(2))})
