@@ -7,9 +7,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_marglik import CategoricalLikelihood, GaussianLikelihood, GaussianPrior, LaplaceEvidence
+from lightning_marglik import CategoricalLikelihood, GaussianLikelihood, GaussianPrior, LaplaceEvidence, collect_statistics
 from lightning_marglik.diagnostics import (
     EF_RATIO_THRESHOLD, batch_traces, curvature_traces, ef_curvature_ratio, ef_unreliable_message, ratio_from_traces,
+    rescale_empirical_fisher,
 )
 
 
@@ -24,6 +25,13 @@ def categorical_by_hand(logits, labels, ignore_index=-100):
     p = logits[keep].double().softmax(1)
     y = nn.functional.one_hot(labels[keep], p.shape[1]).double()
     return ((y - p) ** 2).sum().item() / (1 - (p ** 2).sum(1)).sum().item()
+
+
+def identity_jacobian_net():
+    """f = W 1: each datum's Jacobian is the identity (parameter-space diagonals = output-space traces)."""
+    net = nn.Linear(1, 4, bias=False)
+    nn.init.normal_(net.weight, std=2.0)
+    return net, torch.ones(20, 1), torch.randint(0, 4, (20,))
 
 
 def test_categorical_equals_hand_computation():
@@ -93,9 +101,7 @@ def test_traces_are_the_library_curvature_factors(likelihood):
 def test_ratio_equals_the_evidence_pass_diagonals_when_the_jacobian_is_the_identity():
     """f = W 1: each datum's Jacobian is the identity, so the exact parameter-space diagonals of the
     diag-EF and diag-GGN evidence passes have the output-space traces."""
-    net = nn.Linear(1, 4, bias=False)
-    nn.init.normal_(net.weight, std=2.0)
-    x, y = torch.ones(20, 1), torch.randint(0, 4, (20,))
+    net, x, y = identity_jacobian_net()
     likelihood = CategoricalLikelihood()
     traces = []
     for approx in ("ef", "ggn"):
@@ -234,3 +240,61 @@ def test_traces_of_shards_sum_to_the_traces_of_the_data():
     shards = curvature_traces(net, loader(x[:11], y[:11]), likelihood) + curvature_traces(net, loader(x[11:], y[11:]), likelihood)
     assert shards.tolist() == pytest.approx(curvature_traces(net, loader(x, y), likelihood).tolist(), rel=1e-12)
     assert ratio_from_traces(shards, likelihood) == pytest.approx(ef_curvature_ratio(net, loader(x, y), likelihood))
+
+
+def test_rescaled_ef_has_the_ggn_trace():
+    net, x, y = identity_jacobian_net()
+    likelihood, prior = CategoricalLikelihood(), GaussianPrior(net)
+    traces = curvature_traces(net, loader(x, y), likelihood)
+    stats = {approx: collect_statistics(net, loader(x, y), likelihood, prior, structure="diag", approx=approx)
+             for approx in ("ef", "ggn")}
+    assert rescale_empirical_fisher(stats["ef"], traces, likelihood) is stats["ef"]
+    ef, ggn = (stats[a].structures[0].state("diag").sum().item() for a in ("ef", "ggn"))
+    assert ef == pytest.approx(ggn, rel=1e-10)
+
+
+@pytest.mark.parametrize("structure", ["diag", "kron"])
+def test_rescaled_ef_evidence_is_closer_to_the_ggn_at_interpolation(structure):
+    net = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
+    x = torch.randn(600, 5)
+    with torch.no_grad():
+        top2 = net(x).topk(2, 1).values
+        x = x[top2[:, 0] - top2[:, 1] > 0.3]  # a margin (a tie is never fitted confidently)
+        net[2].weight.mul_(6)
+        net[2].bias.mul_(6)
+        y = net(x).argmax(1)  # labels it predicts, fitted confidently
+    likelihood, data = CategoricalLikelihood(), loader(x, y, 100)
+    traces = curvature_traces(net, data, likelihood)
+    assert ratio_from_traces(traces, likelihood) < 0.2
+
+    def evidence(approx, rescale=False):
+        prior = GaussianPrior(net)
+        stats = collect_statistics(net, data, likelihood, prior, structure=structure, approx=approx)
+        if rescale:
+            rescale_empirical_fisher(stats, traces, likelihood)
+        return LaplaceEvidence.from_statistics(stats, likelihood, prior).optimize(solver="newton").value.item() / len(x)
+
+    ggn, ef, rescaled = evidence("ggn"), evidence("ef"), evidence("ef", rescale=True)
+    assert ef - ggn > 0.1  # the EF over-rates the confident fit
+    assert abs(rescaled - ggn) < 0.1 * (ef - ggn)
+
+
+def test_rescale_refuses_what_it_cannot_correct():
+    net, x, y = identity_jacobian_net()
+    likelihood, prior = CategoricalLikelihood(), GaussianPrior(net)
+    traces = curvature_traces(net, loader(x, y), likelihood)
+
+    def stats(structure, approx):
+        return collect_statistics(net, loader(x, y), likelihood, prior, structure=structure, approx=approx)
+
+    with pytest.raises(ValueError, match="rescales an empirical Fisher, got approx='ggn'"):
+        rescale_empirical_fisher(stats("diag", "ggn"), traces, likelihood)
+    full = stats("full", "ef")
+    before = [v.clone() for s in full.structures for v in s.states().values()]
+    with pytest.raises(ValueError, match="structure='full' cannot rescale its sums"):
+        rescale_empirical_fisher(full, traces, likelihood)
+    assert all(torch.equal(a, b) for a, b in zip(before, [v for s in full.structures for v in s.states().values()]))
+    with pytest.raises(ValueError, match="the curvature ratio tr EF / tr GGN` must be a finite number in \\(0, inf\\)"):
+        rescale_empirical_fisher(stats("diag", "ef"), torch.tensor([0.0, 0.0, 20.0]), likelihood)
+    with pytest.raises(TypeError, match="takes a CategoricalLikelihood, got GaussianLikelihood"):
+        rescale_empirical_fisher(stats("diag", "ef"), traces, GaussianLikelihood())
