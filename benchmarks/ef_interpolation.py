@@ -40,12 +40,16 @@ from benchmarks._common import load_avg, now, write_with_data  # noqa: E402
 from common import OUTPUTS, library_state, markdown_table  # noqa: E402
 from lightning_marglik import CategoricalLikelihood, CurvatureOptions, GaussianPrior, LaplaceEvidence  # noqa: E402
 from lightning_marglik import collect_statistics, map_loss  # noqa: E402
-from lightning_marglik.diagnostics import EF_RATIO_THRESHOLD, ef_curvature_ratio  # noqa: E402
+from lightning_marglik.diagnostics import (  # noqa: E402
+    EF_RATIO_THRESHOLD, curvature_traces, ratio_from_traces, rescale_empirical_fisher,
+)
 
 CANDIDATES = ("mlp512x1", "mlp128x2", "cnn8x1")
 APPROXIMATIONS = (("diag", "ef"), ("kron", "ef"), ("diag", "ggn"), ("kron", "ggn"))
 CHECKPOINTS = (1, 2, 5, 10, 20, 40, 80, 150)
 QUICK_CHECKPOINTS = (1, 3)
+INTERPOLATED = 0.995  # train accuracy from which the summary counts a checkpoint as fitting its data
+HAND_WRITTEN = "<!-- hand-written below: kept when the script rewrites the file -->"
 PRIOR_PRECISION = 1.0
 
 
@@ -82,26 +86,27 @@ def solved(evidence: LaplaceEvidence, extra: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def posthoc(net: nn.Module, log_precision: Tensor, loader: DataLoader, structure: str, approx: str,
-            ratio: float) -> Dict[str, Dict[str, Any]]:
+            traces: Tensor) -> Dict[str, Dict[str, Any]]:
     """The evidence of ``net`` with one approximation, its hyperparameters re-optimised by Newton (from
-    ``log_precision``), and its terms; for the EF also with its curvature divided by ``ratio`` (the
-    correction the ratio suggests), from the same pass."""
+    ``log_precision``), and its terms; for the EF also with its curvature divided by the ratio of
+    ``traces`` (``rescale_empirical_fisher``), from the same pass."""
     likelihood = CategoricalLikelihood()
-    prior = GaussianPrior(net, structure="layerwise")
-    prior.log_precision.copy_(log_precision)
+
+    def prior() -> GaussianPrior:
+        fresh = GaussianPrior(net, structure="layerwise")
+        fresh.log_precision.copy_(log_precision)
+        return fresh
+
     start = time.process_time()
-    stats = collect_statistics(net, loader, likelihood, prior, options=CurvatureOptions(structure, approx, 0))
+    stats = collect_statistics(net, loader, likelihood, prior(), options=CurvatureOptions(structure, approx, 0))
     extra: Dict[str, Any] = {"pass_cpu_seconds": time.process_time() - start}
     if structure == "diag":  # the exact parameter-space diagonal of the unit-scale curvature
         extra["diagonal_trace"] = sum(s.state("diag").sum().item() for s in stats.structures)
     corrected = copy.deepcopy(stats) if approx == "ef" else None
-    out = {label(structure, approx): solved(LaplaceEvidence.from_statistics(stats, likelihood, prior), extra)}
+    out = {label(structure, approx): solved(LaplaceEvidence.from_statistics(stats, likelihood, prior()), extra)}
     if corrected is not None:
-        for part in corrected.structures:
-            part.rescale(1 / ratio)
-        prior = GaussianPrior(net, structure="layerwise")
-        prior.log_precision.copy_(log_precision)
-        out[label(structure, approx) + "/r"] = solved(LaplaceEvidence.from_statistics(corrected, likelihood, prior), {})
+        rescale_empirical_fisher(corrected, traces, likelihood)
+        out[label(structure, approx) + "/r"] = solved(LaplaceEvidence.from_statistics(corrected, likelihood, prior()), {})
     return out
 
 
@@ -129,11 +134,12 @@ def run(name: str, data: Tuple[Tensor, ...], checkpoints: Sequence[int], seed: i
         train_acc, train_nll = fit_metrics(net, x_tr, y_tr)
         test_acc, test_nll = fit_metrics(net, x_te, y_te)
         start = time.process_time()
-        ratio = ef_curvature_ratio(net, evidence_data, likelihood)
+        traces = curvature_traces(net, evidence_data, likelihood)
+        ratio = ratio_from_traces(traces, likelihood)  # = ef_curvature_ratio(net, evidence_data, likelihood)
         ratio_seconds = time.process_time() - start
         frozen = copy.deepcopy(net)
         evidence = {k: v for s, a in APPROXIMATIONS
-                    for k, v in posthoc(frozen, prior.log_precision, evidence_data, s, a, ratio).items()}
+                    for k, v in posthoc(frozen, prior.log_precision, evidence_data, s, a, traces).items()}
         row = {
             "candidate": name, "params": prior.n_params, "epoch": epoch, "train_nll": train_nll, "train_acc": train_acc,
             "test_acc": test_acc, "test_nll": test_nll, "ratio": ratio, "ratio_cpu_seconds": ratio_seconds,
@@ -199,6 +205,43 @@ def picks(rows: List[Dict[str, Any]]) -> List[str]:
             markdown_table(table, ["epoch", "best test acc", *columns()]), ""]
 
 
+def summary(rows: List[Dict[str, Any]]) -> List[str]:
+    """The numbers the threshold and the correction rest on, over every checkpoint."""
+    def gap(r: Dict[str, Any], a: str, b: str) -> float:
+        return r["evidence"][a]["marglik"] - r["evidence"][b]["marglik"]
+
+    def span(values: List[float]) -> str:
+        return f"{min(values):.3g}..{max(values):.3g}" if values else "none"
+
+    fitted = [r for r in rows if r["train_acc"] >= INTERPOLATED]
+    training = [r for r in rows if r["train_acc"] < INTERPOLATED]
+    lines = ["### Summary over all checkpoints", ""]
+    for name, group in ((f"train accuracy >= {INTERPOLATED:g}", fitted), (f"train accuracy < {INTERPOLATED:g}", training)):
+        lines.append(
+            f"- {name} ({len(group)} checkpoints): r {span([r['ratio'] for r in group])}; EF - GGN evidence per datum, "
+            f"kron {span([gap(r, 'kron-EF', 'kron-GGN') for r in group])}, "
+            f"diag {span([gap(r, 'diag-EF', 'diag-GGN') for r in group])}.")
+    for structure in ("diag", "kron"):
+        ef, ggn = label(structure, "ef"), label(structure, "ggn")
+        lines.append(f"- {structure}: |EF/r - GGN| at most {max(abs(gap(r, ef + '/r', ggn)) for r in rows):.3g} nats per "
+                     f"datum, against |EF - GGN| up to {max(abs(gap(r, ef, ggn)) for r in rows):.3g}.")
+    lines.append(f"- r against the parameter-space ratio sum diag(EF) / sum diag(GGN): at most "
+                 f"{max(abs(r['ratio'] / r['diagonal_ratio'] - 1) for r in rows):.1%} apart.")
+    lines.append(f"- cost of r (one forward pass): {span([r['ratio_cpu_seconds'] for r in rows])} CPU s, against "
+                 f"{span([r['evidence']['kron-EF']['pass_cpu_seconds'] for r in rows])} for the kron-EF pass.")
+    return lines + [""]
+
+
+def kept_text(path: Path) -> str:
+    """What follows ``HAND_WRITTEN`` in an earlier version of the file (before its data), else ``""``."""
+    if not path.exists():
+        return ""
+    before = path.read_text()
+    if HAND_WRITTEN not in before:
+        return ""
+    return before[before.index(HAND_WRITTEN):].split("<!-- benchmark-data", 1)[0].rstrip()
+
+
 def main(argv: Sequence[str] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=list(study.CANDIDATES))
@@ -208,8 +251,7 @@ def main(argv: Sequence[str] = None) -> None:
     torch.set_num_threads(1)
     data = study.load_mnist(n_train=400, n_total=500) if args.quick else study.load_mnist()
     checkpoints = QUICK_CHECKPOINTS if args.quick else CHECKPOINTS
-    output = (os.path.join(OUTPUTS, "ef_interpolation.md") if args.quick
-              else os.path.join(ROOT, "benchmarks", "results", "ef_interpolation.md"))
+    output = Path(OUTPUTS if args.quick else os.path.join(ROOT, "benchmarks", "results")) / "ef_interpolation.md"
     load_before, start_cpu, start_wall = load_avg(), time.process_time(), time.perf_counter()
     rows = [row for name in args.candidates for row in run(name, data, checkpoints, args.seed)]
     cpu_minutes, wall_minutes = (time.process_time() - start_cpu) / 60, (time.perf_counter() - start_wall) / 60
@@ -230,7 +272,8 @@ def main(argv: Sequence[str] = None) -> None:
         f"The library's threshold: r < {EF_RATIO_THRESHOLD:g} warns.",
         "",
     ]
-    write_with_data(Path(output), "\n".join(header + tables(rows) + picks(rows)),
+    text = "\n".join(header + summary(rows) + tables(rows) + picks(rows) + [kept_text(output) or HAND_WRITTEN])
+    write_with_data(output, text,
                     {"rows": rows, "cpu_minutes": cpu_minutes, "library": library_state()})
     print(f"written {output}")
 
