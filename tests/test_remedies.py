@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_marglik import (
-    CategoricalLikelihood, GaussianPrior, LaplaceEvidence, MargLikCallback, map_loss, solvers,
+    CategoricalLikelihood, GaussianPrior, LaplaceEvidence, MargLikCallback, MargLikConfigurationError, map_loss, solvers,
 )
 from lightning_marglik.hyperparameters import (
     BIAS_NORMALIZATION, SCALE_INVARIANT, GammaHyperprior, LogNormalHyperprior, no_decay_names,
@@ -438,3 +438,54 @@ def test_trainer_bias_treatment_declared_on_the_prior_survives_a_checkpoint(tmp_
     assert torch.equal(restored.prior.weight_decay_log_precision(), prior.weight_decay_log_precision())
     assert torch.equal(map_loss(restored(x), y, restored.likelihood, restored.prior),
                        map_loss(model(x), y, model.likelihood, model.prior))
+
+
+class Recorder(pl.Callback):
+    """The prior's log precisions after every epoch (after MargLikCallback's estimate: listed after it)."""
+
+    def __init__(self):
+        self.log_precisions = []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.log_precisions.append(pl_module.prior.log_precision.detach().clone())
+
+
+@pytest.mark.parametrize("solver", ["newton", "adam"])
+def test_trainer_max_step_bounds_each_estimates_move(solver):
+    moves = {}
+    for max_step in (None, 0.3):
+        pl.seed_everything(0, verbose=False)
+        model, recorder = ZeroBiasClassifier(), Recorder()
+        lightning_trainer([MargLikCallback(frequency=1, solver=solver, lr=0.5, max_step=max_step), recorder], 6).fit(
+            model, lightning_loader(blob_data(), 20))
+        path = torch.stack([torch.zeros(4)] + recorder.log_precisions)  # the prior starts at precision 1
+        moves[max_step] = path.diff(dim=0).abs().max().item()
+    assert moves[None] > 1.0  # unbounded, an estimate moves a precision by more than e
+    assert 0.3 - 1e-9 < moves[0.3] <= 0.3 + 1e-12  # bounded: some estimate uses the whole radius, none more
+
+
+def test_trainer_biases_decoupled_and_fixed():
+    marglik, _ = fit_blobs(ZeroBiasClassifier(), biases="decoupled")
+    prior = marglik.prior
+    assert prior.treated("decoupled") == ["0.bias", "2.bias"] and (prior.log_precision != 0).all()
+    assert torch.equal(prior.weight_decay_log_precision()[[1, 3]], torch.zeros(2))
+    plain, _ = fit_blobs(ZeroBiasClassifier())
+    fixed, _ = fit_blobs(ZeroBiasClassifier(), biases="fixed")
+    assert torch.equal(fixed.prior.log_precision[[1, 3]], torch.zeros(2)) and (fixed.prior.log_precision[[0, 2]] != 0).all()
+    assert fixed.prior.group_sq_norms()[3] > 100 * plain.prior.group_sq_norms()[3]  # the output bias is not switched off
+    # None leaves the prior's own declaration; a string overrides it
+    declared, _ = fit_blobs(ZeroBiasClassifier(biases="fixed"))
+    assert declared.prior.treated("fixed") == ["0.bias", "2.bias"]
+    overridden, _ = fit_blobs(ZeroBiasClassifier(biases="fixed"), biases="learn")
+    assert overridden.prior.treated("fixed") == [] and (overridden.prior.log_precision != 0).all()
+
+
+def test_trainer_remedy_options_are_checked():
+    with pytest.raises(ValueError, match="`biases` must be one of .*got 'decouple' \\(did you mean 'decoupled'\\?\\)"):
+        MargLikCallback(biases="decouple")
+    with pytest.raises(ValueError, match="`max_step` must be a finite number in \\(0, inf\\).*got 0"):
+        MargLikCallback(max_step=0)
+    model = ZeroBiasClassifier()
+    model.prior = GaussianPrior(model.net, structure="scalar")
+    with pytest.raises(MargLikConfigurationError, match="MargLikCallback\\(biases='fixed'\\): .*the prior is scalar"):
+        fit_blobs(model, epochs=1, biases="fixed")

@@ -129,9 +129,21 @@ class MargLikCallback(MargLikCallbackCore, Callback):
             weights nearest the estimate's), scaled to all the epoch's data; the likelihood's
             statistics still come from every batch. Below 1 the curvature is a subsample's
             estimate at a fraction of the products' cost; it needs a sized training dataloader.
+        max_step: Largest change of any learned ``log delta_g`` per estimate (a trust region: a
+            factor ``e^max_step``), for Newton and Adam alike (``LaplaceEvidence.optimize``);
+            ``None``: unbounded.
+        biases: Treatment of the biases and normalization parameters (every tensor with at most
+            one dimension or named ``*.bias``: :func:`lightning_marglik.hyperparameters.no_decay_names`),
+            declared when training starts: ``"decoupled"`` (the evidence learns their precision, their
+            weight decay stays at the prior's initial ``precision``), ``"fixed"`` or ``"learn"``;
+            ``None``: as declared on the prior (``GaussianPrior.treat``), else learned.
+            ``GaussianPrior(fixed=...)`` wins for the tensors it names. A hyperprior on the learned
+            precisions is the prior's own (``GaussianPrior(hyperprior=...)``).
 
     Raises:
         ValueError: On an invalid argument (the message names it).
+        MargLikConfigurationError: When training starts, on ``biases`` other than ``"learn"`` with a
+            scalar prior.
 
     Example:
         >>> callback = MargLikCallback(structure="diag", approx="ef", frequency=5, steps=100)

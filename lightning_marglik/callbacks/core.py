@@ -22,13 +22,16 @@ from ..curvature import CurvatureOptions, check_model, collect_statistics
 from ..distributed import reduce_statistics, run_on_all_ranks
 from ..evidence import SOLVERS, LaplaceEvidence, require_data
 from ..hyperparameters import (
+    BIAS_NORMALIZATION,
     SCALE_INVARIANT_TREATMENTS,
+    TREATMENTS,
     GaussianPrior,
     Likelihood,
     assign_hyperparameters,
     learnable_values,
+    no_decay_names,
 )
-from ..validators import choice, integer, number
+from ..validators import choice, integer, number, optional
 from . import checks
 from .data import count_data, evidence_batches, named_loader_method
 from .package import MONITOR, LightningModule, LightningPackage, MargLikConfigurationError, Trainer, check_package, find_hyperparameters
@@ -303,6 +306,8 @@ class MargLikCallbackCore(EstimatorCore):
         scale_invariant: str = "decoupled",
         statistics: str = "pass",
         statistics_fraction: float = 1.0,
+        max_step: Optional[float] = None,
+        biases: Optional[str] = None,
     ) -> None:
         options = CurvatureOptions(structure, approx, mc_samples, backend=backend)
         self.statistics = checks.check_statistics(statistics, options)
@@ -312,6 +317,8 @@ class MargLikCallbackCore(EstimatorCore):
         self.steps = integer(steps, "steps", 0)
         super().__init__(options, schedule, lr, seed, scale_invariant, dataloader)
         self.solver = choice(solver, SOLVERS, "solver")
+        self.max_step = optional(number, max_step, "max_step", what="the largest change of log delta per estimate, or None")
+        self.biases = optional(choice, biases, TREATMENTS, "biases")
         # statistics='training': the sums of the training passes in estimation epochs
         self._training = TrainingStatistics(schedule, self.statistics_fraction) if self.statistics == "training" else None
 
@@ -323,6 +330,16 @@ class MargLikCallbackCore(EstimatorCore):
         super().setup(trainer, pl_module, stage)
         if stage == "fit" and self._training is not None:
             checks.check_training_statistics(trainer, pl_module)
+
+    def _check_setup(self, trainer: Trainer, pl_module: LightningModule) -> torch.Tensor:
+        output = super()._check_setup(trainer, pl_module)
+        if self.biases is not None:  # declared when training starts, as the scale-invariant treatment: resumes too
+            prior, _ = self._hyperparameters()
+            try:
+                prior.treat(no_decay_names(prior), self.biases, BIAS_NORMALIZATION)
+            except ValueError as err:
+                raise MargLikConfigurationError(f"MargLikCallback(biases={self.biases!r}): {err}") from err
+        return output
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
@@ -376,7 +393,8 @@ class MargLikCallbackCore(EstimatorCore):
             marglik = math.nan
         else:
             solution = evidence.optimize(
-                self.steps, self.lr, state=self._optimizer_state, solver=self.solver, max_evaluations=max(self.steps, 1)
+                self.steps, self.lr, state=self._optimizer_state, solver=self.solver, max_evaluations=max(self.steps, 1),
+                max_step=self.max_step,
             )
             self._optimizer_state = solution.state
             self._optimizer_signature = self._learnable_signature()
