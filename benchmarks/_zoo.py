@@ -426,7 +426,8 @@ def train(spec: RunSpec) -> Dict[str, Any]:
     wall, cpu = time.perf_counter(), time.process_time()
     with quiet_lightning(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = pl.Trainer(max_epochs=spec.epochs, callbacks=callbacks, logger=False, enable_checkpointing=False,
+        trainer = pl.Trainer(max_epochs=spec.epochs, callbacks=callbacks, logger=False,
+                             enable_checkpointing=checkpoint is not None,
                              enable_model_summary=False, enable_progress_bar=False, accelerator="cpu", devices=1)
         trainer.fit(module, train_dataloaders=loader)
     result: Dict[str, Any] = {
