@@ -4,7 +4,7 @@ a loss term (padding) kept out of the Kronecker input factor.
 Float64 against the dense reference (tests/reference.py) and against equivalent problems:
 
 * a user's own layer registered with ``register_layer_rule`` takes the hook path and equals the
-  reference's exact diagonal; a subclass of a registered layer takes its base's rule;
+  reference's exact diagonal; a subclass that keeps its base's forward takes its base's rule;
 * HF ``Conv1D`` (weight ``(in, out)``) gives the same evidence as the equivalent ``nn.Linear``;
 * tiny HF GPT-2 and BERT (built from configs, attention masks and padding, ignored positions):
   every Linear/Conv1D/Embedding/LayerNorm takes the hook path (position embeddings included) and

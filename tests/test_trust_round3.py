@@ -65,10 +65,15 @@ def reparametrized(kind: str) -> nn.Sequential:
     return model
 
 
-DATA = {"regression": (torch.randn(20, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1)),
-                       torch.randn(20, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(2))),
-        "classification": (torch.randn(20, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1)),
-                           torch.randint(0, 2, (20,), generator=torch.Generator().manual_seed(2)))}
+def _seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+_X = torch.randn(20, 3, dtype=torch.float64, generator=_seeded(1))
+DATA = {
+    "regression": (_X, torch.randn(20, 2, dtype=torch.float64, generator=_seeded(2))),
+    "classification": (_X, torch.randint(0, 2, (20,), generator=_seeded(2))),
+}
 
 
 @pytest.mark.parametrize("approx", ["ggn", "ef"])
@@ -149,7 +154,8 @@ class StandardizedConv2d(nn.Conv2d):
     def forward(self, x):
         w = self.weight
         flat = w.reshape(w.shape[0], -1)
-        w = ((flat - flat.mean(1, keepdim=True)) / (flat.var(1, unbiased=False, keepdim=True) + 1e-5).sqrt()).reshape(w.shape)
+        std = (flat.var(1, unbiased=False, keepdim=True) + 1e-5).sqrt()
+        w = ((flat - flat.mean(1, keepdim=True)) / std).reshape(w.shape)
         return F.conv2d(x, w, self.bias, self.stride, self.padding, self.dilation, self.groups)
 
 
@@ -169,7 +175,8 @@ def std_cnn(conv: type = StandardizedConv2d) -> nn.Sequential:
 
 def _conv_data():
     g = torch.Generator().manual_seed(3)
-    return torch.randn(16, 1, 6, 6, dtype=torch.float64, generator=g), torch.randn(16, 2, dtype=torch.float64, generator=g)
+    x = torch.randn(16, 1, 6, 6, dtype=torch.float64, generator=g)
+    return x, torch.randn(16, 2, dtype=torch.float64, generator=g)
 
 
 @pytest.mark.parametrize("approx", ["ggn", "ef"])
@@ -275,7 +282,8 @@ class BadKronSumsRule(GoodRule):
 
 def scale_net() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(2, 6), nn.Unflatten(1, (2, 3)), Scale(), nn.Tanh(), nn.Flatten(), nn.Linear(6, 2)).double()
+    layers = [nn.Linear(2, 6), nn.Unflatten(1, (2, 3)), Scale(), nn.Tanh(), nn.Flatten(), nn.Linear(6, 2)]
+    return nn.Sequential(*layers).double()
 
 
 @pytest.mark.parametrize("structure", ["diag", "kron"])
@@ -328,3 +336,42 @@ def test_backpack_refuses_reparametrized_layers_and_subclasses_naming_the_parame
     prior, lik = hyperparameters(model, "regression")
     with pytest.raises(ValueError, match=rf"backend='backpack' cannot take this model: .*{match}.*backend='hooks'"):
         LaplaceEvidence.fit(model, batches(x, y, 8), lik, prior, structure=structure, backend="backpack")
+
+
+# --- issue 26 item 5: the exact path takes one normalized batch ----------------------------------
+
+
+@pytest.mark.parametrize("branch", [False, True])
+def test_the_exact_path_reads_one_normalized_batch_and_never_returns_to_the_batch_adapter(branch):
+    """Calls from curvature/functional.py into curvature/batches.py during one batch's exact rows: one
+    (the normalization), whether vmap runs (``branch=False``) or the per-example loop (``branch=True``)."""
+    import sys
+
+    from lightning_marglik.curvature import batches as batches_module, functional
+    from lightning_marglik.curvature.functional import ExactPath
+    from tests.test_vmap_fallback import Tokens, token_batches
+
+    torch.manual_seed(0)
+    model = Tokens(branch=branch)
+    inputs, _, _ = token_batches(n=6)
+    factor = torch.randn(6, 3, 2)
+    names = ["scale.weight", "head.weight"]
+    path = ExactPath(model, names, [dict(model.named_parameters())[n] for n in names])
+    calls = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename == batches_module.__file__:
+            caller = frame.f_back
+            if caller is not None and caller.f_code.co_filename == functional.__file__:
+                calls.append(frame.f_code.co_name)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sys.setprofile(profile)
+        try:
+            rows = path.rows(inputs, factor)
+        finally:
+            sys.setprofile(None)
+    assert rows.shape == (6 * 2, 4 + 3 * 4)
+    assert (path.refusal is not None) == branch  # the loop ran where vmap refuses the forward
+    assert calls == ["model_batch"], calls

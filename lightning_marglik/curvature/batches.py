@@ -2,16 +2,29 @@
 
 ``inputs`` is a tensor (``forward(inputs)``), a tuple or list (``forward(*inputs)``) or a dict
 (``forward(**inputs)``, e.g. ``input_ids`` and ``attention_mask``). Without a ``batch_fn`` a batch
-must be an ``(inputs, targets)`` pair.
+must be an ``(inputs, targets)`` pair. :func:`model_batch` normalizes split and moved inputs once
+into the call form, size and batch dimensions that the per-example (exact) path reads.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["BatchFn", "Inputs", "batch_size", "call_model", "move", "split_batch"]
+__all__ = [
+    "BatchFn",
+    "Inputs",
+    "ModelBatch",
+    "batch_dims",
+    "batch_size",
+    "call_model",
+    "model_batch",
+    "move",
+    "not_a_tensor",
+    "split_batch",
+]
 
 Inputs = Union[Tensor, Tuple[Any, ...], Dict[str, Any]]
 BatchFn = Callable[[Any], Tuple[Inputs, Tensor]]
@@ -70,12 +83,17 @@ def call_model(model: nn.Module, inputs: Inputs) -> Tensor:
     else:
         output = model(inputs)
     if not isinstance(output, Tensor):
-        raise TypeError(
-            f"forward returned {type(output).__name__}; the evidence pass needs forward to return the network "
-            "output tensor (logits or predictions): return only that tensor from forward and compute other "
-            "values elsewhere."
-        )
+        raise not_a_tensor(output)
     return output
+
+
+def not_a_tensor(output: Any) -> TypeError:
+    """The error for a ``forward`` that returned ``output``, not one tensor."""
+    return TypeError(
+        f"forward returned {type(output).__name__}; the evidence pass needs forward to return the network "
+        "output tensor (logits or predictions): return only that tensor from forward and compute other "
+        "values elsewhere."
+    )
 
 
 def batch_size(inputs: Inputs) -> int:
@@ -87,3 +105,50 @@ def batch_size(inputs: Inputs) -> int:
         if isinstance(value, Tensor):
             return value.shape[0]
     raise TypeError("Model inputs contain no tensor.")
+
+
+def batch_dims(inputs: Any, size: int) -> Any:
+    """``inputs``-shaped: 0 for a tensor leading with the batch dimension, ``None`` for everything else
+    (values shared by the batch), as ``torch.func.vmap``'s ``in_dims``."""
+    if isinstance(inputs, Tensor):
+        return 0 if inputs.dim() > 0 and inputs.shape[0] == size else None
+    if isinstance(inputs, tuple):
+        return tuple(batch_dims(v, size) for v in inputs)
+    if isinstance(inputs, dict):
+        return {k: batch_dims(v, size) for k, v in inputs.items()}
+    return None
+
+
+@dataclass(frozen=True)
+class ModelBatch:
+    """Split and moved model inputs, normalized once for the per-example path.
+
+    Attributes:
+        args: Positional arguments of ``forward`` (a tensor input is the only one).
+        kwargs: Keyword arguments of ``forward`` (a dict input).
+        size: Number of examples.
+        arg_dims: :func:`batch_dims` of ``args``.
+        kwarg_dims: :func:`batch_dims` of ``kwargs``.
+    """
+
+    args: Tuple[Any, ...]
+    kwargs: Dict[str, Any]
+    size: int
+    arg_dims: Tuple[Any, ...]
+    kwarg_dims: Dict[str, Any]
+
+
+def model_batch(inputs: Inputs) -> ModelBatch:
+    """``inputs`` (tensor, tuple or dict, as :func:`call_model` takes them) as one :class:`ModelBatch`.
+
+    Raises:
+        TypeError: If ``inputs`` contain no tensor.
+    """
+    size = batch_size(inputs)
+    if isinstance(inputs, dict):
+        args, kwargs = (), dict(inputs)
+    elif isinstance(inputs, tuple):
+        args, kwargs = inputs, {}
+    else:
+        args, kwargs = (inputs,), {}
+    return ModelBatch(args, kwargs, size, batch_dims(args, size), batch_dims(kwargs, size))

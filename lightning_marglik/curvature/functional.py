@@ -4,7 +4,8 @@ Only the given parameters are differentiated (the rest of the network enters as 
 the cost is ``K`` vector-Jacobian products per example down to the earliest of them. Where
 ``vmap`` refuses the forward (data-dependent control flow such as Hugging Face's attention-mask
 helpers, ``.item()``, activation checkpointing), the same rows come from plain autograd, one
-example at a time.
+example at a time. A batch is normalized once (:func:`.batches.model_batch`: the call form, the size,
+which inputs lead with the batch dimension); every example is then taken from it here.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 
-from .batches import Inputs, batch_size, call_model
+from .batches import Inputs, ModelBatch, batch_dims, model_batch, not_a_tensor
 
 __all__ = ["ExactPath", "jacobian_rows"]
 
@@ -25,15 +26,7 @@ __all__ = ["ExactPath", "jacobian_rows"]
 _CHECKPOINTING = ("saved tensor hooks", "setup_context")
 
 
-def _in_dims(inputs: Any, b: int) -> Any:
-    """vmap dimensions: 0 for tensors with the batch dimension, ``None`` for everything else."""
-    if isinstance(inputs, Tensor):
-        return 0 if inputs.dim() > 0 and inputs.shape[0] == b else None
-    if isinstance(inputs, tuple):
-        return tuple(_in_dims(v, b) for v in inputs)
-    if isinstance(inputs, dict):
-        return {k: _in_dims(v, b) for k, v in inputs.items()}
-    return None
+_in_dims = batch_dims  # the name lightning_marglik.bounds imports
 
 
 def _unsqueeze(inputs: Any, dims: Any) -> Any:
@@ -56,7 +49,7 @@ class ExactPath:
     activation checkpointing, named in one warning.
 
     Args:
-        model: The network, called as in :func:`call_model`.
+        model: The network, called as in :func:`.batches.call_model`.
         names: Names (in ``model``) of the parameters to differentiate.
         params: The parameter tensors themselves, in ``names`` order.
         modules: The modules that own them, named in the warning.
@@ -70,37 +63,42 @@ class ExactPath:
         """Rows ``L_n[:, j]^T J_n`` of every example ``n`` and factor column ``j``.
 
         Args:
-            inputs: Input batch (tensor, tuple or dict).
+            inputs: Input batch (tensor, tuple or dict), split and moved.
             factor: Loss-Hessian factor ``(B, M, K)`` over the flattened outputs.
 
         Returns:
             Tensor ``(B * K, P)`` with ``P`` the total size of the parameters, flattened in order.
+
+        Raises:
+            TypeError: If ``forward`` does not return a tensor.
         """
-        dims = _in_dims(inputs, batch_size(inputs))
+        batch = model_batch(inputs)
         if self.refusal is None:
             try:
-                return self._rows_by_vmap(inputs, dims, factor)
+                return self._rows_by_vmap(batch, factor)
             except (RuntimeError, NotImplementedError) as error:
                 # anything else the forward gets wrong fails again, with its own message, in the loop
-                rows = _rows_by_autograd(self.model, self.params, inputs, dims, factor)
+                rows = _rows_by_autograd(self.model, self.params, batch, factor)
                 message = str(error)
                 self.refusal = f"{type(error).__name__}: {message.splitlines()[0] if message else ''}"
                 if not any(marker in message for marker in _CHECKPOINTING):
                     self._warn(factor)
                 return rows
-        return _rows_by_autograd(self.model, self.params, inputs, dims, factor)
+        return _rows_by_autograd(self.model, self.params, batch, factor)
 
-    def _rows_by_vmap(self, inputs: Inputs, dims: Any, factor: Tensor) -> Tensor:
+    def _rows_by_vmap(self, batch: ModelBatch, factor: Tensor) -> Tensor:
         detached = tuple(p.detach() for p in self.params)
 
-        def single_output(theta: tuple, xi: Any) -> Tensor:
-            return call_model_functional(self.model, dict(zip(self.names, theta)), _unsqueeze(xi, dims)).reshape(-1)
+        def single_output(theta: tuple, args: tuple, kwargs: dict) -> Tensor:
+            args, kwargs = _unsqueeze(args, batch.arg_dims), _unsqueeze(kwargs, batch.kwarg_dims)
+            return _tensor(functional_call(self.model, dict(zip(self.names, theta)), args, kwargs)).reshape(-1)
 
-        def single_rows(theta: tuple, xi: Any, li: Tensor) -> tuple:
-            _, pullback = vjp(lambda t: single_output(t, xi), theta)
+        def single_rows(theta: tuple, args: tuple, kwargs: dict, li: Tensor) -> tuple:
+            _, pullback = vjp(lambda t: single_output(t, args, kwargs), theta)
             return vmap(pullback)(li.T)[0]
 
-        rows = vmap(single_rows, in_dims=(None, dims, 0))(detached, inputs, factor)
+        in_dims = (None, batch.arg_dims, batch.kwarg_dims, 0)
+        rows = vmap(single_rows, in_dims=in_dims)(detached, batch.args, batch.kwargs, factor)
         b, k = factor.shape[0], factor.shape[2]
         return torch.cat([r.reshape(b, k, -1) for r in rows], dim=2).reshape(b * k, -1)
 
@@ -126,7 +124,7 @@ def jacobian_rows(model: nn.Module, names: List[str], params: List[Tensor], inpu
     """Rows ``L_n[:, j]^T J_n`` of every example ``n`` and factor column ``j`` (one batch's :class:`ExactPath`).
 
     Args:
-        model: The network, called as in :func:`call_model`.
+        model: The network, called as in :func:`.batches.call_model`.
         names: Names (in ``model``) of the parameters to differentiate.
         params: The parameter tensors themselves, in ``names`` order.
         inputs: Input batch (tensor, tuple or dict).
@@ -149,7 +147,14 @@ def _example(inputs: Any, dims: Any, n: int) -> Any:
     return inputs
 
 
-def _rows_by_autograd(model: nn.Module, params: List[Tensor], inputs: Inputs, dims: Any, factor: Tensor) -> Tensor:
+def _tensor(output: Any) -> Tensor:
+    """``output`` if it is a tensor (the network output), else the clear error."""
+    if not isinstance(output, Tensor):
+        raise not_a_tensor(output)
+    return output
+
+
+def _rows_by_autograd(model: nn.Module, params: List[Tensor], batch: ModelBatch, factor: Tensor) -> Tensor:
     """The same rows with plain autograd, one example at a time.
 
     For forwards torch.func cannot run (``torch.utils.checkpoint``, control flow on tensor values);
@@ -158,7 +163,8 @@ def _rows_by_autograd(model: nn.Module, params: List[Tensor], inputs: Inputs, di
     rows = []
     with torch.enable_grad():
         for n in range(factor.shape[0]):
-            output = call_model(model, _example(inputs, dims, n)).reshape(-1)
+            args, kwargs = _example(batch.args, batch.arg_dims, n), _example(batch.kwargs, batch.kwarg_dims, n)
+            output = _tensor(model(*args, **kwargs)).reshape(-1)
             for j in range(factor.shape[2]):
                 grads = torch.autograd.grad(
                     output, params, grad_outputs=factor[n, :, j], retain_graph=j < factor.shape[2] - 1, allow_unused=True
@@ -170,19 +176,3 @@ def _rows_by_autograd(model: nn.Module, params: List[Tensor], inputs: Inputs, di
                     )
                 rows.append(torch.cat([g.reshape(-1) for g in grads]))
     return torch.stack(rows)
-
-
-def call_model_functional(model: nn.Module, params: dict, inputs: Inputs) -> Tensor:
-    """:func:`call_model` with some parameters replaced (``torch.func.functional_call``)."""
-    args: tuple
-    kwargs: dict = {}
-    if isinstance(inputs, dict):
-        args, kwargs = (), inputs
-    elif isinstance(inputs, tuple):
-        args = inputs
-    else:
-        args = (inputs,)
-    output = functional_call(model, params, args, kwargs)
-    if not isinstance(output, Tensor):
-        return call_model(model, inputs)  # raises the clear error
-    return output

@@ -290,7 +290,9 @@ def check_rule(name: str, module: nn.Module, a: Tensor, g: Tensor) -> None:
         _check_kron(label, rule, module, params, a, g)
 
 
-def _check_kron(label: str, rule: LayerRule, module: nn.Module, params: Dict[str, Tensor], a: Tensor, g: Tensor) -> None:
+def _check_kron(
+    label: str, rule: LayerRule, module: nn.Module, params: Dict[str, Tensor], a: Tensor, g: Tensor
+) -> None:
     """The Kronecker half of :func:`check_rule`."""
     shape = rule.kron_shape(module)
     weight, bias = params.get("weight"), params.get("bias")
