@@ -19,7 +19,7 @@ from .results import CandidateResult
 __all__ = ["DEFAULT_THREADS", "QUICK_NOTICE", "QUICK_OVERRIDES", "build_parser", "explain_import_error", "main",
            "plain_text", "run_command_line"]
 
-# One thread is fastest for small models on a shared CPU (measured: the documentation's "Threads").
+# One thread is fastest for small models on a shared CPU (measured in docs/install.md, "Threads").
 DEFAULT_THREADS = 1
 # What `--quick` means: one epoch of two batches and one cheap estimate per candidate. The
 # evidence pass still sees the whole training set, so a quick run exercises everything.
