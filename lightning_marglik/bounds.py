@@ -42,7 +42,7 @@ from .curvature import CurvatureOptions, CurvatureStatistics, _eager, collect_st
 from .curvature.batches import BatchFn, batch_size, call_model, move, split_batch
 from .curvature.functional import _in_dims, jacobian_rows
 from .curvature.statistics import BatchCurvature
-from .curvature.structures import FullStructure
+from .curvature.structures import FullStructure, structure_class, structures_with
 from .evidence import LaplaceEvidence
 from .hyperparameters import GaussianPrior, Likelihood, assign_hyperparameters, learnable_values
 from .validators import integer, number
@@ -50,7 +50,6 @@ from .validators import integer, number
 __all__ = ["BOUNDS", "BoundOptimizer", "EvidenceBound"]
 
 BOUNDS = ("parametric", "ntk")
-PARAMETRIC_STRUCTURES = ("kron", "diag", "full")
 AllReduce = Callable[[Tensor], Tensor]
 
 
@@ -64,10 +63,10 @@ def check_bound_options(bound: str, structure: str, subset_size: Optional[int]) 
     if bound not in BOUNDS:
         raise ValueError(f"`bound` must be one of {BOUNDS}, got {bound!r}.")
     if bound == "parametric":
-        if structure not in PARAMETRIC_STRUCTURES:
+        if not structure_class(structure).parametric_bound:  # the registry's capability; ekfac reads each batch twice
             raise ValueError(
-                f"bound='parametric' takes structure in {PARAMETRIC_STRUCTURES}, got {structure!r} (ekfac reads each "
-                "batch twice); use structure='kron'."
+                f"bound='parametric' takes structure in {structures_with('parametric_bound')}, got {structure!r} (it "
+                "reads each batch more than once); use structure='kron'."
             )
         if subset_size is not None:
             raise ValueError(
