@@ -489,3 +489,16 @@ def test_trainer_remedy_options_are_checked():
     model.prior = GaussianPrior(model.net, structure="scalar")
     with pytest.raises(MargLikConfigurationError, match="MargLikCallback\\(biases='fixed'\\): .*the prior is scalar"):
         fit_blobs(model, epochs=1, biases="fixed")
+
+
+def test_trainer_biases_treatment_is_declared_again_on_resume(tmp_path):
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    pl.seed_everything(0, verbose=False)
+    first = lightning_trainer([MargLikCallback(frequency=1, biases="decoupled"), checkpoint], 3)
+    first.fit(ZeroBiasClassifier(), lightning_loader(blob_data(), 20))
+    model, marglik = ZeroBiasClassifier(), MargLikCallback(frequency=1, biases="decoupled")
+    lightning_trainer([marglik, pl.callbacks.ModelCheckpoint(dirpath=tmp_path)], 5).fit(
+        model, lightning_loader(blob_data(), 20), ckpt_path=checkpoint.last_model_path)
+    assert marglik.estimations == 5 and model.prior.treated("decoupled") == ["0.bias", "2.bias"]
+    assert (model.prior.log_precision[[1, 3]] != 0).all()
+    assert torch.equal(model.prior.weight_decay_log_precision()[[1, 3]], torch.zeros(2))
