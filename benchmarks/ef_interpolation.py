@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -48,7 +49,6 @@ CANDIDATES = ("mlp512x1", "mlp128x2", "cnn8x1")
 APPROXIMATIONS = (("diag", "ef"), ("kron", "ef"), ("diag", "ggn"), ("kron", "ggn"))
 CHECKPOINTS = (1, 2, 5, 10, 20, 40, 80, 150)
 QUICK_CHECKPOINTS = (1, 3)
-INTERPOLATED = 0.995  # train accuracy from which the summary counts a checkpoint as fitting its data
 HAND_WRITTEN = "<!-- hand-written below: kept when the script rewrites the file -->"
 PRIOR_PRECISION = 1.0
 
@@ -213,22 +213,37 @@ def summary(rows: List[Dict[str, Any]]) -> List[str]:
     def span(values: List[float]) -> str:
         return f"{min(values):.3g}..{max(values):.3g}" if values else "none"
 
-    fitted = [r for r in rows if r["train_acc"] >= INTERPOLATED]
-    training = [r for r in rows if r["train_acc"] < INTERPOLATED]
     lines = ["### Summary over all checkpoints", ""]
-    for name, group in ((f"train accuracy >= {INTERPOLATED:g}", fitted), (f"train accuracy < {INTERPOLATED:g}", training)):
+    below = [r for r in rows if r["ratio"] < EF_RATIO_THRESHOLD]
+    above = [r for r in rows if r["ratio"] >= EF_RATIO_THRESHOLD]
+    for name, group in ((f"r < {EF_RATIO_THRESHOLD:g}", below), (f"r >= {EF_RATIO_THRESHOLD:g}", above)):
         lines.append(
-            f"- {name} ({len(group)} checkpoints): r {span([r['ratio'] for r in group])}; EF - GGN evidence per datum, "
-            f"kron {span([gap(r, 'kron-EF', 'kron-GGN') for r in group])}, "
+            f"- {name} ({len(group)} checkpoints: {', '.join(sorted({r['candidate'] for r in group}))}): r "
+            f"{span([r['ratio'] for r in group])}, train accuracy {span([r['train_acc'] for r in group])}; EF - GGN "
+            f"evidence per datum, kron {span([gap(r, 'kron-EF', 'kron-GGN') for r in group])}, "
             f"diag {span([gap(r, 'diag-EF', 'diag-GGN') for r in group])}.")
     for structure in ("diag", "kron"):
         ef, ggn = label(structure, "ef"), label(structure, "ggn")
         lines.append(f"- {structure}: |EF/r - GGN| at most {max(abs(gap(r, ef + '/r', ggn)) for r in rows):.3g} nats per "
                      f"datum, against |EF - GGN| up to {max(abs(gap(r, ef, ggn)) for r in rows):.3g}.")
+    epochs = [e for e in sorted({r["epoch"] for r in rows}) if len({r["candidate"] for r in rows if r["epoch"] == e}) > 1]
+
+    def pick(epoch: int, lb: str) -> str:
+        return max((r for r in rows if r["epoch"] == epoch), key=lambda r: r["evidence"][lb]["marglik"])["candidate"]
+
+    for structure in ("diag", "kron") if epochs else ():
+        ef, ggn = label(structure, "ef"), label(structure, "ggn")
+        differ = [e for e in epochs if pick(e, ef) != pick(e, ggn)]
+        corrected = [e for e in epochs if pick(e, ef + "/r") != pick(e, ggn)]
+        lines.append(f"- {structure}: the EF picks another candidate than the GGN at epochs {differ or 'none'}; "
+                     f"EF/r at epochs {corrected or 'none'} (of {epochs}).")
     lines.append(f"- r against the parameter-space ratio sum diag(EF) / sum diag(GGN): at most "
                  f"{max(abs(r['ratio'] / r['diagonal_ratio'] - 1) for r in rows):.1%} apart.")
-    lines.append(f"- cost of r (one forward pass): {span([r['ratio_cpu_seconds'] for r in rows])} CPU s, against "
-                 f"{span([r['evidence']['kron-EF']['pass_cpu_seconds'] for r in rows])} for the kron-EF pass.")
+    lines.append(f"- cost of r (one forward pass), median over the checkpoints: "
+                 f"{statistics.median(r['ratio_cpu_seconds'] for r in rows):.3g} CPU s, against "
+                 f"{statistics.median(r['evidence']['kron-EF']['pass_cpu_seconds'] for r in rows):.3g} for the kron-EF "
+                 f"pass and {statistics.median(r['evidence']['kron-GGN']['pass_cpu_seconds'] for r in rows):.3g} for "
+                 "the kron-GGN pass.")
     return lines + [""]
 
 
