@@ -5,7 +5,7 @@ them at construction, in ``setup`` and in ``on_train_start``, before the first t
 """
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any, Mapping, Optional, Tuple
 
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn  # one rank state for both packages
@@ -13,7 +13,7 @@ from torch import nn
 
 from ..curvature import CurvatureOptions, eval_mode
 from ..curvature.batches import call_model, move, split_batch
-from ..curvature.scale_invariance import find_scale_invariant
+from ..curvature.scale_invariance import NORMS, find_scale_invariant
 from ..curvature.structures import structure_class, structures_with
 from ..hyperparameters import GaussianPrior, Likelihood
 from ..validators import choice, number
@@ -29,6 +29,7 @@ __all__ = [
     "check_processes",
     "check_statistics",
     "check_training_statistics",
+    "follow_training_modes",
     "treat_scale_invariant",
     "warn_weight_decay",
 ]
@@ -189,10 +190,27 @@ def check_forward(
     return inputs, output
 
 
-def treat_scale_invariant(pl_module: LightningModule, prior: GaussianPrior, inputs: Any, treatment: str) -> None:
-    """Find the scale-invariant tensors (one training-mode forward) and give them to the prior with
-    ``treatment``, in one warning that names them and the choice."""
-    layers = find_scale_invariant(pl_module, inputs)
+def treat_scale_invariant(
+    pl_module: LightningModule, prior: GaussianPrior, inputs: Any, treatment: str,
+    modes: Optional[Mapping[str, bool]] = None,
+) -> Optional[str]:
+    """Find the scale-invariant tensors (one forward in the modes training runs with) and give them to
+    the prior with ``treatment``.
+
+    Args:
+        pl_module: The module (its ``forward`` is analysed).
+        prior: The prior that takes the treatment.
+        inputs: One batch of model inputs.
+        treatment: ``scale_invariant`` of the callback.
+        modes: The ``training`` flag of each module during training
+            (:func:`~lightning_marglik.curvature.scale_invariance.training_modes`); default: every
+            module in training mode, Lightning's own default.
+
+    Returns:
+        The one warning that names the tensors found and the treatment (``None`` if there are none);
+        the caller warns once it knows the modes training really uses.
+    """
+    layers = find_scale_invariant(pl_module, inputs, modes)
     ours = {id(p): n for n, p in zip(prior.param_names, prior.params)}
     full = dict(pl_module.named_parameters())
     # the prior's names of each layer's tensors (the analysis names them from the LightningModule)
@@ -205,7 +223,7 @@ def treat_scale_invariant(pl_module: LightningModule, prior: GaussianPrior, inpu
                   "'layerwise')), so they are learned with the rest:")
     prior.treat_scale_invariant(names, applied)
     if not names:
-        return
+        return None
     held = [n for n in names if n in prior.fixed]
     what = {
         "decoupled": "the evidence learns their precision, but their weight decay in map_loss stays at the prior's "
@@ -214,10 +232,41 @@ def treat_scale_invariant(pl_module: LightningModule, prior: GaussianPrior, inpu
         "learn": "their learned precision is fed back as weight decay and can grow without bound while they shrink",
     }[applied]
     groups = "; ".join(f"{', '.join(group)} -> {layer.norm}" for layer, group in named if group)
-    rank_zero_warn(
+    return (
         f"MargLikCallback: the training loss is invariant to the scale of {len(named)} layer(s), each of whose output "
         f"feeds only a normalization with statistics of its input ({groups}), so the data do not determine their "
         f"prior precision. scale_invariant={treatment!r}{scalar or ':'} {what}"
         + (f"; {held} keep GaussianPrior(fixed=...)" if held else "")
         + ". Choose with MargLikCallback(scale_invariant='decoupled'|'fixed'|'learn')."
     )
+
+
+def follow_training_modes(
+    pl_module: LightningModule, prior: GaussianPrior, inputs: Any, treatment: str,
+    assumed: Mapping[str, bool], modes: Mapping[str, bool],
+) -> Optional[str]:
+    """Decide the scale-invariant tensors again from the ``modes`` training really runs with, when they
+    differ from the ``assumed`` ones (e.g. a BatchNorm a fine-tuning recipe keeps in eval mode, set
+    in ``on_train_epoch_start``, after the set-up check).
+
+    Returns:
+        The warning for the tensors found now (as :func:`treat_scale_invariant`), preceded by one
+        sentence naming the norms whose mode changed and the tensors this releases or adds.
+    """
+    before = set(prior.scale_invariant)
+    found = treat_scale_invariant(pl_module, prior, inputs, treatment, modes)
+    after = set(prior.scale_invariant)
+    if before == after:
+        return found
+    modules = dict(pl_module.named_modules())
+    changed = [f"{name} ({type(modules[name]).__name__}) in {'training' if modes[name] else 'eval'} mode"
+               for name in modes if name in modules and isinstance(modules[name], NORMS)
+               and modes[name] != assumed.get(name, True)]
+    released, added = sorted(before - after, key=prior.param_names.index), sorted(after - before, key=prior.param_names.index)
+    note = (
+        f"MargLikCallback: training runs {', '.join(changed) or 'modules in other modes than at set-up'}"
+        + (f"; {released} are not scale-invariant in these modes and are treated as every other tensor" if released else "")
+        + (f"; {added} are scale-invariant in these modes" if added else "")
+        + "."
+    )
+    return note if found is None else f"{note} {found}"

@@ -19,6 +19,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn  # one rank state 
 from torch.utils.data import DataLoader
 
 from ..curvature import CurvatureOptions, check_model, collect_statistics
+from ..curvature.scale_invariance import training_modes
 from ..distributed import reduce_statistics, run_on_all_ranks
 from ..evidence import SOLVERS, LaplaceEvidence, require_data
 from ..hyperparameters import (
@@ -89,6 +90,11 @@ class EstimatorCore:
         self.prior: Optional[GaussianPrior] = None
         self.likelihood: Optional[Likelihood] = None
         self._setup_plan: Any = None  # the set-up batch's evidence-pass statistics (their structures' layout)
+        # the set-up batch's inputs, the modes the scale-invariance analysis assumed (None: Lightning's training
+        # modes) and its warning, given at the first training batch once the modes training uses are known
+        self._scale_inputs: Any = None
+        self._scale_modes: Optional[Dict[str, bool]] = None
+        self._scale_note: Optional[str] = None
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -148,6 +154,25 @@ class EstimatorCore:
         self._record_n_data(int(n_data))
         self._follow_changed_learnables()  # after the set-up check, which decides the scale-invariant treatment
 
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 0:  # the user's on_train_epoch_start hooks have set the modes this epoch trains in
+            self._follow_training_modes(pl_module)
+
+    def _follow_training_modes(self, pl_module: LightningModule) -> None:
+        """Decide the scale-invariant tensors again if training runs modules in other modes than the
+        set-up check assumed (e.g. a BatchNorm kept in eval mode), then give the one warning."""
+        modes = training_modes(pl_module)
+        assumed = self._scale_modes if self._scale_modes is not None else dict.fromkeys(modes, True)
+        if modes != assumed and self._scale_inputs is not None:
+            prior, _ = self._hyperparameters()
+            self._scale_note = checks.follow_training_modes(
+                pl_module, prior, self._scale_inputs, self.scale_invariant, assumed, modes
+            )
+            self._scale_modes = modes
+        if self._scale_note:
+            rank_zero_warn(self._scale_note)
+            self._scale_note = None
+
     def _follow_changed_learnables(self) -> None:
         """After a resume: tensors whose precision the checkpoint learned and the prior now fixes take
         the declared ``precision``; a changed set of learned hyperparameters restarts the Adam state.
@@ -182,7 +207,9 @@ class EstimatorCore:
         except StopIteration:
             raise MargLikConfigurationError("MargLikCallback: the evidence data loader yields no batches.") from None
         inputs, output = checks.check_forward(pl_module, likelihood, batch, self._batch_fn(pl_module), device, dtype)
-        checks.treat_scale_invariant(pl_module, prior, inputs, self.scale_invariant)
+        # decided in Lightning's training modes; the first training batch re-checks them (_follow_training_modes)
+        self._scale_inputs, self._scale_modes = inputs, None
+        self._scale_note = checks.treat_scale_invariant(pl_module, prior, inputs, self.scale_invariant)
         try:  # the evidence pass itself on this batch, exact per-example path included (e.g. what vmap refuses)
             self._setup_plan = self._collect(pl_module, [batch], self.options, torch.Generator().manual_seed(self.seed))
         except (ValueError, RuntimeError) as err:
@@ -345,7 +372,9 @@ class MargLikCallbackCore(EstimatorCore):
         super().on_train_start(trainer, pl_module)
         if self._training is not None:
             _, likelihood = self._hyperparameters()
-            self._training.start(trainer, pl_module, likelihood, self._setup_plan, self._batch_fn(pl_module))
+            self._training.start(
+                trainer, pl_module, likelihood, self._setup_plan, self._batch_fn(pl_module), self.dataloader
+            )
 
     # --- Algorithm 1 -------------------------------------------------------------------------
 
@@ -408,20 +437,30 @@ class MargLikCallbackCore(EstimatorCore):
         generator: Optional[torch.Generator],
     ) -> LaplaceEvidence:
         """The evidence of the curvature ``options`` at the current weights, summed over all ranks:
-        this epoch's training-pass sums where they are the callback's own and complete, else one
-        evidence pass over this rank's evidence batches."""
+        this epoch's training-pass sums where they are the callback's own, complete and hold as many
+        data as the evidence data, else one evidence pass over this rank's evidence batches."""
         prior, likelihood = self._hyperparameters()
+        taken_training = False
 
-        def local_pass() -> Any:  # everything that can fail on one rank only, before the first collective
-            own = self._training is not None and options is self.options
-            taken = self._training.take(trainer) if own else None  # type: ignore[union-attr]
+        def local_pass(training: bool) -> Any:  # everything that can fail on one rank only, before the first collective
+            nonlocal taken_training
+            taken = self._training.take(trainer) if training else None  # type: ignore[union-attr]
+            taken_training = taken is not None
             if taken is not None:
                 return taken
             batches = self._evidence_batches(trainer, pl_module)
             with progress(trainer, batches, self._package) as on_batch:
                 return self._collect(pl_module, batches, options, generator, on_batch)
 
-        stats = reduce_statistics(run_on_all_ranks(trainer.strategy, local_pass), trainer.strategy)
+        own = self._training is not None and options is self.options
+        stats = reduce_statistics(run_on_all_ranks(trainer.strategy, lambda: local_pass(own)), trainer.strategy)
+        if taken_training and int(stats.n_data) != int(prior.n_data):  # summed over ranks: the same on every rank
+            rank_zero_warn(
+                f"MargLikCallback(statistics='training'): the epoch's training batches held {int(stats.n_data)} data, "
+                f"the evidence data {int(prior.n_data)} (examples dropped, repeated or padded across processes): "
+                "this estimate runs the evidence pass instead."
+            )
+            stats = reduce_statistics(run_on_all_ranks(trainer.strategy, lambda: local_pass(False)), trainer.strategy)
         return LaplaceEvidence.from_statistics(stats, likelihood, prior)
 
     def evidence_with(self, trainer: Trainer, pl_module: LightningModule, structure: str, approx: str) -> float:
@@ -465,6 +504,7 @@ class MargLikCallbackCore(EstimatorCore):
             self._training.epoch_start()
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         if self._training is not None:
             self._training.batch_start(trainer, batch, batch_idx)
 

@@ -20,7 +20,49 @@ from .data import BatchFn
 from .package import LightningModule, MargLikConfigurationError, Trainer
 from .schedule import Schedule
 
-__all__ = ["TrainingStatistics"]
+__all__ = ["TrainingStatistics", "check_coverage"]
+
+
+def check_coverage(trainer: Trainer, dataloader: Any) -> None:
+    """Refuse a training epoch that does not draw every example of the evidence data exactly once.
+
+    The training sums stand in for the evidence pass only if they cover the same examples: the
+    default evidence data (the training sampler's examples, each once), every batch of the epoch
+    (no ``limit_train_batches`` below the loader's length) and no example dropped (``drop_last``
+    with a partial last batch drops a different part each epoch under shuffling). Samplers that
+    draw another distribution (weights, replacement) are refused by the evidence data themselves.
+    The estimates check the count of data as well (:meth:`MargLikCallbackCore._evidence`).
+
+    Raises:
+        MargLikConfigurationError: Naming what differs and the fix.
+    """
+    fix = "use statistics='pass' (the evidence pass)"
+    if dataloader is not None:
+        raise MargLikConfigurationError(
+            "MargLikCallback(statistics='training', dataloader=...): the training passes sum the training batches, "
+            f"but `dataloader` names other evidence data, which they never see; drop `dataloader` or {fix}."
+        )
+    loader = trainer.train_dataloader
+    try:
+        length: Optional[int] = len(loader)
+    except TypeError:  # a stream: its epoch is the evidence data (bounded by limit_train_batches)
+        return
+    batches = trainer.num_training_batches
+    if math.isfinite(batches) and int(batches) < length:
+        raise MargLikConfigurationError(
+            f"MargLikCallback(statistics='training'): a training epoch runs {int(batches)} of the loader's {length} "
+            f"batches (Trainer(limit_train_batches={trainer.limit_train_batches})), but the evidence covers every "
+            f"example; train on every batch or {fix}."
+        )
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    inner, size = getattr(batch_sampler, "sampler", None), getattr(batch_sampler, "batch_size", None)
+    if getattr(batch_sampler, "drop_last", False) and inner is not None and size and len(inner) % size:
+        raise MargLikConfigurationError(
+            f"MargLikCallback(statistics='training'): the training DataLoader drops the last {len(inner) % size} of "
+            f"{len(inner)} examples each epoch (drop_last=True with batch_size={size}; a different part under "
+            f"shuffling), but the evidence covers every example; set drop_last=False, a batch size that divides the "
+            f"data, or {fix}."
+        )
 
 
 class TrainingStatistics:
@@ -38,27 +80,27 @@ class TrainingStatistics:
         self._check: Any = None  # True until the first batch, then that batch until its sums are checked
 
     def start(
-        self, trainer: Trainer, pl_module: LightningModule, likelihood: Likelihood, layout: Any, batch_fn: BatchFn
+        self, trainer: Trainer, pl_module: LightningModule, likelihood: Likelihood, layout: Any, batch_fn: BatchFn,
+        dataloader: Any = None,
     ) -> None:
         """Hooks for the training passes, laid out as ``layout`` (the set-up batch's evidence-pass
         statistics); the first training batch is checked against the evidence pass (:meth:`after_backward`).
 
+        Args:
+            dataloader: The callback's ``dataloader`` argument (other evidence data are refused).
+
         Raises:
-            MargLikConfigurationError: If the module cannot be followed, or a fraction below 1
-                meets a training dataloader without length.
+            MargLikConfigurationError: If a training epoch does not draw every example of the evidence
+                data once (:func:`check_coverage`; a stream without length or limit the evidence data
+                refuse before), or the module cannot be followed.
         """
+        check_coverage(trainer, dataloader)
         try:
             self._pass = TrainingPassStatistics(pl_module, likelihood, layout, batch_fn)
         except ValueError as err:
             raise MargLikConfigurationError(f"MargLikCallback: {err}") from err
         self._pass.attach()
         self._check = True  # replaced by the first batch in batch_start
-        if self.fraction < 1 and not math.isfinite(trainer.num_training_batches):
-            raise MargLikConfigurationError(
-                f"MargLikCallback(statistics_fraction={self.fraction}) sums the last part of each "
-                "estimation epoch's batches, but the training dataloader has no length (an iterable dataset): "
-                "give it a __len__, or use statistics_fraction=1."
-            )
 
     def _collects(self, trainer: Trainer) -> bool:
         """Whether this epoch's training batches are summed: estimation epochs, and the first batch (its check)."""
