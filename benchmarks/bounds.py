@@ -20,7 +20,6 @@ hyperparameters are, on one scale.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import subprocess
 import sys

@@ -29,7 +29,6 @@ peer its ``prior_precision`` and ``sigma_noise`` are put into our prior and like
 from __future__ import annotations
 
 import argparse
-import copy
 import importlib
 import math
 import subprocess

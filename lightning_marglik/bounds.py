@@ -40,7 +40,8 @@ from torch import Tensor, nn
 
 from .curvature import CurvatureOptions, CurvatureStatistics, _eager, collect_statistics, eval_mode, locate
 from .curvature.batches import BatchFn, batch_size, call_model, move, split_batch
-from .curvature.functional import _in_dims, jacobian_rows
+from .curvature.batches import batch_dims
+from .curvature.functional import jacobian_rows
 from .curvature.statistics import BatchCurvature
 from .curvature.structures import FullStructure, structure_class, structures_with
 from .evidence import LaplaceEvidence
@@ -241,7 +242,7 @@ def _kernel_statistics(
     inputs, target = split_batch(batch, batch_fn)
     inputs, target = move(inputs, device, dtype), target.to(device)
     n = batch_size(inputs)
-    dims = _in_dims(inputs, n)
+    dims = batch_dims(inputs, n)
     size = n if subset_size is None else subset_size
     options = CurvatureOptions("full", approx, mc_samples, max_memory=sys.maxsize)
     out = []

@@ -8,7 +8,6 @@ import warnings
 
 import pytest
 import pytorch_lightning as pl
-import torch
 
 from lightning_marglik import GaussianPrior, MargLikCallback, MargLikCheckpoint, MargLikConfigurationError
 from tests.lightning_models import Regressor, loader, regression_data, trainer

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_marglik import CategoricalLikelihood, LaplaceEvidence, LayerRule, register_layer_rule
+from lightning_marglik import CategoricalLikelihood, LayerRule, register_layer_rule
 from lightning_marglik.curvature.layers import _RULES, hook_reason, layer_rule
 from tests.real_networks import batches
 from tests.reference import graph_problem, hyper, reference_env, rel_err  # noqa: F401 (reference_env: autouse)

@@ -112,7 +112,12 @@ def test_rank_by_reestimates_the_evidence_at_the_final_weights(rank_by):
                                    structure=structure, approx=approx)
     expected = evidence.optimize(solver="newton", max_evaluations=50).value.item() / 60
     assert result.marglik == pytest.approx(expected, rel=1e-5)
-    assert expected > evidence.log_marglik().item() / 60  # re-optimised: not the callback's hyperparameters' value
+    at_learned = evidence.log_marglik().item() / 60
+    if structure == CALLBACK["structure"] and approx == CALLBACK["approx"]:
+        # the callback's last estimate solved this same problem at these weights: Newton can only confirm it
+        assert expected >= at_learned - 1e-9
+    else:
+        assert expected > at_learned  # re-optimised: not the callback's hyperparameters' value
     online = select_models({"mlp": lambda: Classifier(60, width=8)}, datamodule=BlobData(), callback=CALLBACK,
                            trainer=TRAINER, rank_by="online", verbose=False)[0]
     assert online.marglik == online.online_marglik == result.online_marglik  # same training, same seed

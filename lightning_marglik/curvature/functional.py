@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 
-from .batches import Inputs, ModelBatch, batch_dims, model_batch, not_a_tensor
+from .batches import Inputs, ModelBatch, model_batch, not_a_tensor
 
 __all__ = ["ExactPath", "jacobian_rows"]
 
@@ -24,9 +24,6 @@ __all__ = ["ExactPath", "jacobian_rows"]
 # setup_context (use_reentrant=True) cannot run inside torch.func transforms. The loop is then the
 # documented way checkpointed networks run, so it is not warned about.
 _CHECKPOINTING = ("saved tensor hooks", "setup_context")
-
-
-_in_dims = batch_dims  # the name lightning_marglik.bounds imports
 
 
 def _unsqueeze(inputs: Any, dims: Any) -> Any:
