@@ -26,7 +26,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -257,7 +257,7 @@ def kept_text(path: Path) -> str:
     return before[before.index(HAND_WRITTEN):].split("<!-- benchmark-data", 1)[0].rstrip()
 
 
-def main(argv: Sequence[str] = None) -> None:
+def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=list(study.CANDIDATES))
     parser.add_argument("--quick", action="store_true", help="500 images, epochs 1 and 3, written to outputs/")

@@ -43,8 +43,8 @@ from torch import Tensor, nn
 
 from . import validators
 from .curvature import CurvatureStatistics, eval_mode
-from .curvature.statistics import Structure
 from .curvature.batches import BatchFn, call_model, move, split_batch
+from .curvature.statistics import Structure
 from .evidence import require_data
 from .hyperparameters import CategoricalLikelihood, GaussianLikelihood, Likelihood
 
@@ -191,13 +191,15 @@ def ratio_from_traces(traces: Tensor, likelihood: Likelihood) -> float:
         most confident fit there is), NaN where the outputs were not finite.
 
     Raises:
-        TypeError: On a likelihood of another type.
+        TypeError: On a likelihood of another type, or ``traces`` that are not a tensor.
         ValueError: On a tensor that is not three sums, or no datum (e.g. every label ``ignore_index``).
     """
     _check_likelihood(likelihood)
-    if not isinstance(traces, Tensor) or traces.shape != (3,):
-        shape = tuple(traces.shape) if isinstance(traces, Tensor) else type(traces).__name__
-        raise ValueError(f"`traces` must be the tensor [tr EF, tr GGN, n_data] of curvature_traces, got {shape}.")
+    wanted = "`traces` must be the tensor [tr EF, tr GGN, n_data] of curvature_traces"
+    if not isinstance(traces, Tensor):
+        raise TypeError(f"{wanted}, got {type(traces).__name__}.")
+    if traces.shape != (3,):
+        raise ValueError(f"{wanted}, got shape {tuple(traces.shape)}.")
     ef, ggn, n_data = (float(v) for v in traces)
     require_data(int(n_data), likelihood)
     if ggn == 0 and ef == 0:

@@ -1,5 +1,6 @@
 """The EF curvature ratio of lightning_marglik.diagnostics against float64 hand computations,
 the library's own curvature factors and evidence pass, and its limits (interpolation, calibration)."""
+import itertools
 import math
 
 import pytest
@@ -126,7 +127,7 @@ def test_ratio_tends_to_zero_at_interpolation():
             scaled.weight.copy_(factor * net.weight)
             scaled.bias.copy_(factor * net.bias)
         ratios.append(ef_curvature_ratio(scaled, loader(x, y, 50), likelihood))
-    assert all(a > b for a, b in zip(ratios, ratios[1:])), ratios
+    assert all(a > b for a, b in itertools.pairwise(ratios)), ratios
     assert ratios[0] < 1  # already more confident than calibrated on labels it predicts
     assert 0 < ratios[-2] < 1e-3 and 0 <= ratios[-1] < 1e-6  # 1 - ||p||^2 underflows naively here: no 0/0
 
@@ -198,8 +199,10 @@ def test_bad_input_refused():
         ef_curvature_ratio(net, loader(torch.randn(8, 3), torch.full((8,), -100)), CategoricalLikelihood())
     with pytest.raises(TypeError, match="not an \\(inputs, targets\\) pair"):
         ef_curvature_ratio(net, [torch.randn(4, 3)], CategoricalLikelihood())
-    with pytest.raises(ValueError, match="must be the tensor \\[tr EF, tr GGN, n_data\\].*got \\(2,\\)"):
+    with pytest.raises(ValueError, match="must be the tensor \\[tr EF, tr GGN, n_data\\].*got shape \\(2,\\)"):
         ratio_from_traces(torch.ones(2), CategoricalLikelihood())
+    with pytest.raises(TypeError, match="must be the tensor .* got list"):
+        ratio_from_traces([1.0, 2.0, 3.0], CategoricalLikelihood())
     with pytest.raises(TypeError, match="got NoneType"):
         ratio_from_traces(torch.ones(3), None)
     with pytest.raises(TypeError, match="got str"):
