@@ -90,7 +90,8 @@ class EvidenceBound:
         n_data: The number ``N`` of data the bound is for (default: the parts' count).
 
     Raises:
-        ValueError: Without parts, or with ``n_data`` below the parts' count of data.
+        ValueError: Without parts, with ``n_data`` below the parts' count of data, or with a prior that
+            has a hyperprior (each part's evidence holds its term, which the sum would count per part).
 
     Example:
         >>> from torch.utils.data import DataLoader, TensorDataset
@@ -109,6 +110,12 @@ class EvidenceBound:
             raise ValueError("The bound needs at least one part of the data holding a datum.")
         self.parts = list(parts)
         self.prior, self.likelihood = self.parts[0].prior, self.parts[0].likelihood
+        if self.prior.hyperprior is not None:  # every part's evidence holds its term: the sum would count it per part
+            raise ValueError(
+                f"The evidence bound does not take a hyperprior on the prior precisions (the prior has "
+                f"{self.prior.hyperprior!r}); use GaussianPrior(..., hyperprior=None) for the bound, or the full "
+                "evidence (LaplaceEvidence, MargLikCallback)."
+            )
         self.n_seen = sum(part.n_data for part in self.parts)
         self.n_data = self.n_seen if n_data is None else int(n_data)
         if self.n_data < self.n_seen:

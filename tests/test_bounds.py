@@ -299,3 +299,17 @@ def test_ntk_subsets_of_tuple_inputs_equal_parametric_full_batches():
     batches = [((x[i : i + 5], shift), y[i : i + 5]) for i in range(0, 13, 5)]
     full = EvidenceBound.fit(model, batches, lik, prior, bound="parametric", structure="full")
     assert ntk.n_partitions == 3 and rel_err(ntk.log_marglik(), full.log_marglik()) <= TOL
+
+
+def test_a_prior_with_a_hyperprior_is_refused_by_the_bound():
+    """Each part's evidence holds the hyperprior's term: summed over the parts it would count once per part."""
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_marglik import GaussianLikelihood, GaussianPrior, LogNormalHyperprior
+
+    net = nn.Sequential(nn.Linear(1, 4), nn.Tanh(), nn.Linear(4, 1))
+    data = DataLoader(TensorDataset(torch.randn(16, 1), torch.randn(16, 1)), batch_size=8)
+    prior = GaussianPrior(net, hyperprior=LogNormalHyperprior(scale=2.0))
+    with pytest.raises(ValueError, match=r"does not take a hyperprior.*hyperprior=None"):
+        EvidenceBound.fit(net, data, GaussianLikelihood(), prior, bound="parametric", structure="diag")
