@@ -1,0 +1,332 @@
+"""The likelihoods: a tempered ``p(y|f)^(1/T)`` with its own log-parameterised hyperparameters.
+
+Conventions (one everywhere: MAP loss, evidence, docs): the log-likelihood *and* the curvature
+(GGN or EF) are divided by the temperature ``T``; the Gaussian likelihood's GGN scales with
+``1/sigma^2``, its empirical Fisher (outer product of the score ``J^T (y - f) / sigma^2``) with
+``1/sigma^4``. Every hyperparameter is a buffer (see :mod:`lightning_marglik.hyperparameters`).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor, nn
+
+
+__all__ = ["CategoricalLikelihood", "GaussianLikelihood", "Likelihood", "log_buffer"]
+
+
+def log_buffer(value: float, name: str) -> Tensor:
+    """``log value`` as a 0-dim tensor, for a hyperparameter given as a positive finite number."""
+    value = float(value)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"`{name}` must be a positive finite number, got {value}.")
+    return torch.tensor(math.log(value))
+
+
+class Likelihood(nn.Module):
+    """Base class of the likelihoods: a tempered ``p(y|f)^(1/T)`` with a learnable temperature.
+
+    Outputs are ``(B, ..., C)``: every position ``(b, ...)`` is one *term* (datum) of the
+    log-likelihood and one row of the curvature. Subclasses define the per-term negative
+    log-likelihood, the sufficient statistics of the data term, a square root of the loss Hessian
+    per term, and their own hyperparameters (log-parameterised buffers) with how they enter the
+    log-likelihood and the curvature scale.
+    """
+
+    log_temperature: Tensor
+
+    def __init__(self, temperature: float = 1.0, learn_temperature: bool = False) -> None:
+        super().__init__()
+        self.register_buffer("log_temperature", log_buffer(temperature, "temperature"))
+        self.learn_temperature = bool(learn_temperature)
+        if self.learn_temperature:
+            warnings.warn(
+                "learn_temperature=True: p(y|f)^(1/T) is not normalized in y, so the evidence can grow towards "
+                "T -> infinity with the prior precision -> 0 (measured: no finite optimum on classification "
+                "problems). Fix T (e.g. from the augmentation factor) unless you check the learned value.",
+                stacklevel=3,
+            )
+
+    @property
+    def temperature(self) -> Tensor:
+        return self.log_temperature.exp()
+
+    def hyperparameters(self) -> Dict[str, Tensor]:
+        """The log hyperparameter buffers by name."""
+        return {"log_temperature": self.log_temperature}
+
+    def learnable(self) -> List[str]:
+        """Names of the log hyperparameters the evidence optimizes."""
+        return ["log_temperature"] if self.learn_temperature else []
+
+    def check_target(self, output: Tensor, target: Tensor) -> Tensor:
+        """Validate a batch and return the target in the shape the likelihood works with."""
+        raise NotImplementedError
+
+    def terms(self, output: Tensor, target: Tensor) -> "tuple[Tensor, Tensor, Tensor]":
+        """Outputs ``(n, C)``, targets and a boolean mask ``(n,)`` of the kept terms, one row per position."""
+        raise NotImplementedError
+
+    def term_nll(self, output: Tensor, target: Tensor) -> Tensor:
+        """Untempered negative log-likelihood of each row of :meth:`terms`, shape ``(n,)``."""
+        raise NotImplementedError
+
+    def term_hessian_sqrt(
+        self, output: Tensor, target: Tensor, approx: str, mc_samples: int, generator: Optional[torch.Generator]
+    ) -> Tensor:
+        """Factor ``L`` ``(n, C, k)`` of each term's curvature in ``f`` (unit noise and temperature)."""
+        raise NotImplementedError
+
+    def term_statistics(self, output: Tensor, target: Tensor, mask: Tensor) -> Dict[str, Tensor]:
+        """Sum-reduced sufficient statistics of the kept terms (integer counts as int64 tensors)."""
+        raise NotImplementedError
+
+    def log_likelihood(self, stats: Dict[str, Tensor], values: Dict[str, Tensor]) -> Tensor:
+        """Tempered log-likelihood ``log p(D|theta) / T`` from summed statistics at log hyperparameters ``values``."""
+        raise NotImplementedError
+
+    def curvature_scale(self, approx: str, values: Dict[str, Tensor]) -> Tensor:
+        """The factor ``s`` of ``H = s C + diag(delta)`` for the unit-scale curvature ``C``."""
+        raise NotImplementedError
+
+    # --- shared by every likelihood: positions as terms -------------------------------------
+
+    def nll(self, output: Tensor, target: Tensor) -> Tensor:
+        """Untempered negative log-likelihood of every kept term at the current hyperparameters, ``(n_kept,)``."""
+        flat, flat_target, mask = self.terms(output, target)
+        return self.term_nll(flat[mask], flat_target[mask])
+
+    def count(self, output: Tensor, target: Tensor) -> int:
+        """Number of kept terms (data) in the batch: what ``n_data`` counts."""
+        return int(self.terms(output, target)[2].sum())
+
+    def count_targets(self, target: Tensor, like: Tensor) -> int:
+        """What :meth:`count` gives for a batch's targets alone, without a forward pass.
+
+        The same checks and mask as :meth:`count`, on a zero-stride stand-in for the batch's
+        outputs (no memory): the leading sizes from ``target``, the number of outputs from ``like``
+        (the outputs of another batch of the same data).
+        """
+        leading = target.shape if target.dim() < like.dim() else target.shape[:-1]
+        stand_in = torch.zeros((), dtype=like.dtype, device=target.device).expand(*leading, like.shape[-1])
+        return self.count(stand_in, target)
+
+    def statistics(self, output: Tensor, target: Tensor) -> Dict[str, Tensor]:
+        """Sum-reduced statistics of the batch, computed in float64 whatever the output dtype."""
+        flat, flat_target, mask = self.terms(output.double(), target)
+        stats = self.term_statistics(flat[mask], flat_target[mask], mask)
+        stats["n_data"] = mask.sum()
+        return stats
+
+    def hessian_sqrt(
+        self, output: Tensor, target: Tensor, approx: str, mc_samples: int, generator: Optional[torch.Generator]
+    ) -> Tensor:
+        """Factor ``L_n`` ``(B, M, K)`` of each example's curvature in its flattened output (``M`` values).
+
+        For ``(B, C)`` outputs, ``K`` is the per-term ``k``. For ``(B, T, C)`` outputs the terms of
+        one example must stay separate (the curvature is block-diagonal over positions): ``K = T k``
+        columns, each supported on one position, except for the Monte-Carlo GGN, whose ``k``
+        samples may sum over positions (independent draws: the same GGN in expectation). Ignored
+        positions have zero columns. Computed in float64, returned in the output's dtype.
+        """
+        flat, flat_target, mask = self.terms(output.detach().double(), target)
+        factor = self.term_hessian_sqrt(flat, flat_target, approx, mc_samples, generator) * mask.reshape(-1, 1, 1)
+        b, c, k = output.shape[0], output.shape[-1], factor.shape[2]
+        if output.dim() == 2:
+            return factor.to(output.dtype)
+        positions = flat.shape[0] // b
+        factor = factor.reshape(b, positions, c, k)
+        if approx == "ggn" and mc_samples:
+            return factor.reshape(b, positions * c, k).to(output.dtype)
+        eye = torch.eye(positions, dtype=factor.dtype, device=factor.device)
+        return torch.einsum("btck,ts->btcsk", factor, eye).reshape(b, positions * c, positions * k).to(output.dtype)
+
+
+class GaussianLikelihood(Likelihood):
+    """Gaussian likelihood ``N(y | f, sigma^2 I)`` for regression, with learnable noise.
+
+    Outputs ``(B, ..., D)``: each position is one datum with ``D`` outputs.
+
+    Args:
+        sigma: Initial observation noise standard deviation.
+        temperature: Likelihood temperature ``T`` (``p^(1/T)``; ``T < 1`` up-weights the data).
+        learn_sigma: Whether the marginal likelihood optimizes ``sigma``.
+        learn_temperature: Whether the marginal likelihood optimizes ``T`` (warns: the tempered
+            evidence may have no finite optimum in ``T``; see the README).
+
+    Raises:
+        ValueError: On a non-positive or non-finite ``sigma`` or ``temperature``.
+
+    Example:
+        >>> lik = GaussianLikelihood(sigma=0.5)
+        >>> round(float(lik.sigma), 3)
+        0.5
+    """
+
+    log_sigma: Tensor
+
+    def __init__(
+        self, sigma: float = 1.0, temperature: float = 1.0, learn_sigma: bool = True, learn_temperature: bool = False
+    ) -> None:
+        super().__init__(temperature, learn_temperature)
+        self.register_buffer("log_sigma", log_buffer(sigma, "sigma"))
+        self.learn_sigma = bool(learn_sigma)
+
+    @property
+    def sigma(self) -> Tensor:
+        return self.log_sigma.exp()
+
+    def hyperparameters(self) -> Dict[str, Tensor]:
+        return {**super().hyperparameters(), "log_sigma": self.log_sigma}
+
+    def learnable(self) -> List[str]:
+        return super().learnable() + (["log_sigma"] if self.learn_sigma else [])
+
+    def check_target(self, output: Tensor, target: Tensor) -> Tensor:
+        if output.dim() < 2:
+            raise ValueError(
+                f"GaussianLikelihood expects outputs of shape (batch, ..., outputs), got {tuple(output.shape)}; "
+                "return (batch, 1) for a single output."
+            )
+        if target.shape == output.shape[:-1] and output.shape[-1] == 1:
+            target = target.unsqueeze(-1)
+        if target.shape != output.shape:
+            raise ValueError(
+                f"GaussianLikelihood: target shape {tuple(target.shape)} does not match output shape "
+                f"{tuple(output.shape)}."
+            )
+        if not target.is_floating_point():
+            raise ValueError(f"GaussianLikelihood expects floating-point targets, got {target.dtype}.")
+        return target.to(output.dtype)
+
+    def terms(self, output: Tensor, target: Tensor) -> "tuple[Tensor, Tensor, Tensor]":
+        target = self.check_target(output, target)
+        d = output.shape[-1]
+        flat = output.reshape(-1, d)
+        return flat, target.reshape(-1, d), torch.ones(flat.shape[0], dtype=torch.bool, device=output.device)
+
+    def term_nll(self, output: Tensor, target: Tensor) -> Tensor:
+        sigma2 = self.sigma.detach().to(output.dtype) ** 2
+        return 0.5 * ((target - output) ** 2).sum(1) / sigma2 + 0.5 * output.shape[1] * torch.log(2 * math.pi * sigma2)
+
+    def term_statistics(self, output: Tensor, target: Tensor, mask: Tensor) -> Dict[str, Tensor]:
+        return {"sse": ((target - output) ** 2).sum(), "n_outputs": torch.tensor(target.numel())}
+
+    def log_likelihood(self, stats: Dict[str, Tensor], values: Dict[str, Tensor]) -> Tensor:
+        log_sigma = values["log_sigma"]
+        n_outputs = stats["n_outputs"].to(log_sigma.dtype)
+        loglik = -0.5 * n_outputs * (math.log(2 * math.pi) + 2 * log_sigma) - 0.5 * stats["sse"] * torch.exp(-2 * log_sigma)
+        return loglik * torch.exp(-values["log_temperature"])
+
+    def term_hessian_sqrt(
+        self, output: Tensor, target: Tensor, approx: str, mc_samples: int, generator: Optional[torch.Generator]
+    ) -> Tensor:
+        n, c = output.shape
+        if approx == "ef":
+            return (target - output).unsqueeze(2)
+        if mc_samples:
+            noise = torch.randn(n, c, mc_samples, dtype=output.dtype, generator=generator).to(output.device)
+            return noise / math.sqrt(mc_samples)
+        return torch.eye(c, dtype=output.dtype, device=output.device).expand(n, c, c)
+
+    def curvature_scale(self, approx: str, values: Dict[str, Tensor]) -> Tensor:
+        power = 4 if approx == "ef" else 2  # the score carries 1/sigma^2, its outer product 1/sigma^4
+        return torch.exp(-power * values["log_sigma"] - values["log_temperature"])
+
+    def extra_repr(self) -> str:
+        return f"learn_sigma={self.learn_sigma}, learn_temperature={self.learn_temperature}"
+
+
+class CategoricalLikelihood(Likelihood):
+    """Categorical likelihood ``softmax(f)`` over class logits for classification.
+
+    Logits ``(B, C)`` with labels ``(B,)``, or ``(B, ..., C)`` with labels ``(B, ...)`` (token or
+    pixel classification): every position whose label is not ``ignore_index`` is one datum.
+    Labels of every integer dtype (``int8`` ... ``int64``, ``uint8``) are taken as ``int64``.
+
+    Args:
+        temperature: Likelihood temperature ``T`` (``p^(1/T)``; ``T < 1`` up-weights the data).
+        learn_temperature: Whether the marginal likelihood optimizes ``T`` (warns: the tempered
+            evidence may have no finite optimum in ``T``; see the README).
+        ignore_index: Label of positions that are not data (padding), as in ``F.cross_entropy``.
+
+    Raises:
+        ValueError: On a non-positive or non-finite ``temperature``.
+
+    Example:
+        >>> lik = CategoricalLikelihood()
+        >>> torch.allclose(lik.nll(torch.zeros(2, 4), torch.tensor([0, 3])), torch.tensor(math.log(4)))
+        True
+        >>> tokens = CategoricalLikelihood(ignore_index=-100)  # (batch, positions, classes) logits
+        >>> tokens.count(torch.zeros(2, 3, 4), torch.tensor([[0, 1, -100], [2, -100, -100]]))
+        3
+    """
+
+    def __init__(self, temperature: float = 1.0, learn_temperature: bool = False, ignore_index: int = -100) -> None:
+        super().__init__(temperature, learn_temperature)
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+            raise ValueError(f"`ignore_index` must be an int label (e.g. -100), got {ignore_index!r}.")
+        self.ignore_index = ignore_index
+
+    def check_target(self, output: Tensor, target: Tensor) -> Tensor:
+        if output.dim() < 2:
+            raise ValueError(f"CategoricalLikelihood expects logits of shape (batch, ..., classes), got {tuple(output.shape)}.")
+        if target.shape != output.shape[:-1] or target.dtype.is_floating_point or target.dtype == torch.bool:
+            raise ValueError(
+                f"CategoricalLikelihood expects integer class labels of shape {tuple(output.shape[:-1])}, got "
+                f"{tuple(target.shape)} of {target.dtype}."
+            )
+        target = target.long()  # every integer dtype: cross_entropy and one_hot take int64 labels
+        kept = target[target != self.ignore_index]
+        if kept.numel() and (kept.min() < 0 or kept.max() >= output.shape[-1]):
+            raise ValueError(
+                f"CategoricalLikelihood: labels must lie in [0, {output.shape[-1]}) or equal ignore_index="
+                f"{self.ignore_index}, got values in [{int(kept.min())}, {int(kept.max())}]."
+            )
+        return target
+
+    def terms(self, output: Tensor, target: Tensor) -> "tuple[Tensor, Tensor, Tensor]":
+        target = self.check_target(output, target).reshape(-1)
+        mask = target != self.ignore_index
+        return output.reshape(-1, output.shape[-1]), torch.where(mask, target, 0), mask
+
+    def term_nll(self, output: Tensor, target: Tensor) -> Tensor:
+        return nn.functional.cross_entropy(output, target, reduction="none")
+
+    def term_statistics(self, output: Tensor, target: Tensor, mask: Tensor) -> Dict[str, Tensor]:
+        return {"log_lik": -self.term_nll(output, target).sum()}
+
+    def log_likelihood(self, stats: Dict[str, Tensor], values: Dict[str, Tensor]) -> Tensor:
+        return stats["log_lik"] * torch.exp(-values["log_temperature"])
+
+    def term_hessian_sqrt(
+        self, output: Tensor, target: Tensor, approx: str, mc_samples: int, generator: Optional[torch.Generator]
+    ) -> Tensor:
+        probs = output.softmax(1)
+        if approx == "ef":
+            onehot = nn.functional.one_hot(target, output.shape[1]).to(output.dtype)
+            return (onehot - probs).unsqueeze(2)
+        if mc_samples:
+            draws = torch.multinomial(probs.cpu(), mc_samples, replacement=True, generator=generator)
+            onehot = nn.functional.one_hot(draws.to(output.device), output.shape[1]).to(output.dtype)
+            return (onehot - probs.unsqueeze(1)).transpose(1, 2) / math.sqrt(mc_samples)
+        # diag(p) - p p^T = D^1/2 (I - s s^T) D^1/2 with s = sqrt(p), |s| = 1, has rank C - 1 (s spans
+        # its null space): C - 1 columns suffice, one backward pass fewer. The Householder reflection
+        # H = I - 2 v v^T / v^T v with v = s + e_C maps s to -e_C, so its first C - 1 columns are an
+        # orthonormal basis of s's complement; v^T v = 2 + 2 s_C >= 2 keeps it stable.
+        sqrt_p = probs.sqrt()
+        v = sqrt_p.clone()
+        v[:, -1] += 1
+        reflection = torch.eye(output.shape[1], dtype=output.dtype, device=output.device) - 2 * v.unsqueeze(
+            2
+        ) * v.unsqueeze(1) / (v * v).sum(1).reshape(-1, 1, 1)
+        return sqrt_p.unsqueeze(2) * reflection[:, :, :-1]
+
+    def curvature_scale(self, approx: str, values: Dict[str, Tensor]) -> Tensor:
+        return torch.exp(-values["log_temperature"])
+
+    def extra_repr(self) -> str:
+        return f"learn_temperature={self.learn_temperature}, ignore_index={self.ignore_index}"
