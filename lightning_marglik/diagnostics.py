@@ -45,7 +45,7 @@ from . import validators
 from .curvature import CurvatureStatistics, eval_mode
 from .curvature.batches import BatchFn, call_model, move, split_batch
 from .curvature.statistics import Structure
-from .evidence import require_data
+from .evidence import LaplaceEvidence, require_data
 from .hyperparameters import CategoricalLikelihood, GaussianLikelihood, Likelihood
 
 __all__ = [
@@ -53,9 +53,11 @@ __all__ = [
     "batch_traces",
     "curvature_traces",
     "ef_curvature_ratio",
+    "ef_ratio_of",
     "ef_unreliable_message",
     "ratio_from_traces",
     "rescale_empirical_fisher",
+    "traces_from_statistics",
 ]
 
 # Below this ratio the EF evidence is not to be trusted. Measured (benchmarks/results/ef_interpolation.md:
@@ -76,22 +78,6 @@ _FIXES = {
 _SUPPORTED = (CategoricalLikelihood, GaussianLikelihood)
 
 
-def _categorical_traces(logits: Tensor, labels: Tensor) -> Tuple[Tensor, Tensor]:
-    """Per datum ``||y - p||^2`` and ``1 - ||p||^2`` in float64, accurate however confident the fit.
-
-    ``1 - p_c`` is computed as the sum of the other probabilities for each datum's most probable
-    class: subtracting ``p_c ~ 1`` from 1 would cancel to 0 (and the ratio to 0/0) long before the
-    curvature itself vanishes in float64.
-    """
-    probs = logits.double().softmax(1)
-    top = probs.argmax(1, keepdim=True)
-    others = probs.scatter(1, top, 0.0).sum(1, keepdim=True)
-    complement = (1 - probs).scatter(1, top, others)
-    onehot = nn.functional.one_hot(labels, probs.shape[1]).bool()
-    residual = torch.where(onehot, complement, probs)  # |y_c - p_c|
-    return residual.pow(2).sum(1), (probs * complement).sum(1)
-
-
 def _check_likelihood(likelihood: Any) -> None:
     if not isinstance(likelihood, _SUPPORTED):
         raise TypeError(
@@ -103,10 +89,11 @@ def _check_likelihood(likelihood: Any) -> None:
 def batch_traces(output: Tensor, target: Tensor, likelihood: Likelihood) -> Tensor:
     """``[sum_n tr EF_n, sum_n tr GGN_n, n]`` of one batch's outputs, at unit curvature scale.
 
-    For a pass that already has the outputs (e.g. the evidence pass): sum these over its batches
-    (and processes), then :func:`ratio_from_traces`. Per datum, ``||y - p||^2`` and ``1 - ||p||^2``
-    (categorical, positions labelled ``ignore_index`` left out) or ``||y - f||^2`` and ``D``
-    (Gaussian); outputs ``(B, ..., C)`` are split into data as the likelihood's ``terms`` does.
+    For a pass that already has the outputs: sum these over its batches (and processes), then
+    :func:`ratio_from_traces`. Per datum, ``||y - p||^2`` and ``1 - ||p||^2`` (categorical,
+    positions labelled ``ignore_index`` left out) or ``||y - f||^2`` and ``D`` (Gaussian); outputs
+    ``(B, ..., C)`` are split into data as the likelihood's ``terms`` does. The evidence pass sums
+    the same traces in its likelihood statistics (:func:`traces_from_statistics`).
 
     Args:
         output: The network's outputs ``(B, ..., C)``.
@@ -121,14 +108,20 @@ def batch_traces(output: Tensor, target: Tensor, likelihood: Likelihood) -> Tens
         ValueError: On targets that do not fit the likelihood.
     """
     _check_likelihood(likelihood)
-    flat, flat_target, mask = likelihood.terms(output.detach(), target)
-    flat, flat_target = flat[mask].double(), flat_target[mask]
-    if isinstance(likelihood, CategoricalLikelihood):
-        ef, ggn = _categorical_traces(flat, flat_target)
-    else:
-        ef = (flat_target.double() - flat).pow(2).sum(1)
-        ggn = torch.full_like(ef, flat.shape[1])
-    return torch.stack([ef.sum(), ggn.sum(), mask.sum().double()])
+    return traces_from_statistics(likelihood.statistics(output.detach(), target), likelihood)
+
+
+def traces_from_statistics(statistics: Mapping[str, Tensor], likelihood: Likelihood) -> Tensor:
+    """The three sums of :func:`batch_traces` from a likelihood's summed statistics (those of an
+    evidence pass: ``LaplaceEvidence.likelihood_statistics``), so that the check costs no pass of its own.
+
+    Raises:
+        TypeError: On a likelihood of another type.
+        KeyError: On statistics without the traces (gathered by another likelihood).
+    """
+    _check_likelihood(likelihood)
+    keys = ("ef_trace", "ggn_trace") if isinstance(likelihood, CategoricalLikelihood) else ("sse", "n_outputs")
+    return torch.stack([statistics[key].double() for key in (*keys, "n_data")])
 
 
 def curvature_traces(
@@ -207,6 +200,13 @@ def ratio_from_traces(traces: Tensor, likelihood: Likelihood) -> float:
     values = {name: value.detach().double().cpu() for name, value in likelihood.hyperparameters().items()}
     scale_ef, scale_ggn = (float(likelihood.curvature_scale(approx, values)) for approx in ("ef", "ggn"))
     return ef * scale_ef / (ggn * scale_ggn)
+
+
+def ef_ratio_of(evidence: LaplaceEvidence) -> float:
+    """:func:`ef_curvature_ratio` of the data an evidence was built from, read from its likelihood
+    statistics at the likelihood's current hyperparameters (no pass of its own)."""
+    return ratio_from_traces(traces_from_statistics(evidence.likelihood_statistics, evidence.likelihood),
+                             evidence.likelihood)
 
 
 def ef_curvature_ratio(

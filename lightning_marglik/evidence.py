@@ -224,6 +224,12 @@ class LaplaceEvidence:
             + pieces["log_hyperprior"]
         )
 
+    @property
+    def likelihood_statistics(self) -> Dict[str, Tensor]:
+        """The likelihood's summed statistics of the data (``n_data`` among them; a copy), e.g. for
+        :func:`lightning_marglik.diagnostics.traces_from_statistics`."""
+        return dict(self._lik_stats)
+
     def log_likelihood(self) -> Tensor:
         """Tempered log-likelihood ``log p(D|theta) / T`` at the current hyperparameters."""
         return self._pieces(self.hyperparameters())["log_likelihood"]

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 
-__all__ = ["CategoricalLikelihood", "GaussianLikelihood", "Likelihood", "log_buffer"]
+__all__ = ["CategoricalLikelihood", "GaussianLikelihood", "Likelihood", "categorical_traces", "log_buffer"]
 
 
 def log_buffer(value: float, name: str) -> Tensor:
@@ -24,6 +24,23 @@ def log_buffer(value: float, name: str) -> Tensor:
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"`{name}` must be a positive finite number, got {value}.")
     return torch.tensor(math.log(value))
+
+
+def categorical_traces(logits: Tensor, labels: Tensor) -> Tuple[Tensor, Tensor]:
+    """Per datum ``||y - p||^2`` and ``1 - ||p||^2`` (the traces of the EF's and the GGN's output-space
+    factors) in float64, accurate however confident the fit.
+
+    ``1 - p_c`` is computed as the sum of the other probabilities for each datum's most probable
+    class: subtracting ``p_c ~ 1`` from 1 would cancel to 0 (and the ratio to 0/0) long before the
+    curvature itself vanishes in float64.
+    """
+    probs = logits.double().softmax(1)
+    top = probs.argmax(1, keepdim=True)
+    others = probs.scatter(1, top, 0.0).sum(1, keepdim=True)
+    complement = (1 - probs).scatter(1, top, others)
+    onehot = nn.functional.one_hot(labels, probs.shape[1]).bool()
+    residual = torch.where(onehot, complement, probs)  # |y_c - p_c|
+    return residual.pow(2).sum(1), (probs * complement).sum(1)
 
 
 class Likelihood(nn.Module):
@@ -297,7 +314,9 @@ class CategoricalLikelihood(Likelihood):
         return nn.functional.cross_entropy(output, target, reduction="none")
 
     def term_statistics(self, output: Tensor, target: Tensor, mask: Tensor) -> Dict[str, Tensor]:
-        return {"log_lik": -self.term_nll(output, target).sum()}
+        # the output-space traces of the EF and the GGN factors, for the EF's curvature check (diagnostics)
+        ef_trace, ggn_trace = categorical_traces(output, target)
+        return {"log_lik": -self.term_nll(output, target).sum(), "ef_trace": ef_trace.sum(), "ggn_trace": ggn_trace.sum()}
 
     def log_likelihood(self, stats: Dict[str, Tensor], values: Dict[str, Tensor]) -> Tensor:
         return stats["log_lik"] * torch.exp(-values["log_temperature"])

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 from ..curvature import CurvatureOptions, check_model, collect_statistics
 from ..curvature.scale_invariance import training_modes
+from ..diagnostics import ef_ratio_of, ef_unreliable_message
 from ..distributed import reduce_statistics, run_on_all_ranks
 from ..evidence import SOLVERS, LaplaceEvidence, require_data
 from ..hyperparameters import (
@@ -352,6 +353,7 @@ class MargLikCallbackCore(EstimatorCore):
     def _reset_state(self) -> None:
         super()._reset_state()
         self.evidence: Optional[LaplaceEvidence] = None
+        self._warned_ef = False  # the empirical Fisher's curvature check warns once per fit
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -430,7 +432,14 @@ class MargLikCallbackCore(EstimatorCore):
             # rank 0's values everywhere: bit-identical hyperparameters on every rank
             evidence.set_hyperparameters(strategy.broadcast(solution.values, src=0))
             marglik = solution.value.item() / evidence.n_data
-        return self._record_estimate(trainer, epoch, marglik)
+        extra = {}
+        if self.options.approx == "ef":  # from the pass's own sums: the check costs no pass
+            extra["ef_curvature_ratio"] = ratio = ef_ratio_of(evidence)
+            message = ef_unreliable_message({f"the model after epoch {epoch}": ratio}, where="callback")
+            if message and not self._warned_ef:
+                rank_zero_warn(message)
+                self._warned_ef = True
+        return self._record_estimate(trainer, epoch, marglik, **extra)
 
     def _evidence(
         self, trainer: Trainer, pl_module: LightningModule, options: CurvatureOptions,

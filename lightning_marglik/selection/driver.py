@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from ..callbacks import MargLikCallback, find_hyperparameters
 from ..curvature import APPROXIMATIONS, CurvatureOptions, check_model
 from ..curvature.structures import structures_with
+from ..diagnostics import ef_ratio_of, ef_unreliable_message
 from ..validators import choice
 from .metrics import MetricsCheck, evaluate_metrics
 from .results import RESULTS_JSON, CandidateResult, load_results, run_lock, save_results
@@ -196,6 +197,9 @@ def select_models(
             else:
                 marglik = cb.evidence_with(fit_trainer, module, rank_options.structure, rank_options.approx)
             seconds = time.perf_counter() - fit_start
+            ranked_by = cb.options.approx if rank_options is None else rank_options.approx
+            # the EF's curvature check at the final weights, from the last estimate's own sums (no pass)
+            ef_ratio = ef_ratio_of(cb.evidence) if ranked_by == "ef" and cb.evidence is not None else None
             scores: Dict[str, float] = {}
             failure: Optional[Exception] = None
             if check is not None and check.metrics:
@@ -216,6 +220,7 @@ def select_models(
                 metrics=scores,
                 settings=wanted[name],
                 metrics_error=None if failure is None else f"{type(failure).__name__}: {failure}",
+                ef_curvature_ratio=ef_ratio,
             ))
             if output_dir:  # after every candidate: a killed run keeps what finished
                 save_results(_ranked(results + others), output_dir, plot=False)
@@ -235,6 +240,9 @@ def select_models(
                       f"about {_clock(training_seconds / trained * to_train)} left", flush=True)
         if output_dir:
             save_results(_ranked(results + others), output_dir, higher_is_better=directions)
+    message = ef_unreliable_message({r.name: r.ef_curvature_ratio for r in results if r.ef_curvature_ratio is not None})
+    if message:
+        warnings.warn(message, stacklevel=2)
     return _ranked(results)
 
 

@@ -46,6 +46,8 @@ class CandidateResult:
     settings: Dict[str, Any] = field(default_factory=dict)
     metrics_error: Optional[str] = None
     online_marglik: Optional[float] = None  # the callback's final evidence (= marglik with rank_by="online")
+    # tr EF / tr GGN at the final weights when the ranking evidence is the empirical Fisher's (diagnostics)
+    ef_curvature_ratio: Optional[float] = None
 
 
 def load_results(output_dir: str) -> Dict[str, CandidateResult]:
@@ -75,7 +77,7 @@ def _result_from_row(row: Any) -> CandidateResult:
     """A ``CandidateResult`` from one row of ``results.json``; TypeError on a field of the wrong type."""
     required = {"name": str, "marglik": (int, float), "n_params": int, "train_seconds": (int, float), "epochs": int}
     types = {**required, "hyperparameters": dict, "metrics": dict, "settings": dict, "metrics_error": (str, type(None)),
-             "online_marglik": (int, float, type(None))}
+             "online_marglik": (int, float, type(None)), "ef_curvature_ratio": (int, float, type(None))}
     if not isinstance(row, dict) or not all(k in row for k in required):
         raise TypeError(f"a result must be an object with {', '.join(required)}, got {row!r:.200}")
     for key, expected in types.items():
