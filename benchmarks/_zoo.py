@@ -19,6 +19,7 @@ and effective number of parameters read from the callback's evidence) and return
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import math
@@ -35,6 +36,7 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 from torch import Tensor, nn
+from pytorch_lightning.callbacks import Checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -196,8 +198,10 @@ def draw_bars(n: int, seed: int, size: int = 14, noise: float = 0.45) -> Tuple[T
     return torch.from_numpy(images).unsqueeze(1), torch.from_numpy(labels).long()
 
 
+@functools.lru_cache(maxsize=8)
 def load(dataset: str, n_train: int, n_test: int, split_seed: int = 0) -> Data:
-    """``n_train`` / ``n_test`` examples of one of ``DATASETS`` (stratified where the source is a fixed set)."""
+    """``n_train`` / ``n_test`` examples of one of ``DATASETS`` (stratified where the source is a fixed set);
+    cached: the runs of a script share them (nothing writes into them)."""
     if dataset == "mnist":
         x_tr, y_tr, x_te, y_te = load_mnist(n_train, 14, split_seed, n_total=n_train + n_test)
         return Data(x_tr, y_tr, x_te, y_te, 14, 10)
@@ -360,9 +364,11 @@ def evaluate(module: pl.LightningModule, x: Any, y: Tensor) -> Dict[str, float]:
             "nll": nn.functional.cross_entropy(logits.double(), y).item()}
 
 
-class _StopRecorder(pl.Callback):
-    """Records the first epoch at which an early-stopping callback set ``trainer.should_stop`` and undoes
-    it, so the run goes on (put it after the stopper)."""
+class _StopRecorder(Checkpoint):
+    """Records the first epoch at which ``MargLikEarlyStopping`` set ``trainer.should_stop`` and undoes it, so
+    the run goes on. A ``Checkpoint`` (it saves nothing) because Lightning calls its monitoring callbacks
+    (early stopping, checkpoints) after all others at an epoch's end, and the checkpoints last of all: only
+    so does this one run after the stopper."""
 
     def __init__(self) -> None:
         self.epoch: Optional[int] = None
@@ -427,7 +433,7 @@ def train(spec: RunSpec) -> Dict[str, Any]:
     with quiet_lightning(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = pl.Trainer(max_epochs=spec.epochs, callbacks=callbacks, logger=False,
-                             enable_checkpointing=checkpoint is not None,
+                             enable_checkpointing=checkpoint is not None or recorder is not None,
                              enable_model_summary=False, enable_progress_bar=False, accelerator="cpu", devices=1)
         trainer.fit(module, train_dataloaders=loader)
     result: Dict[str, Any] = {
