@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import itertools
 import operator
-from typing import Any, Callable, Dict, Hashable, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Hashable, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
 from lightning_fabric.utilities.distributed import _DatasetSamplerWrapper
-from pytorch_lightning.strategies import Strategy
-from pytorch_lightning.utilities.seed import isolate_rng
 from torch import Tensor
 from torch.utils.data import (
     BatchSampler,
@@ -25,6 +23,9 @@ from torch.utils.data import (
     SubsetRandomSampler,
     WeightedRandomSampler,
 )
+
+if TYPE_CHECKING:  # a strategy of either Lightning package: only its collectives are called
+    from pytorch_lightning.strategies import Strategy
 
 from .curvature import CurvatureStatistics
 
@@ -173,7 +174,7 @@ def epoch_keys(sampler: Union[Sampler, Iterable], batched: bool = False) -> Sequ
         length = None
     if length is None or length == float("inf"):
         raise ValueError(f"The training sampler {name} has no finite length, so its examples cannot be listed; {_FIX}")
-    with isolate_rng():  # a random sampler must not shift the random stream training draws from
+    with torch.random.fork_rng(devices=[]):  # a random sampler must not shift the random stream training draws from
         drawn = list(itertools.islice(iter(sampler), length))
     if batched:
         drawn = [key for batch in drawn for key in batch]

@@ -409,10 +409,11 @@ def fit_blobs(model, epochs=8, **callback):
 
 
 def test_trainer_hyperprior_bounds_a_bias_that_starts_at_zero():
-    plain, _ = fit_blobs(ZeroBiasClassifier())
+    # biases="learn": the learned precision fed back (the callback's default decouples biases)
+    plain, _ = fit_blobs(ZeroBiasClassifier(), biases="learn")
     assert plain.prior.log_precision[3] > 6 and plain.prior.group_sq_norms()[3] < 1e-3  # the feedback loop
     scale = 2.0
-    marglik, _ = fit_blobs(ZeroBiasClassifier(LogNormalHyperprior(scale=scale)))
+    marglik, _ = fit_blobs(ZeroBiasClassifier(LogNormalHyperprior(scale=scale)), biases="learn")
     prior = marglik.prior
     # the learned log precision of a group of P_g = 3 cannot exceed loc + s^2 P_g / 2 (its pull beats the evidence's)
     assert prior.log_precision[3] < min(scale**2 * 3 / 2, plain.prior.log_precision[3].item() - 3)
@@ -469,7 +470,7 @@ def test_trainer_biases_decoupled_and_fixed():
     prior = marglik.prior
     assert prior.treated("decoupled") == ["0.bias", "2.bias"] and (prior.log_precision != 0).all()
     assert torch.equal(prior.weight_decay_log_precision()[[1, 3]], torch.zeros(2))
-    plain, _ = fit_blobs(ZeroBiasClassifier())
+    plain, _ = fit_blobs(ZeroBiasClassifier(), biases="learn")
     fixed, _ = fit_blobs(ZeroBiasClassifier(), biases="fixed")
     assert torch.equal(fixed.prior.log_precision[[1, 3]], torch.zeros(2)) and (fixed.prior.log_precision[[0, 2]] != 0).all()
     assert fixed.prior.group_sq_norms()[3] > 100 * plain.prior.group_sq_norms()[3]  # the output bias is not switched off
@@ -502,3 +503,49 @@ def test_trainer_biases_treatment_is_declared_again_on_resume(tmp_path):
     assert marglik.estimations == 5 and model.prior.treated("decoupled") == ["0.bias", "2.bias"]
     assert (model.prior.log_precision[[1, 3]] != 0).all()
     assert torch.equal(model.prior.weight_decay_log_precision()[[1, 3]], torch.zeros(2))
+
+
+def test_the_callback_default_decouples_biases_and_normalization_unless_the_prior_says_otherwise():
+    """``biases=None`` (the default): the no-decay tensors (``no_decay_names``) keep the initial precision
+    as weight decay while the evidence learns theirs; a treatment the prior declares itself wins, and
+    a scalar prior learns its one precision."""
+    class Net(pl.LightningModule):
+        def __init__(self, structure="layerwise", declare=None):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(3, 6), nn.LayerNorm(6), nn.Tanh(), nn.Linear(6, 2))
+            self.prior = GaussianPrior(self.net, structure=structure)
+            if declare is not None:
+                self.prior.treat(no_decay_names(self.prior), declare, BIAS_NORMALIZATION)
+            self.likelihood = CategoricalLikelihood()
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            return map_loss(self(batch[0]), batch[1], self.likelihood, self.prior)
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.net.parameters(), lr=1e-2)
+
+    g = torch.Generator().manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(40, 3, generator=g), torch.randint(0, 2, (40,), generator=g)), batch_size=10)
+
+    def fit(**kwargs):
+        model = Net(**kwargs)
+        pl.Trainer(max_epochs=2, callbacks=[MargLikCallback(frequency=1, steps=10)], logger=False,
+                   enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False).fit(model, data)
+        return model.prior
+
+    prior = fit()
+    names = no_decay_names(prior)
+    assert names == ["0.bias", "1.weight", "1.bias", "3.bias"]
+    held = torch.tensor([n in names for n in prior.param_names])
+    assert torch.equal(prior.weight_decay_log_precision()[held], torch.zeros(int(held.sum())))
+    assert (prior.log_precision[held] != 0).all()  # the evidence still learned them
+    assert prior.scale_invariant == ["0.weight", "0.bias"]  # Linear -> LayerNorm: decoupled as scale-invariant already
+    rest = ~held & torch.tensor([n not in prior.scale_invariant for n in prior.param_names])
+    assert torch.equal(prior.weight_decay_log_precision()[rest], prior.log_precision[rest])  # 3.weight learned
+    learned = fit(declare="learn")  # the prior's own declaration wins
+    assert torch.equal(learned.weight_decay_log_precision()[2:], learned.log_precision[2:])  # past 0.*: scale-invariant
+    scalar = fit(structure="scalar")
+    assert BIAS_NORMALIZATION not in scalar.treatments

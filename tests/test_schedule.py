@@ -4,9 +4,10 @@ The callbacks' tests follow them through real fits (``history`` epochs, bound st
 batches, checkpoints and early stopping on fresh estimates only); here each answer is read off a
 real Trainer placed at a given epoch.
 """
+import pytest
 import pytorch_lightning as pl
 
-from lightning_marglik.callbacks.schedule import BatchSchedule, EpochSchedule
+from lightning_marglik.callbacks.schedule import BatchSchedule, EpochSchedule, SettledSchedule
 
 
 def _at_epoch(trainer: pl.Trainer, epoch: int) -> pl.Trainer:
@@ -44,3 +45,48 @@ def test_the_record_says_fresh_in_its_epoch_only_and_survives_a_checkpoint():
     assert (restored.last_epoch, restored.last_step) == (0, trainer.global_step)
     restored.load_state_dict({})  # an older checkpoint without the record: a fresh fit's
     assert (restored.last_epoch, restored.last_step) == (-1, -1)
+
+
+def test_settled_schedule_waits_for_the_training_loss_to_flatten_then_stays_settled():
+    trainer = pl.Trainer(max_epochs=9, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    schedule = SettledSchedule(frequency=1, burnin=0, settle=0.05, window=2)
+    losses = [2.0, 1.0, 0.7, 0.6, 0.59, 0.585, 0.9, 0.58, 0.57]
+    due = []
+    for epoch, loss in enumerate(losses):
+        schedule.observe_loss(loss)
+        due.append(schedule.is_due(_at_epoch(trainer, epoch)))
+    # epoch 6 (0.585 against 0.6 two epochs before: 2.5 %) is the first settled one; the jump at
+    # epoch 7 does not undo it; the last epoch is always due
+    assert [epoch + 1 for epoch, d in enumerate(due) if d] == [6, 7, 8, 9]
+    assert schedule.settled_epoch == 6
+    restored = SettledSchedule(frequency=1, burnin=0, settle=0.05)
+    restored.load_state_dict(schedule.state_dict())
+    assert restored.losses == losses and restored.settled_epoch == 6
+    never = SettledSchedule(frequency=1, burnin=0, settle=0.05)
+    for epoch, loss in enumerate([2.0, 1.0, 0.5, 0.25]):
+        never.observe_loss(loss)
+        assert never.is_due(_at_epoch(trainer, epoch)) is False
+    assert never.is_due(_at_epoch(trainer, 8)) is True  # max_epochs
+
+
+def test_the_callbacks_settle_rule_follows_the_epochs_mean_training_loss():
+    """A real fit: at lr = 0 the loss is constant, so it settles once three epochs are seen; the
+    estimates are those epochs', and the settle point survives a checkpoint."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from lightning_marglik import MargLikCallback
+    from tests.lightning_models import Regressor, regression_data, trainer as make_trainer
+
+    model = Regressor(lr=0.0)
+    callback = MargLikCallback(frequency=1, steps=5, settle=0.05)
+    make_trainer([callback], 5).fit(model, DataLoader(regression_data(), batch_size=16))
+    assert [row["epoch"] for row in callback.history] == [3, 4, 5]
+    assert callback.schedule.settled_epoch == 3 and len(callback.schedule.losses) == 5
+    assert callback.state_dict()["settled_epoch"] == 3
+    moving = MargLikCallback(frequency=1, steps=5, settle=1e-6)  # never settles: the last epoch only
+    make_trainer([moving], 4).fit(Regressor(lr=0.05), DataLoader(regression_data(), batch_size=16))
+    assert [row["epoch"] for row in moving.history] == [4]
+    with pytest.raises(ValueError, match="`settle` must be a finite number in \\(0, 1\\]"):
+        MargLikCallback(settle=0.0)
+    assert torch.isfinite(torch.tensor(callback.last_marglik))

@@ -136,9 +136,15 @@ class MargLikCallback(MargLikCallbackCore, Callback):
             one dimension or named ``*.bias``: :func:`lightning_marglik.hyperparameters.no_decay_names`),
             declared when training starts: ``"decoupled"`` (the evidence learns their precision, their
             weight decay stays at the prior's initial ``precision``), ``"fixed"`` or ``"learn"``;
-            ``None``: as declared on the prior (``GaussianPrior.treat``), else learned.
+            ``None`` (default): as declared on the prior (``GaussianPrior.treat``), else
+            ``"decoupled"`` (a scalar prior learns its one precision), the convention of deep
+            learning recipes that the remedies study measured (``benchmarks/results/remedies.md``).
             ``GaussianPrior(fixed=...)`` wins for the tensors it names. A hyperprior on the learned
             precisions is the prior's own (``GaussianPrior(hyperprior=...)``).
+        settle: Estimate only once training has settled: not before the epochs' mean training loss
+            changed by at most ``settle`` (relatively, e.g. 0.05) over two epochs, then every
+            ``frequency``-th epoch (:class:`~lightning_marglik.callbacks.schedule.SettledSchedule`);
+            the last epoch always estimates. ``None``: Algorithm 1 from epoch ``burnin + 1``.
 
     Raises:
         ValueError: On an invalid argument (the message names it).

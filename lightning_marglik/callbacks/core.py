@@ -38,7 +38,7 @@ from . import checks
 from .data import count_data, evidence_batches, named_loader_method
 from .package import MONITOR, LightningModule, LightningPackage, MargLikConfigurationError, Trainer, check_package, find_hyperparameters
 from .progress import progress
-from .schedule import EpochSchedule, Schedule
+from .schedule import EpochSchedule, Schedule, SettledSchedule
 from .training_statistics import TrainingStatistics
 
 __all__ = ["EstimatorCore", "MargLikCallbackCore"]
@@ -336,11 +336,13 @@ class MargLikCallbackCore(EstimatorCore):
         statistics_fraction: float = 1.0,
         max_step: Optional[float] = None,
         biases: Optional[str] = None,
+        settle: Optional[float] = None,
     ) -> None:
         options = CurvatureOptions(structure, approx, mc_samples, backend=backend)
         self.statistics = checks.check_statistics(statistics, options)
         self.statistics_fraction = checks.check_fraction(statistics_fraction, self.statistics)
-        schedule = EpochSchedule(frequency, burnin)
+        schedule = EpochSchedule(frequency, burnin) if settle is None else SettledSchedule(frequency, burnin, settle)
+        self.settle = None if settle is None else schedule.settle  # type: ignore[attr-defined]
         self.frequency = schedule.frequency
         self.steps = integer(steps, "steps", 0)
         super().__init__(options, schedule, lr, seed, scale_invariant, dataloader)
@@ -354,6 +356,7 @@ class MargLikCallbackCore(EstimatorCore):
         super()._reset_state()
         self.evidence: Optional[LaplaceEvidence] = None
         self._warned_ef = False  # the empirical Fisher's curvature check warns once per fit
+        self._epoch_loss, self._epoch_batches = 0.0, 0  # the epoch's training loss, for a settle rule
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -362,12 +365,16 @@ class MargLikCallbackCore(EstimatorCore):
 
     def _check_setup(self, trainer: Trainer, pl_module: LightningModule) -> torch.Tensor:
         output = super()._check_setup(trainer, pl_module)
-        if self.biases is not None:  # declared when training starts, as the scale-invariant treatment: resumes too
-            prior, _ = self._hyperparameters()
+        prior, _ = self._hyperparameters()
+        # declared when training starts, as the scale-invariant treatment: resumes get it again
+        if self.biases is not None:
             try:
                 prior.treat(no_decay_names(prior), self.biases, BIAS_NORMALIZATION)
             except ValueError as err:
                 raise MargLikConfigurationError(f"MargLikCallback(biases={self.biases!r}): {err}") from err
+        elif prior.structure != "scalar" and BIAS_NORMALIZATION not in prior.treatments:
+            # the default (benchmarks/results/remedies.md): no learned weight decay on biases and norms
+            prior.treat(no_decay_names(prior), "decoupled", BIAS_NORMALIZATION)
         return output
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -381,6 +388,10 @@ class MargLikCallbackCore(EstimatorCore):
     # --- Algorithm 1 -------------------------------------------------------------------------
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.schedule.needs_loss:  # the epoch's mean training loss over every rank (one collective, all ranks)
+            strategy = trainer.strategy
+            mean = torch.tensor(self._epoch_loss / max(self._epoch_batches, 1), device=strategy.root_device)
+            self.schedule.observe_loss(float(strategy.reduce(mean, reduce_op="mean")))
         if self.schedule.is_due(trainer):
             self._log(pl_module, self.estimate(trainer, pl_module, epoch=trainer.current_epoch + 1))
 
@@ -509,6 +520,7 @@ class MargLikCallbackCore(EstimatorCore):
     # --- statistics from the training passes (statistics="training") ---------------------------
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._epoch_loss, self._epoch_batches = 0.0, 0
         if self._training is not None:
             self._training.epoch_start()
 
@@ -524,6 +536,10 @@ class MargLikCallbackCore(EstimatorCore):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if self.schedule.needs_loss and isinstance(loss, torch.Tensor):  # None: a step the module skipped
+            self._epoch_loss += float(loss.detach())
+            self._epoch_batches += 1
         if self._training is not None:
             self._training.batch_end(trainer)
 

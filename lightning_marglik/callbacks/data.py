@@ -6,10 +6,11 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn  # one rank state for both packages
+from pytorch_lightning.utilities.seed import isolate_rng  # also the numpy and Python generators, which loaders may use
 from torch.utils.data import DataLoader, IterableDataset
 
 from ..curvature.batches import split_batch
-from ..distributed import evidence_loader, isolate_rng
+from ..distributed import evidence_loader
 from ..hyperparameters import Likelihood
 from .package import LightningModule, MargLikConfigurationError, Trainer
 

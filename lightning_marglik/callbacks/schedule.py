@@ -8,12 +8,13 @@ made in the epoch now ending). A new schedule is one subclass with its own ``is_
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
-from ..validators import integer
+from ..schedule_rules import loss_has_settled
+from ..validators import integer, number
 from .package import Trainer
 
-__all__ = ["BatchSchedule", "EpochSchedule", "Schedule"]
+__all__ = ["BatchSchedule", "EpochSchedule", "Schedule", "SettledSchedule"]
 
 
 class Schedule(ABC):
@@ -25,6 +26,9 @@ class Schedule(ABC):
     Raises:
         ValueError: On a ``burnin`` that is not an int >= 0.
     """
+
+    # whether is_due needs the epochs' mean training loss (observe_loss), which costs a collective per epoch
+    needs_loss = False
 
     def __init__(self, burnin: int) -> None:
         self.burnin = integer(burnin, "burnin", 0)
@@ -61,6 +65,9 @@ class Schedule(ABC):
         self.last_epoch = state.get("last_estimate_epoch", self.last_epoch)
         self.last_step = state.get("last_estimate_step", self.last_step)
 
+    def observe_loss(self, loss: float) -> None:
+        """The mean training loss of the epoch now ending (over every rank), before :meth:`is_due`."""
+
 
 class EpochSchedule(Schedule):
     """Algorithm 1's schedule: an estimate after epoch ``e`` (from 1) with ``e > burnin`` and
@@ -82,6 +89,60 @@ class EpochSchedule(Schedule):
         epoch = trainer.current_epoch + 1
         at_end = (epoch > self.burnin and epoch % self.frequency == 0) or epoch == trainer.max_epochs
         return batch_idx is None and at_end
+
+
+class SettledSchedule(EpochSchedule):
+    """Algorithm 1 once training has settled: as :class:`EpochSchedule`, but no estimate before the
+    epochs' mean training loss has changed by at most ``settle`` (relatively) over ``window`` epochs
+    (:func:`lightning_marglik.schedule_rules.loss_has_settled`); from then on (it is not undone) every
+    ``frequency``-th epoch. The last epoch of ``max_epochs`` always estimates.
+
+    Far from a MAP the evidence of weakly determined groups (zero-initialised biases, Fixup scalars)
+    starts the ARD feedback loop that drives their precisions away (``benchmarks/results/runaway_mechanism.md``);
+    a fixed burn-in has to be guessed per problem, the settle point is measured.
+
+    Args:
+        frequency: Estimate every ``frequency`` epochs (``F``) once settled.
+        burnin: Epochs before the first estimate in any case (``B``).
+        settle: Largest relative change of the mean training loss over ``window`` epochs that counts
+            as settled (e.g. 0.05).
+        window: Epochs the change is taken over.
+
+    Raises:
+        ValueError: On a bad ``frequency``, ``burnin``, ``settle`` (a number in (0, 1]) or ``window``.
+    """
+
+    needs_loss = True
+
+    def __init__(self, frequency: int, burnin: int, settle: float, window: int = 2) -> None:
+        self.settle = number(settle, "settle", 0, 1, what="the largest relative change of the training loss, e.g. 0.05")
+        self.window = integer(window, "window", 1)
+        super().__init__(frequency, burnin)
+
+    def reset(self) -> None:
+        super().reset()
+        self.losses: List[float] = []
+        self.settled_epoch = -1  # the epoch (from 1) the loss settled in; -1: not yet
+
+    def observe_loss(self, loss: float) -> None:
+        self.losses.append(float(loss))
+        if self.settled_epoch < 0 and loss_has_settled(self.losses, self.window, self.settle):
+            self.settled_epoch = len(self.losses)
+
+    def is_due(self, trainer: Trainer, batch_idx: Optional[int] = None) -> bool:
+        epoch = trainer.current_epoch + 1
+        if batch_idx is not None:
+            return False
+        settled = 0 <= self.settled_epoch <= epoch
+        return (settled and super().is_due(trainer)) or epoch == trainer.max_epochs
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {**super().state_dict(), "training_losses": list(self.losses), "settled_epoch": self.settled_epoch}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.losses = list(state.get("training_losses", self.losses))
+        self.settled_epoch = state.get("settled_epoch", self.settled_epoch)
 
 
 class BatchSchedule(Schedule):
