@@ -32,6 +32,7 @@ Usage::
     python benchmarks/never_worse.py --phase baselines # fixed-delta and validation runs (independent of the default)
     python benchmarks/never_worse.py                   # everything not cached, then benchmarks/results/never_worse.md
     python benchmarks/never_worse.py --analyse         # the tables of the cached runs only
+    python benchmarks/never_worse.py --analyse --defaults defaults_5c3d984 defaults_e1f4454  # one commit, then another
     python benchmarks/never_worse.py --quick           # smoke test: 2 cells, 1 seed, tiny data (seconds), prints only
 
 Runs are cached in ``outputs/never_worse/runs/`` (one JSON each); the ``defaults`` runs in a folder
@@ -214,29 +215,37 @@ def analyse_cell(oracle: Dict[float, List[Dict]], grid: Dict[float, List[Dict]],
 # --- driver ---------------------------------------------------------------------------------------
 
 
-def run_all(cells: Sequence[Tuple[str, str]], seeds: Sequence[int], quick: bool, phases: Sequence[str],
-            cache: str, analyse: bool) -> Dict[str, Any]:
-    """Train the asked phases seed by seed (so a cut run has every cell for the first seeds), then analyse."""
-    def get(spec: _zoo.RunSpec, folder: str, train: bool) -> Optional[Dict[str, Any]]:
-        path = os.path.join(folder, spec.key() + ".json")
-        if not train and not os.path.exists(path):
-            return None
-        return _zoo.cached(spec, folder, log=lambda m: print(f"{m} [{time.strftime('%H:%M:%S')}]", flush=True))
+def _get(spec: _zoo.RunSpec, folder: str, train: bool) -> Optional[Dict[str, Any]]:
+    """The cached run of ``spec`` in ``folder``; trained there first if ``train`` (None if neither)."""
+    path = os.path.join(folder, spec.key() + ".json")
+    if not train and not os.path.exists(path):
+        return None
+    return _zoo.cached(spec, folder, log=lambda m: print(f"{m} [{time.strftime('%H:%M:%S')}]", flush=True))
 
-    dcache = defaults_cache(cache)
-    train_base = not analyse and "baselines" in phases
-    train_defaults = not analyse and "defaults" in phases
+
+def train_all(cells: Sequence[Tuple[str, str]], seeds: Sequence[int], quick: bool, phases: Sequence[str],
+              cache: str) -> None:
+    """Train the asked phases seed by seed (so a cut run has every cell for the first seeds); the defaults
+    into the folder of the library commit this process imported."""
     for stage in ("baselines", "defaults"):
+        if stage not in phases:
+            continue
         for seed in seeds:
             for network, dataset in cells:
-                if stage == "baselines" and train_base:
+                if stage == "baselines":
                     for spec in baseline_specs(network, dataset, seed, quick).values():
-                        get(spec, cache, True)
-                if stage == "defaults" and train_defaults:
-                    get(defaults_spec(network, dataset, seed, quick), dcache, True)
+                        _get(spec, cache, True)
+                else:
+                    _get(defaults_spec(network, dataset, seed, quick), defaults_cache(cache), True)
+
+
+def analyse_all(cells: Sequence[Tuple[str, str]], seeds: Sequence[int], quick: bool, cache: str,
+                defaults_folder: str, retrain: bool) -> Dict[str, Any]:
+    """Every cell whose baselines are complete for some seeds, with the defaults runs found in
+    ``defaults_folder``; ``retrain``: train the retrain on all data at the validation choice where missing."""
     out: Dict[str, Any] = {}
     for network, dataset in cells:
-        got = {seed: {k: get(s, cache, False) for k, s in baseline_specs(network, dataset, seed, quick).items()}
+        got = {seed: {k: _get(s, cache, False) for k, s in baseline_specs(network, dataset, seed, quick).items()}
                for seed in seeds}
         complete = [s for s in seeds if all(v is not None for v in got[s].values())]
         if not complete:
@@ -245,17 +254,13 @@ def run_all(cells: Sequence[Tuple[str, str]], seeds: Sequence[int], quick: bool,
         grid = {d: [got[s][f"validation {d:g}"] for s in complete] for d in GRID}
         val_nll = {d: mean([r["trace"][-1]["val_nll"] for r in runs]) for d, runs in grid.items()}
         chosen = min(val_nll, key=val_nll.get)
-        retrain = []
-        for s in complete:
-            spec = retrain_spec(network, dataset, s, quick, chosen)
-            run = get(spec, cache, train_base)
-            if run is not None:
-                retrain.append(run)
-        defaults = [r for r in (get(defaults_spec(network, dataset, s, quick), dcache, False) for s in complete)
-                    if r is not None]
-        if len(retrain) < len(complete):
+        retrained = [r for r in (_get(retrain_spec(network, dataset, s, quick, chosen), cache, retrain) for s in complete)
+                     if r is not None]
+        if len(retrained) < len(complete):
             continue
-        cell = analyse_cell(oracle, grid, retrain, chosen, defaults)
+        defaults = [r for r in (_get(defaults_spec(network, dataset, s, quick), defaults_folder, False) for s in complete)
+                    if r is not None]
+        cell = analyse_cell(oracle, grid, retrained, chosen, defaults)
         cell["seeds"] = complete
         out[f"{network} / {dataset}"] = cell
     return out
@@ -265,20 +270,9 @@ def _pass(flag: Optional[bool]) -> str:
     return "n/a" if flag is None else "PASS" if flag else "MISS"
 
 
-def markdown(cells: Dict[str, Any], command: str, seconds: float, quick: bool) -> str:
-    libs = sorted({lib for c in cells.values() for lib in c.get("defaults", {}).get("libraries", [])})
-    size = "200 / 200, 3 epochs (quick)" if quick else f"{N_TRAIN} train / {N_TEST} test, {EPOCHS} epochs"
+def targets_table(cells: Dict[str, Any]) -> List[str]:
+    """The targets of every cell, PASS / MISS / n/a, and how many passed."""
     lines = [
-        "# Never worse: the learned prior against a tuned one, and checkpointing without validation (issue 23, items 3-4)",
-        "", f"Date: {now()}. Defaults arm trained on library {'; '.join(libs) or '(not yet trained)'}; this process "
-        f"imported {library_state()}. Command: `{command}`; {seconds / 60:.1f} min wall for this invocation (cached "
-        "runs are not retrained); one CPU thread on a shared 2-core machine.", "",
-        f"Data: {size} per cell (digits: of its 1797 images; bars: drawn, 6 classes; tokens: the transformer's own "
-        f"generated sequence task, 2 classes), Adam batch {BATCH} (lr 3e-3; Fixup 1e-2; transformer 2e-3), "
-        "layerwise prior from delta = 1. Every number is a mean over the seeds listed. `oracle`: the best of "
-        f"delta {ORACLE} by mean test accuracy; `val-tuned`: the delta of {GRID} with the best mean validation NLL "
-        f"(last epoch, {VALIDATION:.0%} of the training data held out), retrained on all of it.", "",
-        "## Targets", "",
         "| cell | seeds | defaults acc | oracle acc (delta) | (1) acc >= oracle - 0.5 pt | defaults NLL | val-tuned NLL "
         "(delta) | (2) NLL <= val-tuned | largest log delta rise (tensor) | (3) > e^8 unwarned | (3) | (4) mean / max "
         "last-third jump | (4) | CPU defaults / fixed |",
@@ -303,6 +297,28 @@ def markdown(cells: Dict[str, Any], command: str, seconds: float, quick: bool) -
             f"{', '.join(d['unwarned']) or '-'} | {_pass(t['precision'])} | {d['jump_mean']:.3f} / {d['jump_max']:.3f} | "
             f"{_pass(t['stability'])} | {d['cpu']:.0f} / {d['cpu_fixed']:.0f} |")
     lines += ["", "Passed: " + "; ".join(f"({i + 1}) {k} {p}/{n}" for i, (k, (p, n)) in enumerate(counts.items())), ""]
+    return lines
+
+
+def markdown(cells: Dict[str, Any], command: str, seconds: float, quick: bool,
+             others: Optional[Dict[str, Dict[str, Any]]] = None) -> str:
+    """The results file: targets and item 4 for ``cells``; the targets of ``others`` (defaults runs of other
+    library commits, by folder name) after them."""
+    libs = sorted({lib for c in cells.values() for lib in c.get("defaults", {}).get("libraries", [])})
+    size = "200 / 200, 3 epochs (quick)" if quick else f"{N_TRAIN} train / {N_TEST} test, {EPOCHS} epochs"
+    lines = [
+        "# Never worse: the learned prior against a tuned one, and checkpointing without validation (issue 23, items 3-4)",
+        "", f"Date: {now()}. Defaults arm trained on library {'; '.join(libs) or '(not yet trained)'}; this process "
+        f"imported {library_state()}. Command: `{command}`; {seconds / 60:.1f} min wall for this invocation (cached "
+        "runs are not retrained); one CPU thread on a shared 2-core machine.", "",
+        f"Data: {size} per cell (digits: of its 1797 images; bars: drawn, 6 classes; tokens: the transformer's own "
+        f"generated sequence task, 2 classes), Adam batch {BATCH} (lr 3e-3; Fixup 1e-2; transformer 2e-3), "
+        "layerwise prior from delta = 1. Every number is a mean over the seeds listed. `oracle`: the best of "
+        f"delta {ORACLE} by mean test accuracy; `val-tuned`: the delta of {GRID} with the best mean validation NLL "
+        f"(last epoch, {VALIDATION:.0%} of the training data held out), retrained on all of it.", "",
+        "## Targets", "",
+    ]
+    lines += targets_table(cells)
     lines += [
         "## Checkpointing and stopping without validation data (item 4)", "",
         "Test accuracy / NLL of the weights each rule keeps. `MargLikCheckpoint` and `MargLikEarlyStopping`: the "
@@ -336,6 +352,10 @@ def markdown(cells: Dict[str, Any], command: str, seconds: float, quick: bool) -
         accs = ", ".join(f"{c['oracle_accs'][d]:.4f}" for d in ORACLE)
         nlls = ", ".join(f"{c['val_nll_by_delta'][d]:.4f}" for d in GRID)
         lines.append(f"| {name} | {accs} | {nlls} |")
+    for folder, other in (others or {}).items():
+        libs = sorted({lib for c in other.values() for lib in c.get("defaults", {}).get("libraries", [])})
+        lines += ["", f"## Targets of the defaults arm on another library commit: {'; '.join(libs) or folder}", ""]
+        lines += targets_table(other)
     warned = {name: c["defaults"]["warned"] for name, c in cells.items() if c.get("defaults", {}).get("warned")}
     if warned:
         lines += ["", "Tensors above e^8 that a warning named: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in warned.items())]
@@ -350,6 +370,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--cells", nargs="+", help="only these cells, as network/dataset (e.g. mlp/digits)")
     parser.add_argument("--analyse", action="store_true", help="train nothing: the tables of the cached runs")
     parser.add_argument("--plan", action="store_true", help="print the runs and their estimated CPU time")
+    parser.add_argument("--defaults", nargs="+", metavar="FOLDER",
+                        help="the defaults runs to report, by folder under the cache (e.g. defaults_5c3d984): the "
+                             "first in full, the others' targets after it (default: this process's commit)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     cells = list(QUICK_CELLS if args.quick else CELLS)
@@ -366,9 +389,17 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         return {}
     cache = os.path.join(_zoo.output_dir(NAME), "quick" if args.quick else "runs")
     start = time.perf_counter()
-    out = run_all(cells, seeds, args.quick, args.phase, cache, args.analyse)
+    if not args.analyse:
+        train_all(cells, seeds, args.quick, args.phase, cache)
+    folders = [os.path.join(cache, f) for f in args.defaults] if args.defaults else [defaults_cache(cache)]
+    missing = [f for f in folders if not os.path.isdir(f)]
+    if missing and args.defaults:
+        parser.error(f"no defaults runs in {missing}; the folders are {sorted(os.listdir(cache))}")
+    retrain = not args.analyse and "baselines" in args.phase
+    out = analyse_all(cells, seeds, args.quick, cache, folders[0], retrain)
+    others = {os.path.basename(f): analyse_all(cells, seeds, args.quick, cache, f, False) for f in folders[1:]}
     command = "python benchmarks/never_worse.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    text = markdown(out, command.strip(), time.perf_counter() - start, args.quick)
+    text = markdown(out, command.strip(), time.perf_counter() - start, args.quick, others)
     print(text)
     if not args.quick:
         path = RESULTS / f"{NAME}.md"
@@ -376,7 +407,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         if path.exists():
             old = path.read_text()
             kept = old[old.index(HAND_WRITTEN):].split("<!-- benchmark-data")[0] if HAND_WRITTEN in old else ""
-        write_with_data(path, text + "\n" + (kept or HAND_WRITTEN + "\n"), {"cells": out})
+        write_with_data(path, text + "\n" + (kept or HAND_WRITTEN + "\n"), {"cells": out, "others": others})
         print(f"wrote {path}")
     return out
 
