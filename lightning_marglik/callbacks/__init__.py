@@ -130,8 +130,9 @@ class MargLikCallback(MargLikCallbackCore, Callback):
             statistics still come from every batch. Below 1 the curvature is a subsample's
             estimate at a fraction of the products' cost; it needs a sized training dataloader.
         max_step: Largest change of any learned ``log delta_g`` per estimate (a trust region: a
-            factor ``e^max_step``), for Newton and Adam alike (``LaplaceEvidence.optimize``);
-            ``None``: unbounded.
+            factor ``e^max_step``), for Newton and Adam alike (``LaplaceEvidence.optimize``), as the
+            paper's ``K`` Adam steps bound an estimate's move; default 1 (``benchmarks/results/remedies.md``);
+            ``None``: unbounded (each estimate solved to convergence).
         biases: Treatment of the biases and normalization parameters (every tensor with at most
             one dimension or named ``*.bias``: :func:`lightning_marglik.hyperparameters.no_decay_names`),
             declared when training starts: ``"decoupled"`` (the evidence learns their precision, their

@@ -334,7 +334,7 @@ class MargLikCallbackCore(EstimatorCore):
         scale_invariant: str = "decoupled",
         statistics: str = "pass",
         statistics_fraction: float = 1.0,
-        max_step: Optional[float] = None,
+        max_step: Optional[float] = 1.0,
         biases: Optional[str] = None,
         settle: Optional[float] = None,
     ) -> None:
