@@ -91,15 +91,21 @@ def retrain_spec(network: str, dataset: str, seed: int, quick: bool, delta: floa
     return _zoo.RunSpec(precision=delta, **base(network, dataset, seed, quick))
 
 
-def defaults_spec(network: str, dataset: str, seed: int, quick: bool) -> _zoo.RunSpec:
-    return _zoo.RunSpec(callback={}, checkpoint=True, stopping=PATIENCE, **base(network, dataset, seed, quick))
+# the callback's defaults before commits 5c3d984 / dcf714b made biases decoupled and max_step 1 the defaults
+PREVIOUS: Dict[str, Any] = {"biases": "learn", "max_step": None}
 
 
-def defaults_cache(cache: str) -> str:
+def defaults_spec(network: str, dataset: str, seed: int, quick: bool, previous: bool = False) -> _zoo.RunSpec:
+    return _zoo.RunSpec(callback=dict(PREVIOUS) if previous else {}, checkpoint=True, stopping=PATIENCE,
+                        **base(network, dataset, seed, quick))
+
+
+def defaults_cache(cache: str, previous: bool = False) -> str:
     """The defaults runs' folder, named by the library commit this process imported."""
     state = library_state()
     tag = state.split()[1] if state.startswith("HEAD ") else "unknown"
-    return os.path.join(cache, f"defaults_{tag}{'_dirty' if 'uncommitted' in state else ''}")
+    kind = "previous_defaults" if previous else "defaults"
+    return os.path.join(cache, f"{kind}_{tag}{'_dirty' if 'uncommitted' in state else ''}")
 
 
 def plan(cells: Sequence[Tuple[str, str]], seeds: Sequence[int]) -> str:
@@ -154,6 +160,13 @@ def runaway(run: Dict[str, Any]) -> Tuple[List[str], List[str], Tuple[float, str
     return [n for n in above if n not in warned], warned, worst
 
 
+def weight_decay_rise(run: Dict[str, Any]) -> Tuple[float, str]:
+    """The largest rise of a log precision the MAP loss used (below the evidence's for decoupled tensors)."""
+    start = math.log(run["spec"]["precision"])
+    return max(((v - start, n) for row in run["trace"] for n, v in zip(run["param_names"], row["wd_log_delta"])),
+               default=(0.0, "-"))
+
+
 def last_third_jump(run: Dict[str, Any]) -> float:
     values = [r["marglik"] for r in run["trace"] if "marglik" in r and r["epoch"] > 2 * run["spec"]["epochs"] / 3]
     return max((abs(b - a) for a, b in zip(values, values[1:])), default=math.nan)
@@ -192,6 +205,7 @@ def analyse_cell(oracle: Dict[float, List[Dict]], grid: Dict[float, List[Dict]],
         "seeds": [r["spec"]["seed"] for r in defaults], "acc": mean([r["final"]["acc"] for r in defaults]),
         "nll": mean([r["final"]["nll"] for r in defaults]), "unwarned": sorted({n for u in unwarned for n in u}),
         "warned": sorted({n for w in warned for n in w}), "worst": max(worst),
+        "worst_wd": max(weight_decay_rise(r) for r in defaults),
         "jump_mean": mean(jumps), "jump_max": max((j for j in jumps if math.isfinite(j)), default=math.nan),
         "libraries": sorted({r["library"] for r in defaults}),
         "cpu": mean([r["cpu_seconds"] for r in defaults]),
@@ -224,9 +238,10 @@ def _get(spec: _zoo.RunSpec, folder: str, train: bool) -> Optional[Dict[str, Any
 
 
 def train_all(cells: Sequence[Tuple[str, str]], seeds: Sequence[int], quick: bool, phases: Sequence[str],
-              cache: str) -> None:
+              cache: str, previous: bool = False) -> None:
     """Train the asked phases seed by seed (so a cut run has every cell for the first seeds); the defaults
-    into the folder of the library commit this process imported."""
+    into the folder of the library commit this process imported (``previous``: with ``PREVIOUS``, the
+    callback's defaults before the remedies, into a ``previous_defaults_`` folder)."""
     for stage in ("baselines", "defaults"):
         if stage not in phases:
             continue
@@ -236,7 +251,7 @@ def train_all(cells: Sequence[Tuple[str, str]], seeds: Sequence[int], quick: boo
                     for spec in baseline_specs(network, dataset, seed, quick).values():
                         _get(spec, cache, True)
                 else:
-                    _get(defaults_spec(network, dataset, seed, quick), defaults_cache(cache), True)
+                    _get(defaults_spec(network, dataset, seed, quick, previous), defaults_cache(cache, previous), True)
 
 
 def analyse_all(cells: Sequence[Tuple[str, str]], seeds: Sequence[int], quick: bool, cache: str,
@@ -258,8 +273,9 @@ def analyse_all(cells: Sequence[Tuple[str, str]], seeds: Sequence[int], quick: b
                      if r is not None]
         if len(retrained) < len(complete):
             continue
-        defaults = [r for r in (_get(defaults_spec(network, dataset, s, quick), defaults_folder, False) for s in complete)
-                    if r is not None]
+        previous = os.path.basename(defaults_folder).startswith("previous_")
+        defaults = [r for r in (_get(defaults_spec(network, dataset, s, quick, previous), defaults_folder, False)
+                                for s in complete) if r is not None]
         cell = analyse_cell(oracle, grid, retrained, chosen, defaults)
         cell["seeds"] = complete
         out[f"{network} / {dataset}"] = cell
@@ -274,16 +290,16 @@ def targets_table(cells: Dict[str, Any]) -> List[str]:
     """The targets of every cell, PASS / MISS / n/a, and how many passed."""
     lines = [
         "| cell | seeds | defaults acc | oracle acc (delta) | (1) acc >= oracle - 0.5 pt | defaults NLL | val-tuned NLL "
-        "(delta) | (2) NLL <= val-tuned | largest log delta rise (tensor) | (3) > e^8 unwarned | (3) | (4) mean / max "
-        "last-third jump | (4) | CPU defaults / fixed |",
-        "|---|---|---:|---|---|---:|---|---|---|---|---|---|---|---|",
+        "(delta) | (2) NLL <= val-tuned | largest log delta rise (tensor) | largest weight-decay rise | (3) > e^8 unwarned "
+        "| (3) | (4) mean / max last-third jump | (4) | CPU defaults / fixed |",
+        "|---|---|---:|---|---|---:|---|---|---|---|---|---|---|---|---|",
     ]
     counts = {k: [0, 0] for k in ("accuracy", "nll", "precision", "stability")}
     for name, c in cells.items():
         d = c.get("defaults")
         if d is None:
             lines.append(f"| {name} | {c['seeds']} | (not trained) | {c['oracle_acc']:.4f} ({c['oracle_delta']:g}) | | | "
-                         f"{c['val_nll']:.4f} ({c['val_delta']:g}) | | | | | | | |")
+                         f"{c['val_nll']:.4f} ({c['val_delta']:g}) | | | | | | | | |")
             continue
         t = d["targets"]
         for k, v in t.items():
@@ -294,6 +310,7 @@ def targets_table(cells: Dict[str, Any]) -> List[str]:
             f"| {name} | {', '.join(map(str, d['seeds']))} | {d['acc']:.4f} | {c['oracle_acc']:.4f} ({c['oracle_delta']:g}) | "
             f"{_pass(t['accuracy'])} ({100 * (d['acc'] - c['oracle_acc']):+.1f}) | {d['nll']:.4f} | "
             f"{c['val_nll']:.4f} ({c['val_delta']:g}) | {_pass(t['nll'])} | {d['worst'][0]:.1f} ({d['worst'][1]}) | "
+            f"{d['worst_wd'][0]:.1f} ({d['worst_wd'][1]}) | "
             f"{', '.join(d['unwarned']) or '-'} | {_pass(t['precision'])} | {d['jump_mean']:.3f} / {d['jump_max']:.3f} | "
             f"{_pass(t['stability'])} | {d['cpu']:.0f} / {d['cpu_fixed']:.0f} |")
     lines += ["", "Passed: " + "; ".join(f"({i + 1}) {k} {p}/{n}" for i, (k, (p, n)) in enumerate(counts.items())), ""]
@@ -354,7 +371,8 @@ def markdown(cells: Dict[str, Any], command: str, seconds: float, quick: bool,
         lines.append(f"| {name} | {accs} | {nlls} |")
     for folder, other in (others or {}).items():
         libs = sorted({lib for c in other.values() for lib in c.get("defaults", {}).get("libraries", [])})
-        lines += ["", f"## Targets of the defaults arm on another library commit: {'; '.join(libs) or folder}", ""]
+        what = f"MargLikCallback(**{PREVIOUS})" if folder.startswith("previous_") else "the defaults"
+        lines += ["", f"## Targets of {what} on {'; '.join(libs) or folder} ({folder})", ""]
         lines += targets_table(other)
     warned = {name: c["defaults"]["warned"] for name, c in cells.items() if c.get("defaults", {}).get("warned")}
     if warned:
@@ -370,6 +388,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--cells", nargs="+", help="only these cells, as network/dataset (e.g. mlp/digits)")
     parser.add_argument("--analyse", action="store_true", help="train nothing: the tables of the cached runs")
     parser.add_argument("--plan", action="store_true", help="print the runs and their estimated CPU time")
+    parser.add_argument("--previous", action="store_true",
+                        help=f"train the defaults arm with the callback's defaults before the remedies ({PREVIOUS})")
     parser.add_argument("--defaults", nargs="+", metavar="FOLDER",
                         help="the defaults runs to report, by folder under the cache (e.g. defaults_5c3d984): the "
                              "first in full, the others' targets after it (default: this process's commit)")
@@ -390,7 +410,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     cache = os.path.join(_zoo.output_dir(NAME), "quick" if args.quick else "runs")
     start = time.perf_counter()
     if not args.analyse:
-        train_all(cells, seeds, args.quick, args.phase, cache)
+        train_all(cells, seeds, args.quick, args.phase, cache, args.previous)
     folders = [os.path.join(cache, f) for f in args.defaults] if args.defaults else [defaults_cache(cache)]
     missing = [f for f in folders if not os.path.isdir(f)]
     if missing and args.defaults:
