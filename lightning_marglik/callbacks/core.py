@@ -96,6 +96,7 @@ class EstimatorCore:
         self._scale_inputs: Any = None
         self._scale_modes: Optional[Dict[str, bool]] = None
         self._scale_note: Optional[str] = None
+        self._modes_followed = False  # whether this fit's training batches have been checked for their modes
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -156,8 +157,11 @@ class EstimatorCore:
         self._follow_changed_learnables()  # after the set-up check, which decides the scale-invariant treatment
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        if batch_idx == 0:  # the user's on_train_epoch_start hooks have set the modes this epoch trains in
+        # an epoch's first batch (the user's on_train_epoch_start hooks have set its modes), or the fit's first
+        # (a resume within an epoch starts past batch 0)
+        if batch_idx == 0 or not self._modes_followed:
             self._follow_training_modes(pl_module)
+            self._modes_followed = True
 
     def _follow_training_modes(self, pl_module: LightningModule) -> None:
         """Decide the scale-invariant tensors again if training runs modules in other modes than the
@@ -209,7 +213,7 @@ class EstimatorCore:
             raise MargLikConfigurationError("MargLikCallback: the evidence data loader yields no batches.") from None
         inputs, output = checks.check_forward(pl_module, likelihood, batch, self._batch_fn(pl_module), device, dtype)
         # decided in Lightning's training modes; the first training batch re-checks them (_follow_training_modes)
-        self._scale_inputs, self._scale_modes = inputs, None
+        self._scale_inputs, self._scale_modes, self._modes_followed = inputs, None, False
         self._scale_note = checks.treat_scale_invariant(pl_module, prior, inputs, self.scale_invariant)
         try:  # the evidence pass itself on this batch, exact per-example path included (e.g. what vmap refuses)
             self._setup_plan = self._collect(pl_module, [batch], self.options, torch.Generator().manual_seed(self.seed))
