@@ -16,12 +16,11 @@ by about that factor, its Occam factor collapses and its evidence rates such a f
 For the Gaussian, ``r`` is the mean squared residual per output over ``sigma^2``: about 1 at the
 sigma the evidence learns, far below where the noise is fixed too large for a fit of the data.
 
-The check needs one forward pass over the evidence data (no Jacobians), summed in float64, so
-that it can run wherever an EF evidence is computed; :func:`batch_traces` takes the outputs a
-pass already has. ``benchmarks/results/ef_interpolation.md`` measures it along training: ``r``
-came within 14 % of the ratio of the exact parameter-space diagonals, sum diag(EF) /
-sum diag(GGN), and dividing the EF's curvature by ``r`` (:func:`rescale_empirical_fisher`) gave
-the GGN's evidence within a few hundredths of a nat per datum, and its choice of model.
+The check needs no pass of its own: the categorical likelihood sums both traces with its statistics,
+so any evidence carries them (:func:`ef_ratio_of`); :func:`ef_curvature_ratio` runs one forward pass
+(no Jacobians) for data of your own. ``benchmarks/results/ef_interpolation.md`` measures it along
+training against the exact parameter-space diagonals and the GGN evidence, and dividing the EF's
+curvature by ``r`` (:func:`rescale_empirical_fisher`) against the GGN's evidence and its choice of model.
 
 Example:
     >>> from torch.utils.data import DataLoader, TensorDataset
@@ -60,13 +59,8 @@ __all__ = [
     "traces_from_statistics",
 ]
 
-# Below this ratio the EF evidence is not to be trusted. Measured (benchmarks/results/ef_interpolation.md:
-# MNIST-5k, two MLPs and a CNN, 8 checkpoints each over 150 epochs at a fixed prior): r < 0.3 at
-# exactly the 5 checkpoints where an MLP fitted its training set (train accuracy 0.9947-1.00; r
-# 0.03-0.26), whose EF evidence was 0.23-0.34 nats per datum above the GGN's with kron (0.50-0.75
-# with diag); there the EF picked such an MLP over the CNN that the GGN picked and that tested best
-# (epochs 80 and 150). The 19 others (train accuracy 0.66-0.993; the CNN at 0.993 had r = 0.32) had
-# r 0.32-0.93 and the kron-EF evidence 0.002-0.20 above the kron-GGN's.
+# Below this ratio the EF evidence is not to be trusted: in benchmarks/results/ef_interpolation.md it separated
+# exactly the checkpoints where a network had fitted its training set (and whose EF evidence was inflated).
 EF_RATIO_THRESHOLD = 0.3
 
 # What to do instead, by where the EF evidence was computed.
