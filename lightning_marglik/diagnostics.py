@@ -196,11 +196,18 @@ def ratio_from_traces(traces: Tensor, likelihood: Likelihood) -> float:
     return ef * scale_ef / (ggn * scale_ggn)
 
 
-def ef_ratio_of(evidence: LaplaceEvidence) -> float:
+def ef_ratio_of(evidence: LaplaceEvidence) -> Optional[float]:
     """:func:`ef_curvature_ratio` of the data an evidence was built from, read from its likelihood
-    statistics at the likelihood's current hyperparameters (no pass of its own)."""
-    return ratio_from_traces(traces_from_statistics(evidence.likelihood_statistics, evidence.likelihood),
-                             evidence.likelihood)
+    statistics at the likelihood's current hyperparameters (no pass of its own); ``None`` for a
+    likelihood of another type, or one whose statistics do not carry the traces (a subclass's own)."""
+    likelihood, statistics = evidence.likelihood, evidence.likelihood_statistics
+    if not isinstance(likelihood, _SUPPORTED):
+        return None
+    try:
+        traces = traces_from_statistics(statistics, likelihood)
+    except KeyError:
+        return None
+    return ratio_from_traces(traces, likelihood)
 
 
 def ef_curvature_ratio(

@@ -107,3 +107,17 @@ def test_select_models_names_the_candidates_whose_ef_evidence_is_unreliable():
                         callback={"structure": "diag", "approx": "ggn", "steps": 5},
                         trainer={"max_epochs": 1, "enable_progress_bar": False}, rank_by="kron-ggn", verbose=False)[0]
     assert ggn.ef_curvature_ratio is None  # a GGN ranking needs no check
+
+
+def test_a_likelihood_whose_statistics_lack_the_traces_gets_no_ratio_and_no_error():
+    """A subclass with statistics of its own (no traces): the estimate runs, no ratio is recorded."""
+
+    class OwnStatistics(CategoricalLikelihood):
+        def term_statistics(self, output, target, mask):
+            return {"log_lik": -self.term_nll(output, target).sum()}
+
+    model = Fitted(10.0).double()
+    model.likelihood = OwnStatistics()
+    callback = MargLikCallback(structure="diag", approx="ef", frequency=1, steps=5)
+    trainer([callback], 1, precision="64-true").fit(model, _data())
+    assert len(callback.history) == 1 and "ef_curvature_ratio" not in callback.history[0]

@@ -448,8 +448,9 @@ class MargLikCallbackCore(EstimatorCore):
             evidence.set_hyperparameters(strategy.broadcast(solution.values, src=0))
             marglik = solution.value.item() / evidence.n_data
         extra = {}
-        if self.options.approx == "ef":  # from the pass's own sums: the check costs no pass
-            extra["ef_curvature_ratio"] = ratio = ef_ratio_of(evidence)
+        ratio = ef_ratio_of(evidence) if self.options.approx == "ef" else None  # from the pass's own sums
+        if ratio is not None:
+            extra["ef_curvature_ratio"] = ratio
             message = ef_unreliable_message({f"the model after epoch {epoch}": ratio}, where="callback")
             if message and not self._warned_ef:
                 rank_zero_warn(message)
