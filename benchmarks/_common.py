@@ -69,6 +69,18 @@ def read_data(path: Path) -> Dict[str, Any]:
     return json.loads(found.group(1)) if found else {}
 
 
+# results files keep what follows this line (a hand-written reading) when their script rewrites them
+HAND_WRITTEN = "<!-- hand-written below: kept when the script rewrites the file -->"
+
+
+def hand_written(path: Path) -> str:
+    """The hand-written part of an earlier ``path`` (from ``HAND_WRITTEN`` to its data), else the bare marker."""
+    before = path.read_text() if path.exists() else ""
+    if HAND_WRITTEN not in before:
+        return HAND_WRITTEN
+    return before[before.index(HAND_WRITTEN):].split("<!-- benchmark-data", 1)[0].rstrip()
+
+
 def write_with_data(path: Path, text: str, data: Dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     blob = json.dumps(data, separators=(",", ":"), allow_nan=True)

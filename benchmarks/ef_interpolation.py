@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, ROOT)
 
 import ranking_study as study  # noqa: E402
-from benchmarks._common import load_avg, now, write_with_data  # noqa: E402
+from benchmarks._common import hand_written, load_avg, now, write_with_data  # noqa: E402
 from common import OUTPUTS, library_state, markdown_table  # noqa: E402
 from lightning_marglik import CategoricalLikelihood, CurvatureOptions, GaussianPrior, LaplaceEvidence  # noqa: E402
 from lightning_marglik import collect_statistics, map_loss  # noqa: E402
@@ -49,7 +49,6 @@ CANDIDATES = ("mlp512x1", "mlp128x2", "cnn8x1")
 APPROXIMATIONS = (("diag", "ef"), ("kron", "ef"), ("diag", "ggn"), ("kron", "ggn"))
 CHECKPOINTS = (1, 2, 5, 10, 20, 40, 80, 150)
 QUICK_CHECKPOINTS = (1, 3)
-HAND_WRITTEN = "<!-- hand-written below: kept when the script rewrites the file -->"
 PRIOR_PRECISION = 1.0
 
 
@@ -247,16 +246,6 @@ def summary(rows: List[Dict[str, Any]]) -> List[str]:
     return lines + [""]
 
 
-def kept_text(path: Path) -> str:
-    """What follows ``HAND_WRITTEN`` in an earlier version of the file (before its data), else ``""``."""
-    if not path.exists():
-        return ""
-    before = path.read_text()
-    if HAND_WRITTEN not in before:
-        return ""
-    return before[before.index(HAND_WRITTEN):].split("<!-- benchmark-data", 1)[0].rstrip()
-
-
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=list(study.CANDIDATES))
@@ -287,7 +276,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         f"The library's threshold: r < {EF_RATIO_THRESHOLD:g} warns.",
         "",
     ]
-    text = "\n".join(header + summary(rows) + tables(rows) + picks(rows) + [kept_text(output) or HAND_WRITTEN])
+    text = "\n".join(header + summary(rows) + tables(rows) + picks(rows) + [hand_written(output)])
     write_with_data(output, text,
                     {"rows": rows, "cpu_minutes": cpu_minutes, "library": library_state()})
     print(f"written {output}")

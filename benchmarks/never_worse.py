@@ -53,7 +53,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _zoo  # noqa: E402
-from _common import RESULTS, now, write_with_data  # noqa: E402
+from _common import RESULTS, hand_written, now, write_with_data  # noqa: E402
 from common import library_state  # noqa: E402  (examples/common.py, on the path through _zoo)
 
 NAME = "never_worse"
@@ -72,7 +72,6 @@ QUICK_CELLS = (("bn_resnet", "bars"), ("transformer", "tokens"))
 # CPU seconds per run measured on this machine (N_TRAIN, EPOCHS) for --plan: fixed delta / defaults
 ESTIMATE = {"mlp": (0.5, 3), "cnn": (1.5, 8), "bn_resnet": (3, 15), "fixup_resnet": (3, 16), "gn_cnn": (1.8, 8),
             "transformer": (4, 15)}
-HAND_WRITTEN = "<!-- hand-written below: kept when the script rewrites the file -->"
 
 
 def base(network: str, dataset: str, seed: int, quick: bool) -> Dict[str, Any]:
@@ -423,11 +422,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     print(text)
     if not args.quick:
         path = RESULTS / f"{NAME}.md"
-        kept = ""
-        if path.exists():
-            old = path.read_text()
-            kept = old[old.index(HAND_WRITTEN):].split("<!-- benchmark-data")[0] if HAND_WRITTEN in old else ""
-        write_with_data(path, text + "\n" + (kept or HAND_WRITTEN + "\n"), {"cells": out, "others": others})
+        write_with_data(path, text + "\n" + hand_written(path) + "\n", {"cells": out, "others": others})
         print(f"wrote {path}")
     return out
 

@@ -45,7 +45,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _zoo  # noqa: E402
-from _common import RESULTS, now, write_with_data  # noqa: E402
+from _common import RESULTS, hand_written, now, write_with_data  # noqa: E402
 from lightning_marglik import GaussianPrior, MargLikCallback  # noqa: E402
 from lightning_marglik.hyperparameters import LogNormalHyperprior, no_decay_names  # noqa: E402
 from lightning_marglik.schedule_rules import loss_has_settled  # noqa: E402
@@ -55,7 +55,6 @@ NETWORKS = ("bn_resnet", "fixup_resnet", "cnn", "mlp")
 LR = {"fixup_resnet": 1e-2}
 RUNAWAY = 8.0
 EPOCHS = 12
-HAND_WRITTEN = "<!-- hand-written below: kept when the script rewrites the file -->"
 
 
 def base(network: str, seed: int, quick: bool) -> Dict[str, Any]:
@@ -239,11 +238,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     print(text)
     if not args.quick:
         path = RESULTS / f"{NAME}.md"
-        kept = ""
-        if path.exists():
-            old = path.read_text()
-            kept = old[old.index(HAND_WRITTEN):].split("<!-- benchmark-data")[0] if HAND_WRITTEN in old else ""
-        write_with_data(path, text + "\n" + (kept or HAND_WRITTEN + "\n"), {"table": table})
+        write_with_data(path, text + "\n" + hand_written(path) + "\n", {"table": table})
         print(f"wrote {path}")
     return table
 

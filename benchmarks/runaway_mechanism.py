@@ -36,13 +36,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _zoo  # noqa: E402
-from _common import RESULTS, now, write_with_data  # noqa: E402
+from _common import RESULTS, hand_written, now, write_with_data  # noqa: E402
 
 NAME = "runaway_mechanism"
 NETWORKS = ("bn_resnet", "fixup_resnet", "cnn", "mlp")
 LR = {"fixup_resnet": 1e-2}  # Fixup under Adam trains poorly at 3e-3 (measured); the others 3e-3
 RUNAWAY = 8.0  # log delta above its start that the issue calls a runaway
-HAND_WRITTEN = "<!-- hand-written below: kept when the script rewrites the file -->"
 
 
 def specs(network: str, quick: bool) -> Dict[str, _zoo.RunSpec]:
@@ -175,11 +174,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         print(text)
         return runs
     path = RESULTS / f"{NAME}.md"
-    kept = ""
-    if path.exists():
-        old = path.read_text()
-        kept = old[old.index(HAND_WRITTEN):].split("<!-- benchmark-data")[0] if HAND_WRITTEN in old else ""
-    write_with_data(path, text + "\n" + (kept or HAND_WRITTEN + "\n"), {"runs": runs})
+    write_with_data(path, text + "\n" + hand_written(path) + "\n", {"runs": runs})
     print(text)
     print(f"wrote {path}")
     return runs
