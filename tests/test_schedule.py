@@ -90,3 +90,21 @@ def test_the_callbacks_settle_rule_follows_the_epochs_mean_training_loss():
     with pytest.raises(ValueError, match="`settle` must be a finite number in \\(0, 1\\]"):
         MargLikCallback(settle=0.0)
     assert torch.isfinite(torch.tensor(callback.last_marglik))
+
+
+def test_epochs_whose_steps_were_all_skipped_never_settle():
+    """A training_step that returns None skips the step: such an epoch has no loss, so a constant 0
+    must not pass for a settled one (only the last epoch estimates)."""
+    from torch.utils.data import DataLoader
+
+    from lightning_marglik import MargLikCallback
+    from tests.lightning_models import Regressor, regression_data, trainer as make_trainer
+
+    class Skipping(Regressor):
+        def training_step(self, batch, batch_idx):
+            return None
+
+    callback = MargLikCallback(frequency=1, steps=5, settle=0.05)
+    make_trainer([callback], 4).fit(Skipping(lr=0.0), DataLoader(regression_data(), batch_size=16))
+    assert [row["epoch"] for row in callback.history] == [4]
+    assert callback.schedule.settled_epoch == -1

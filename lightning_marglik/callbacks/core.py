@@ -394,7 +394,9 @@ class MargLikCallbackCore(EstimatorCore):
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.schedule.needs_loss:  # the epoch's mean training loss over every rank (one collective, all ranks)
             strategy = trainer.strategy
-            mean = torch.tensor(self._epoch_loss / max(self._epoch_batches, 1), device=strategy.root_device)
+            # an epoch without a loss (every step skipped) is NaN: it never counts as settled
+            mean = torch.tensor(self._epoch_loss / self._epoch_batches if self._epoch_batches else math.nan,
+                                device=strategy.root_device)
             self.schedule.observe_loss(float(strategy.reduce(mean, reduce_op="mean")))
         if self.schedule.is_due(trainer):
             self._log(pl_module, self.estimate(trainer, pl_module, epoch=trainer.current_epoch + 1))
