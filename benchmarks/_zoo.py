@@ -43,7 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 from lightning_marglik import (  # noqa: E402
-    GaussianPrior, MargLikCallback, MargLikCheckpoint, MargLikEarlyStopping,
+    FixupBias, FixupScale, GaussianPrior, MargLikCallback, MargLikCheckpoint, MargLikEarlyStopping,
 )
 from lightning_marglik.curvature.structures import DiagStructure, EKFACStructure, KronStructure  # noqa: E402
 from lightning_marglik.selection import quiet_lightning  # noqa: E402
@@ -60,25 +60,13 @@ DATASETS = ("mnist", "digits", "bars", "tokens")
 # --- networks -------------------------------------------------------------------------------------
 
 
-class Scalar(nn.Module):
-    """One learnable scalar, added (``mode="bias"``) or multiplied (``mode="scale"``)."""
-
-    def __init__(self, mode: str) -> None:
-        super().__init__()
-        self.mode = mode
-        self.value = nn.Parameter(torch.tensor(1.0 if mode == "scale" else 0.0))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x * self.value if self.mode == "scale" else x + self.value
-
-
 class FixupBlock(nn.Module):
     """Fixup basic block: ``relu(b2b(scale(conv2(b2a(relu(b1b(conv1(b1a(x)))))))) + shortcut(b1a(x)))``."""
 
     def __init__(self, c_in: int, c_out: int, stride: int, n_branches: int) -> None:
         super().__init__()
-        self.bias1a, self.bias1b, self.bias2a, self.bias2b = (Scalar("bias") for _ in range(4))
-        self.scale = Scalar("scale")
+        self.bias1a, self.bias1b, self.bias2a, self.bias2b = (FixupBias() for _ in range(4))
+        self.scale = FixupScale()
         self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
         self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
         nn.init.kaiming_normal_(self.conv1.weight, nonlinearity="relu")
@@ -105,12 +93,12 @@ class FixupResNet(nn.Module):
         c = channels
         self.stem = nn.Conv2d(1, c, 3, 1, 1, bias=False)
         nn.init.kaiming_normal_(self.stem.weight, nonlinearity="relu")
-        self.stem_bias = Scalar("bias")
+        self.stem_bias = FixupBias()
         n_branches = 2 * blocks
         stages = [FixupBlock(c, c, 1, n_branches) for _ in range(blocks)]
         stages += [FixupBlock(c, 2 * c, 2, n_branches)] + [FixupBlock(2 * c, 2 * c, 1, n_branches) for _ in range(blocks - 1)]
         self.blocks = nn.Sequential(*stages)
-        self.fc_bias = Scalar("bias")
+        self.fc_bias = FixupBias()
         self.fc = nn.Linear(2 * c, n_classes)
         nn.init.zeros_(self.fc.weight)
         nn.init.zeros_(self.fc.bias)

@@ -6,6 +6,7 @@ from .curvature.layers import KronShape, KronSums, LayerRule, register_layer_rul
 from .curvature.structures import register_structure
 from .diagnostics import ef_curvature_ratio
 from .evidence import LaplaceEvidence
+from .modules import FixupBias, FixupScale
 from .predictive import RegressionPrediction, linearized_outputs, predict_classification, predict_regression
 from .selection import CandidateResult, NegativeLogLikelihood, select_models
 from .hyperparameters import (
@@ -35,6 +36,8 @@ __all__ = [
     "KronShape",
     "KronSums",
     "EvidenceBound",
+    "FixupBias",
+    "FixupScale",
     "LaplaceEvidence",
     "LayerRule",
     "LogNormalHyperprior",

@@ -21,6 +21,8 @@ which the weight is computed. The rules:
 * ``BatchNorm`` (running statistics), ``LayerNorm``, ``GroupNorm``, ``RMSNorm``: exact diagonal
   of their affine parameters (they have no Kronecker form; under ``kron`` they are exact
   diagonal blocks).
+* :class:`~lightning_marglik.FixupBias` and :class:`~lightning_marglik.FixupScale` (the scalars of a
+  Fixup network): exact curvature of their one scalar, its own diagonal block under every structure.
 
 :func:`register_layer_rule` adds a user's own layer; :func:`check_rule` holds its output to the
 rule's contract once, on the first batch.
@@ -43,6 +45,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.nn.utils import parametrize
+
+from ..modules import FixupBias, FixupScale
 
 __all__ = [
     "KronShape",
@@ -607,6 +611,25 @@ class _RMSNormRule(_NormRule):
         return F.rms_norm(a, module.normalized_shape, None, module.eps)
 
 
+class _FixupBiasRule(LayerRule):
+    """``y = x + bias``, one scalar: the per-example gradient sums ``g`` over the example's outputs."""
+
+    roles = ("bias",)
+
+    def diagonal(self, module: nn.Module, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
+        return {"bias": g.reshape(g.shape[0], g.shape[1], -1).sum(2).pow(2).sum((0, 1))}
+
+
+class _FixupScaleRule(LayerRule):
+    """``y = x * weight``, one scalar: the per-example gradient sums ``g * x`` over the example's outputs."""
+
+    roles = ("weight",)
+
+    def diagonal(self, module: nn.Module, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
+        per_example = (g * a).reshape(g.shape[0], g.shape[1], -1).sum(2)
+        return {"weight": per_example.pow(2).sum((0, 1))}
+
+
 register_layer_rule(nn.Linear, _AffineRule())
 register_layer_rule(nn.Conv1d, _ConvRule())
 register_layer_rule(nn.Conv2d, _ConvRule())
@@ -617,6 +640,8 @@ register_layer_rule(nn.GroupNorm, _GroupNormRule())
 register_layer_rule(nn.LayerNorm, _LayerNormRule())
 if hasattr(nn, "RMSNorm"):
     register_layer_rule(nn.RMSNorm, _RMSNormRule())
+register_layer_rule(FixupBias, _FixupBiasRule())
+register_layer_rule(FixupScale, _FixupScaleRule())
 register_layer_rule(
     parametrize.ParametrizationList,
     _Refused("a parametrized weight (torch.nn.utils.parametrize): exact diagonal of the tensors it is computed from"),
