@@ -49,7 +49,7 @@ import os  # noqa: E402
 import platform  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from typing import Any, Dict, List, Optional, Sequence, Tuple  # noqa: E402
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytorch_lightning as pl  # noqa: E402
@@ -433,10 +433,11 @@ def bootstrap_spearman(evidence: np.ndarray, per_example: np.ndarray, samples: i
     return rho, float(np.quantile(rhos, 0.025)), float(np.quantile(rhos, 0.975))
 
 
-def family_mean_ranks(values: np.ndarray, families: Sequence[str]) -> Dict[str, float]:
-    """Mean rank per family of candidates ranked by ``values`` (1 = highest)."""
+def family_mean_ranks(values: np.ndarray, families: Sequence[str], order: Sequence[str] = FAMILIES) -> Dict[str, float]:
+    """Mean rank per family of candidates ranked by ``values`` (1 = highest), in ``order``'s families
+    (another study's families: ``examples/paper_protocol.py``)."""
     ranks = rankdata(-np.asarray(values))
-    return {f: float(np.mean([r for r, g in zip(ranks, families) if g == f])) for f in FAMILIES if f in families}
+    return {f: float(np.mean([r for r, g in zip(ranks, families) if g == f])) for f in order if f in families}
 
 
 # --- the study ------------------------------------------------------------------------------------
@@ -447,22 +448,26 @@ def cache_path(cache: str, name: str, seed: int) -> str:
 
 
 def train_all(names: Sequence[str], seeds: Sequence[int], recipe: Dict[str, Any], cache: str, data,
-              shard: Tuple[int, int] = (0, 1), reverse: bool = False) -> None:
+              shard: Tuple[int, int] = (0, 1), reverse: bool = False, run: Optional[Callable[..., Dict[str, Any]]] = None,
+              wanted: Sequence[str] = APPROXIMATIONS) -> None:
     """Train every (candidate, seed) not in the cache, seed by seed (a cut study keeps whole seeds).
 
     ``shard=(k, n)``: only every n-th (candidate, seed) from the k-th, so that n processes sharing one cache
     train the study together. ``reverse``: from the last one, so that a second process can take a shard
-    from its other end (the cache is read again before every run).
+    from its other end (the cache is read again before every run). ``run`` (default :func:`run_candidate`)
+    and ``wanted`` (the post-hoc approximations a cached run must have): another study's training and
+    evidence (``examples/paper_protocol.py``), with results in the same layout.
     """
+    run = run or run_candidate
     os.makedirs(cache, exist_ok=True)
     every = [(s, n) for s in seeds for n in names]
-    todo = [(s, n) for s, n in every[shard[0]::shard[1]] if not _cached(cache, n, s, recipe)]
+    todo = [(s, n) for s, n in every[shard[0]::shard[1]] if not _cached(cache, n, s, recipe, wanted)]
     todo = todo[::-1] if reverse else todo
     start = time.perf_counter()
     for i, (seed, name) in enumerate(todo, 1):
-        if _cached(cache, name, seed, recipe):  # trained meanwhile by another process
+        if _cached(cache, name, seed, recipe, wanted):  # trained meanwhile by another process
             continue
-        result = run_candidate(name, seed, data, recipe)
+        result = run(name, seed, data, recipe)
         result["recipe"] = recipe
         result["library"] = library_state()
         result["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -475,7 +480,7 @@ def train_all(names: Sequence[str], seeds: Sequence[int], recipe: Dict[str, Any]
               f"{result['total_wall_seconds']:.0f} s, elapsed {(time.perf_counter() - start) / 60:.1f} min", flush=True)
 
 
-def _cached(cache: str, name: str, seed: int, recipe: Dict[str, Any]) -> bool:
+def _cached(cache: str, name: str, seed: int, recipe: Dict[str, Any], wanted: Sequence[str] = APPROXIMATIONS) -> bool:
     path = cache_path(cache, name, seed)
     if not os.path.exists(path):
         return False
@@ -483,14 +488,15 @@ def _cached(cache: str, name: str, seed: int, recipe: Dict[str, Any]) -> bool:
         run = json.load(f)
     final = run.get("checkpoints", {}).get("100%", {}).get("evidence", {})
     # a run without every approximation of the table (trained before one was added) is trained again
-    return run.get("recipe") == json.loads(json.dumps(recipe)) and set(APPROXIMATIONS) <= set(final)
+    return run.get("recipe") == json.loads(json.dumps(recipe)) and set(wanted) <= set(final)
 
 
-def load_runs(cache: str, names: Sequence[str], seeds: Sequence[int], recipe: Dict[str, Any]) -> Dict[Tuple[str, int], Dict]:
+def load_runs(cache: str, names: Sequence[str], seeds: Sequence[int], recipe: Dict[str, Any],
+              wanted: Sequence[str] = APPROXIMATIONS) -> Dict[Tuple[str, int], Dict]:
     runs = {}
     for name in names:
         for seed in seeds:
-            if _cached(cache, name, seed, recipe):
+            if _cached(cache, name, seed, recipe, wanted):
                 with open(cache_path(cache, name, seed)) as f:
                     runs[(name, seed)] = json.load(f)
     return runs

