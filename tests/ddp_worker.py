@@ -293,7 +293,7 @@ def run_evidence_cases(out: Path) -> Dict[str, Any]:
             "loader": DataLoader(dataset, batch_size=5, shuffle=True),
             "method": "evidence_dataloader",
         }[source]
-        callback = MargLikCallback(structure=structure, approx=approx, frequency=1, steps=0, dataloader=evidence_data)
+        callback = MargLikCallback(structure=structure, approx=approx, frequency=1, steps=0, dataloader=evidence_data, settle=None)
         recorder = Recorder()
         trainer = ddp_trainer(out, [callback, recorder], max_epochs=1)
         if trainer.global_rank == 0:
@@ -338,7 +338,7 @@ def run_training(out: Path) -> Dict[str, Any]:
     sizes = [3, 16, 2]
     dataset = make_data(sizes, "regression", 101, seed=1)
     module = JumpingLR(make_net(sizes, seed=1), "regression", n_data=101, prior_structure="layerwise", lr=1e-2)
-    callback = MargLikCallback(structure="kron", approx="ggn", frequency=1, steps=20, lr=0.1)
+    callback = MargLikCallback(structure="kron", approx="ggn", frequency=1, steps=20, lr=0.1, settle=None)
     checkpoint = MargLikCheckpoint(dirpath=str(out / "checkpoints"), filename="{epoch}-{marglik:.6f}", save_top_k=1)
     stopper = MargLikEarlyStopping(patience=1)
     recorder = Recorder()
@@ -381,7 +381,7 @@ def run_sampler_cases(out: Path) -> Dict[str, Any]:
     for name, use_distributed_sampler in SAMPLER_CASES.items():
         module, dataset = make_case(SAMPLER_MODEL)
         structure, approx = CASES[SAMPLER_MODEL][2:4]
-        callback = MargLikCallback(structure=structure, approx=approx, frequency=1, steps=0)
+        callback = MargLikCallback(structure=structure, approx=approx, frequency=1, steps=0, settle=None)
         recorder = Recorder()
         trainer = ddp_trainer(out, [callback, recorder], max_epochs=1, use_distributed_sampler=use_distributed_sampler)
         loader = DataLoader(dataset, batch_size=BATCH, sampler=SubsetRandomSampler(SAMPLER_SUBSET))
@@ -433,7 +433,7 @@ def spawn(out: Path) -> None:
     dataset = make_data(sizes, "regression", 37, seed=2)
     module = Model(make_net(sizes, seed=2), "regression", n_data=37, lr=1e-2)
     before = buffers(module)
-    callback = MargLikCallback(structure="diag", approx="ggn", frequency=1, steps=20, lr=0.1)
+    callback = MargLikCallback(structure="diag", approx="ggn", frequency=1, steps=20, lr=0.1, settle=None)
     checkpoint = MargLikCheckpoint(dirpath=str(out / "spawn-checkpoints"), save_top_k=1)
     trainer = ddp_trainer(out, [callback, SpawnRecorder(str(out)), checkpoint], max_epochs=2, start_method="spawn")
     trainer.fit(module, train_dataloaders=train_loader(dataset))
@@ -515,7 +515,7 @@ def failing_fit(out: Path, case: str, catch: bool) -> None:
     else:
         raise SystemExit(f"unknown error case {case!r}")
     clock = Clock(bad)
-    callback = MargLikCallback(structure="diag", approx="ggn", frequency=1, steps=5, dataloader=loader)
+    callback = MargLikCallback(structure="diag", approx="ggn", frequency=1, steps=5, dataloader=loader, settle=None)
     trainer = ddp_trainer(out, [clock, callback], max_epochs=3)
     record: Dict[str, Any] = {"type": None, "message": None}
     try:

@@ -22,7 +22,7 @@ def _fit(callbacks, max_epochs, model=None, data=None, **kwargs):
 
 
 def test_hyperparameters_learned_and_evidence_increases():
-    cb = MargLikCallback(structure="kron", frequency=1, steps=50, lr=0.1)
+    cb = MargLikCallback(settle=None, structure="kron", frequency=1, steps=50, lr=0.1)
     model, t = _fit([cb], max_epochs=12)
     assert not torch.allclose(model.prior.log_precision, torch.zeros(4))
     assert model.likelihood.log_sigma.item() < math.log(0.9)  # noise is 0.1: sigma shrinks from 1
@@ -43,7 +43,7 @@ def test_hyperparameters_learned_and_evidence_increases():
 
 @pytest.mark.parametrize("burnin,frequency,max_epochs,expected", [(2, 3, 10, [3, 6, 9, 10]), (3, 3, 9, [6, 9]), (0, 1, 3, [1, 2, 3])])
 def test_burnin_and_frequency(burnin, frequency, max_epochs, expected):
-    cb = MargLikCallback(structure="diag", approx="ef", frequency=frequency, burnin=burnin, steps=5)
+    cb = MargLikCallback(settle=None, structure="diag", approx="ef", frequency=frequency, burnin=burnin, steps=5)
     _, t = _fit([cb], max_epochs=max_epochs)
     assert [h["epoch"] for h in cb.history] == expected
     assert cb.estimations == len(expected) and cb.final_marglik == cb.last_marglik
@@ -104,7 +104,7 @@ def test_checkpoint_not_affected_by_validation(tmp_path):
 
 def test_early_stopping_counts_estimations():
     # lr=0 and no hyperparameter steps: the evidence never improves after the first estimate
-    cb = MargLikCallback(structure="diag", approx="ef", frequency=2, steps=0)
+    cb = MargLikCallback(settle=None, structure="diag", approx="ef", frequency=2, steps=0)
     es = MargLikEarlyStopping(patience=2)
     _, t = _fit([cb, es], max_epochs=30, model=Regressor(lr=0.0))
     assert [h["epoch"] for h in cb.history] == [2, 4, 6]  # patience 2 estimations, not 2 epochs
@@ -286,7 +286,7 @@ def test_compiled_network_in_a_trainer_with_kron():
 def test_fixed_groups_stay_fixed_in_a_trainer(solver):
     model = Regressor()
     model.prior = type(model.prior)(model.net, fixed=["0.weight"])
-    _fit([cb := MargLikCallback(structure="kron", steps=20, solver=solver)], max_epochs=3, model=model)
+    _fit([cb := MargLikCallback(settle=None, structure="kron", steps=20, solver=solver)], max_epochs=3, model=model)
     assert model.prior.log_precision[0].item() == 0.0  # "0.weight": still at precision 1
     assert (model.prior.log_precision[1:] != 0.0).all()
     assert len(cb.history) == 3 and all(math.isfinite(h["marglik"]) for h in cb.history)

@@ -66,7 +66,7 @@ def _data() -> DataLoader:
 def test_the_callback_records_the_ratio_of_its_own_sums_and_warns_once_below_the_threshold(scale, statistics):
     # float64: at interpolation float32 gradients cancel (p ~ 1 - 1e-8), which the training check refuses
     model = Fitted(scale).double()
-    callback = MargLikCallback(structure="diag", approx="ef", frequency=1, steps=5, statistics=statistics)
+    callback = MargLikCallback(settle=None, structure="diag", approx="ef", frequency=1, steps=5, statistics=statistics)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer([callback], 3, precision="64-true").fit(model, _data())

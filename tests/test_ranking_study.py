@@ -81,7 +81,7 @@ def _online(x, y, init: float):
             return torch.optim.LBFGS(trainable, lr=1, max_iter=50, history_size=20, line_search_fn="strong_wolfe")
 
     model = Model()
-    callback = MargLikCallback(structure="kron", approx="ggn", frequency=1, steps=20, solver="newton")
+    callback = MargLikCallback(structure="kron", approx="ggn", frequency=1, steps=20, solver="newton", settle=None)
     trainer = pl.Trainer(max_epochs=EPOCHS, callbacks=[callback], logger=False, enable_checkpointing=False,
                          enable_model_summary=False, enable_progress_bar=False, accelerator="cpu")
     with quiet_lightning():

@@ -402,7 +402,7 @@ def blob_data() -> TensorDataset:
 
 def fit_blobs(model, epochs=8, **callback):
     pl.seed_everything(0, verbose=False)
-    marglik = MargLikCallback(frequency=1, **callback)
+    marglik = MargLikCallback(frequency=1, settle=None, **callback)
     fitted = lightning_trainer([marglik], epochs)
     fitted.fit(model, lightning_loader(blob_data(), 20))
     return marglik, fitted
@@ -496,9 +496,9 @@ def test_trainer_remedy_options_are_checked():
 def test_trainer_biases_treatment_is_declared_again_on_resume(tmp_path):
     checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
     pl.seed_everything(0, verbose=False)
-    first = lightning_trainer([MargLikCallback(frequency=1, biases="decoupled"), checkpoint], 3)
+    first = lightning_trainer([MargLikCallback(settle=None, frequency=1, biases="decoupled"), checkpoint], 3)
     first.fit(ZeroBiasClassifier(), lightning_loader(blob_data(), 20))
-    model, marglik = ZeroBiasClassifier(), MargLikCallback(frequency=1, biases="decoupled")
+    model, marglik = ZeroBiasClassifier(), MargLikCallback(settle=None, frequency=1, biases="decoupled")
     lightning_trainer([marglik, pl.callbacks.ModelCheckpoint(dirpath=tmp_path)], 5).fit(
         model, lightning_loader(blob_data(), 20), ckpt_path=checkpoint.last_model_path)
     assert marglik.estimations == 5 and model.prior.treated("decoupled") == ["0.bias", "2.bias"]

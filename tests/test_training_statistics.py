@@ -338,11 +338,11 @@ def test_only_estimation_epochs_are_summed_and_a_partial_epoch_takes_the_pass(pa
     """frequency=2 over 3 epochs: estimates after epochs 2 and 3 from the training sums, no data pass;
     max_steps ending within epoch 4 gives a final estimate from the evidence pass (the epoch is partial)."""
     module = Net(GaussianLikelihood(), lr=1e-2)
-    callback = MargLikCallback(structure="diag", approx="ef", frequency=2, steps=5, statistics="training")
+    callback = MargLikCallback(settle=None, structure="diag", approx="ef", frequency=2, steps=5, statistics="training")
     fit(module, gaussian_data(), callback, max_epochs=3, batch_size=8)  # 5 batches per epoch
     assert [h["epoch"] for h in callback.history] == [2, 3] and passes == [1, 1]
     passes.clear()
-    callback = MargLikCallback(structure="diag", approx="ef", frequency=2, steps=5, statistics="training")
+    callback = MargLikCallback(settle=None, structure="diag", approx="ef", frequency=2, steps=5, statistics="training")
     fit(Net(GaussianLikelihood(), lr=1e-2), gaussian_data(), callback, max_epochs=10, max_steps=17, batch_size=8)
     assert [h["epoch"] for h in callback.history] == [2, 4] and passes == [1, 1, 5]  # the final estimate: a pass
 

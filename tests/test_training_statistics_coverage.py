@@ -22,7 +22,7 @@ from tests.test_training_statistics import Net, categorical_data
 
 torch.set_num_threads(1)
 
-TRAINING = dict(structure="kron", approx="ef", statistics="training", frequency=1, steps=20)
+TRAINING = dict(structure="kron", approx="ef", statistics="training", frequency=1, steps=20, settle=None)
 
 
 def _fit(model, train_loader, epochs: int = 2, callback_kwargs=None, **trainer_kwargs):

@@ -1,7 +1,7 @@
 """Algorithm 1 of Immer et al. (2021) as Lightning callbacks.
 
-``MargLikCallback`` estimates the evidence after every ``frequency``-th epoch past ``burnin``
-and takes hyperparameter steps; ``MargLikCheckpoint`` and ``MargLikEarlyStopping`` act on those
+``MargLikCallback`` estimates the evidence once the training loss has settled, after every
+``frequency``-th epoch past ``burnin``, and takes hyperparameter steps; ``MargLikCheckpoint`` and ``MargLikEarlyStopping`` act on those
 estimates only (never on a stale or non-finite value, never during burn-in).
 
 These are the callbacks for ``pytorch_lightning``; ``lightning_marglik.lightning`` has the same
@@ -44,8 +44,9 @@ PACKAGE = LightningPackage(
 class MargLikCallback(MargLikCallbackCore, Callback):
     """Learn prior precisions, noise and temperature by the Laplace evidence during training.
 
-    After epoch ``e`` (counted from 1) with ``e > burnin`` and ``e % frequency == 0``, and after
-    the last epoch of ``max_epochs``, the callback computes the evidence over the examples one
+    Once the training loss has settled (``settle``), after epoch ``e`` (counted from 1) with
+    ``e > burnin`` and ``e % frequency == 0``, and after the last epoch of ``max_epochs``, the
+    callback computes the evidence over the examples one
     training epoch draws at the current weights, steps the log hyperparameters (``solver``:
     Newton steps until converged, within ``steps`` evaluations, or ``steps`` Adam steps), writes
     them into the ``GaussianPrior`` and ``Likelihood`` registered on the LightningModule, and logs
@@ -143,9 +144,12 @@ class MargLikCallback(MargLikCallbackCore, Callback):
             ``GaussianPrior(fixed=...)`` wins for the tensors it names. A hyperprior on the learned
             precisions is the prior's own (``GaussianPrior(hyperprior=...)``).
         settle: Estimate only once training has settled: not before the epochs' mean training loss
-            changed by at most ``settle`` (relatively, e.g. 0.05) over two epochs, then every
-            ``frequency``-th epoch (:class:`~lightning_marglik.callbacks.schedule.SettledSchedule`);
-            the last epoch always estimates. ``None``: Algorithm 1 from epoch ``burnin + 1``.
+            changed by at most ``settle`` (relatively) over two epochs, then every ``frequency``-th
+            epoch (:class:`~lightning_marglik.callbacks.schedule.SettledSchedule`); the last epoch
+            always estimates. Default 0.05: until then the network trains with the prior's declared
+            precision, so the callback cannot cost accuracy against it while the weights are far from
+            a MAP (``benchmarks/results/never_worse.md``); a run whose loss never settles gets one
+            estimate, at its end. ``None``: Algorithm 1 from epoch ``burnin + 1`` (the paper's schedule).
 
     Raises:
         ValueError: On an invalid argument (the message names it).

@@ -12,7 +12,7 @@ The set-up check's, the first training batch's and the estimates' evidence passe
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, ClassVar, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Callable, ClassVar, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn  # one rank state for both packages
@@ -33,9 +33,10 @@ from ..hyperparameters import (
     learnable_values,
     no_decay_names,
 )
+from ..runaway import runaway_message, runaway_precisions
 from ..validators import choice, integer, number, optional
 from . import checks
-from .data import count_data, evidence_batches, named_loader_method
+from .data import count_data, evidence_batches, isolate_rng, named_loader_method
 from .package import MONITOR, LightningModule, LightningPackage, MargLikConfigurationError, Trainer, check_package, find_hyperparameters
 from .progress import progress
 from .schedule import EpochSchedule, Schedule, SettledSchedule
@@ -107,6 +108,7 @@ class EstimatorCore:
         self.best_epoch = -1
         self.final_marglik = math.nan
         self.history: List[Dict[str, float]] = []
+        self._warned_runaway: Set[str] = set()  # the tensors a run-away warning named in this fit
         self._optimizer_state: dict = {}
         # the hyperparameters the Adam state belongs to (_learnable_signature)
         self._optimizer_signature: Optional[List[Tuple[str, List[int], List[str]]]] = None
@@ -208,7 +210,8 @@ class EstimatorCore:
         dtype, device = prior.params[0].dtype, prior.params[0].device
         checks.check_finite_hyperparameters(prior, likelihood, dtype)
         try:
-            batch = next(iter(self._evidence_batches(trainer, pl_module, warn=True)))
+            with isolate_rng():  # drawing a batch (a shuffled loader's seed) must not shift training's batch order
+                batch = next(iter(self._evidence_batches(trainer, pl_module, warn=True)))
         except StopIteration:
             raise MargLikConfigurationError("MargLikCallback: the evidence data loader yields no batches.") from None
         inputs, output = checks.check_forward(pl_module, likelihood, batch, self._batch_fn(pl_module), device, dtype)
@@ -242,7 +245,16 @@ class EstimatorCore:
         if marglik > self.best_marglik:  # False for NaN
             self.best_marglik, self.best_epoch = marglik, epoch - 1
         self.history.append({"epoch": epoch, "step": trainer.global_step, MONITOR: marglik, **extra})
+        self._warn_runaway()
         return marglik
+
+    def _warn_runaway(self) -> None:
+        """Name, once per fit, each tensor whose learned precision has run away (:mod:`..runaway`)."""
+        prior, _ = self._hyperparameters()
+        rises = {name: rise for name, rise in runaway_precisions(prior).items() if name not in self._warned_runaway}
+        if rises:
+            rank_zero_warn(runaway_message(prior, rises, who=type(self).__name__))
+            self._warned_runaway.update(rises)
 
     def _log(self, pl_module: LightningModule, marglik: float) -> None:
         for key, value in self.logged_values(marglik).items():
@@ -340,7 +352,7 @@ class MargLikCallbackCore(EstimatorCore):
         statistics_fraction: float = 1.0,
         max_step: Optional[float] = 1.0,
         biases: Optional[str] = None,
-        settle: Optional[float] = None,
+        settle: Optional[float] = 0.05,
     ) -> None:
         options = CurvatureOptions(structure, approx, mc_samples, backend=backend)
         self.statistics = checks.check_statistics(statistics, options)
@@ -476,7 +488,7 @@ class MargLikCallbackCore(EstimatorCore):
             if taken is not None:
                 return taken
             batches = self._evidence_batches(trainer, pl_module)
-            with progress(trainer, batches, self._package) as on_batch:
+            with isolate_rng(), progress(trainer, batches, self._package) as on_batch:  # as in _check_setup
                 return self._collect(pl_module, batches, options, generator, on_batch)
 
         own = self._training is not None and options is self.options
