@@ -17,11 +17,15 @@ __all__ = ["loss_has_settled"]
 
 
 def loss_has_settled(history: Sequence[float], window: int, rel_tol: float) -> bool:
-    """Whether the training loss changed by at most ``rel_tol``, relatively, over the last ``window`` epochs.
+    """Whether the training loss, once it has fallen, changed by at most ``rel_tol`` (relatively) over the last
+    ``window`` epochs.
 
     With ``L`` the losses of the epochs so far (one per epoch, the last one most recent), the loss
-    has settled when ``|L[-1] - L[-1 - window]| <= rel_tol * |L[-1 - window]|``. Until
-    ``window + 1`` losses exist it has not; a non-finite loss in the window has not settled.
+    has settled when ``|L[-1] - L[-1 - window]| <= rel_tol * |L[-1 - window]|`` and
+    ``L[-1] <= (1 - rel_tol) * L[0]``. The second condition tells a plateau at the start (a network
+    whose head or branches start at zero, e.g. Fixup, sits at ``log C`` for its first epochs) from
+    training that has settled. Until ``window + 1`` losses exist it has not; a non-finite loss in the
+    window has not settled.
 
     Args:
         history: The training loss of every epoch so far, in order.
@@ -40,6 +44,8 @@ def loss_has_settled(history: Sequence[float], window: int, rel_tol: float) -> b
         True
         >>> loss_has_settled([2.0, 1.0, 0.6], window=2, rel_tol=0.05)
         False
+        >>> loss_has_settled([2.3, 2.3, 2.29], window=2, rel_tol=0.05)  # flat, but not yet fallen
+        False
     """
     window = integer(window, "window", minimum=1, what="epochs over which the loss must have settled")
     rel_tol = number(rel_tol, "rel_tol", what="the largest relative change of the loss, e.g. 0.05")
@@ -49,4 +55,5 @@ def loss_has_settled(history: Sequence[float], window: int, rel_tol: float) -> b
     recent = [float(value) for value in history[-1 - window:]]
     if not all(math.isfinite(value) for value in recent):
         return False
-    return abs(now - then) <= rel_tol * abs(then)
+    first = float(history[0])
+    return abs(now - then) <= rel_tol * abs(then) and math.isfinite(first) and now <= (1 - rel_tol) * first

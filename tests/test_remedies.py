@@ -369,7 +369,12 @@ def test_loss_has_settled():
     assert loss_has_settled(history, window=2, rel_tol=0.05)  # 0.80 -> 0.775: 3.1 %
     assert not loss_has_settled(history, window=2, rel_tol=0.01)
     assert not loss_has_settled([1.0, float("nan"), 1.0], window=2, rel_tol=0.5)
-    assert loss_has_settled([1.0, 1.5, 1.04], window=2, rel_tol=0.05)  # only the ends of the window count
+    assert loss_has_settled([2.0, 1.0, 1.5, 1.04], window=2, rel_tol=0.05)  # only the ends of the window count
+    # a plateau at the start is not settled training: flat, but not yet below its first epoch's loss
+    assert not loss_has_settled([2.30, 2.30, 2.29], window=2, rel_tol=0.05)
+    assert not loss_has_settled([2.3, 2.25, 2.21, 2.2], window=2, rel_tol=0.05)  # 2.2 > 0.95 * 2.3
+    assert loss_has_settled([2.3, 2.2, 2.17, 2.18], window=2, rel_tol=0.05)  # 2.18 <= 2.185
+    assert not loss_has_settled([float("nan"), 1.0, 1.0], window=2, rel_tol=0.05)
     for bad, match in ((0, "`window` must be an int >= 1"), (1.0, "`window`")):
         with pytest.raises(ValueError, match=match):
             loss_has_settled(history, window=bad, rel_tol=0.1)

@@ -70,20 +70,26 @@ def test_settled_schedule_waits_for_the_training_loss_to_flatten_then_stays_sett
 
 
 def test_the_callbacks_settle_rule_follows_the_epochs_mean_training_loss():
-    """A real fit: at lr = 0 the loss is constant, so it settles once three epochs are seen; the
-    estimates are those epochs', and the settle point survives a checkpoint."""
+    """A real fit: the loss falls, then flattens; the estimates start in the epoch the rule first holds on
+    the epochs' mean losses, and the settle point survives a checkpoint. A loss that never falls (lr = 0:
+    a plateau at the start) has not settled: the last epoch only."""
     import torch
     from torch.utils.data import DataLoader
 
     from lightning_marglik import MargLikCallback
+    from lightning_marglik.schedule_rules import loss_has_settled
     from tests.lightning_models import Regressor, regression_data, trainer as make_trainer
 
-    model = Regressor(lr=0.0)
     callback = MargLikCallback(frequency=1, steps=5, settle=0.05)
-    make_trainer([callback], 5).fit(model, DataLoader(regression_data(), batch_size=16))
-    assert [row["epoch"] for row in callback.history] == [3, 4, 5]
-    assert callback.schedule.settled_epoch == 3 and len(callback.schedule.losses) == 5
-    assert callback.state_dict()["settled_epoch"] == 3
+    make_trainer([callback], 6).fit(Regressor(lr=0.02), DataLoader(regression_data(), batch_size=16))
+    losses = callback.schedule.losses
+    first = next(e for e in range(1, 7) if loss_has_settled(losses[:e], window=2, rel_tol=0.05))
+    assert 1 < first < 6 and callback.schedule.settled_epoch == first and len(losses) == 6
+    assert [row["epoch"] for row in callback.history] == list(range(first, 7))
+    assert callback.state_dict()["settled_epoch"] == first
+    flat = MargLikCallback(frequency=1, steps=5, settle=0.05)
+    make_trainer([flat], 4).fit(Regressor(lr=0.0), DataLoader(regression_data(), batch_size=16))
+    assert flat.schedule.settled_epoch == -1 and [row["epoch"] for row in flat.history] == [4]
     moving = MargLikCallback(frequency=1, steps=5, settle=1e-6)  # never settles: the last epoch only
     make_trainer([moving], 4).fit(Regressor(lr=0.05), DataLoader(regression_data(), batch_size=16))
     assert [row["epoch"] for row in moving.history] == [4]

@@ -1,8 +1,9 @@
 """Algorithm 1 of Immer et al. (2021) as Lightning callbacks.
 
 ``MargLikCallback`` estimates the evidence once the training loss has settled, after every
-``frequency``-th epoch past ``burnin``, and takes hyperparameter steps; ``MargLikCheckpoint`` and ``MargLikEarlyStopping`` act on those
-estimates only (never on a stale or non-finite value, never during burn-in).
+``frequency``-th epoch past ``burnin``, and takes hyperparameter steps; ``MargLikCheckpoint`` and
+``MargLikEarlyStopping`` act on those estimates only (never on a stale or non-finite value, never
+during burn-in).
 
 These are the callbacks for ``pytorch_lightning``; ``lightning_marglik.lightning`` has the same
 ones for ``lightning.pytorch`` (``import lightning``). Their logic lives in the modules of this
@@ -46,8 +47,7 @@ class MargLikCallback(MargLikCallbackCore, Callback):
 
     Once the training loss has settled (``settle``), after epoch ``e`` (counted from 1) with
     ``e > burnin`` and ``e % frequency == 0``, and after the last epoch of ``max_epochs``, the
-    callback computes the evidence over the examples one
-    training epoch draws at the current weights, steps the log hyperparameters (``solver``:
+    callback computes the evidence over the examples one training epoch draws at the current weights, steps the log hyperparameters (``solver``:
     Newton steps until converged, within ``steps`` evaluations, or ``steps`` Adam steps), writes
     them into the ``GaussianPrior`` and ``Likelihood`` registered on the LightningModule, and logs
     ``marglik`` (log evidence per datum, after the update) with every hyperparameter. If training
@@ -143,13 +143,15 @@ class MargLikCallback(MargLikCallbackCore, Callback):
             learning recipes that the remedies study measured (``benchmarks/results/remedies.md``).
             ``GaussianPrior(fixed=...)`` wins for the tensors it names. A hyperprior on the learned
             precisions is the prior's own (``GaussianPrior(hyperprior=...)``).
-        settle: Estimate only once training has settled: not before the epochs' mean training loss
-            changed by at most ``settle`` (relatively) over two epochs, then every ``frequency``-th
-            epoch (:class:`~lightning_marglik.callbacks.schedule.SettledSchedule`); the last epoch
-            always estimates. Default 0.05: until then the network trains with the prior's declared
-            precision, so the callback cannot cost accuracy against it while the weights are far from
-            a MAP (``benchmarks/results/never_worse.md``); a run whose loss never settles gets one
-            estimate, at its end. ``None``: Algorithm 1 from epoch ``burnin + 1`` (the paper's schedule).
+        settle: Estimate only once training has settled: not before the epochs' mean training loss,
+            having fallen (relatively) more than ``settle`` below its first epoch's, changed by at most
+            ``settle`` over two epochs (:func:`~lightning_marglik.schedule_rules.loss_has_settled`), then
+            every ``frequency``-th epoch (:class:`~lightning_marglik.callbacks.schedule.SettledSchedule`);
+            the last epoch always estimates. Default 0.05: until then the network trains with the
+            prior's declared precision, so the callback cannot cost accuracy against it while the
+            weights are far from a MAP (``benchmarks/results/never_worse.md``); a run whose loss never
+            settles gets one estimate, at its end. ``None``: Algorithm 1 from epoch ``burnin + 1``
+            (the paper's schedule).
 
     Raises:
         ValueError: On an invalid argument (the message names it).

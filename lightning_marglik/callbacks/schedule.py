@@ -93,7 +93,8 @@ class EpochSchedule(Schedule):
 
 class SettledSchedule(EpochSchedule):
     """Algorithm 1 once training has settled: as :class:`EpochSchedule`, but no estimate before the
-    epochs' mean training loss has changed by at most ``settle`` (relatively) over ``window`` epochs
+    epochs' mean training loss, once below its first epoch's by more than ``settle`` (relatively), has
+    changed by at most ``settle`` over ``window`` epochs
     (:func:`lightning_marglik.schedule_rules.loss_has_settled`); from then on (it is not undone) every
     ``frequency``-th epoch. The last epoch of ``max_epochs`` always estimates.
 
