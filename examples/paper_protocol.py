@@ -55,7 +55,6 @@ from __future__ import annotations
 if __name__ == "__main__":  # the imports below take 5-20 s: say what is happening
     print("paper_protocol: importing PyTorch and Lightning ...", flush=True)
 
-import argparse  # noqa: E402
 import copy  # noqa: E402
 import datetime  # noqa: E402
 import os  # noqa: E402
@@ -461,30 +460,13 @@ def summary(out: Dict[str, Any]) -> List[str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-    options = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    options.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    options = rs.study_options(__doc__, "paper_protocol", (0, 1), "smoke test: 3 tiny candidates, 500 images, 3 epochs; "
+                               "prints only (unless --output-dir)", "md")
     options.add_argument("--candidates", nargs="+", choices=list(CANDIDATES), metavar="NAME",
                          help=f"a subset of the candidates (default all: {' '.join(CANDIDATES)})")
-    options.add_argument("--quick", action="store_true",
-                         help="smoke test: 3 tiny candidates, 500 images, 3 epochs; prints only (unless --output-dir)")
-    options.add_argument("--analyse", action="store_true", help="only analyse the cached runs")
-    options.add_argument("--results", action="store_true", help="write examples/results/paper_protocol.md")
     options.add_argument("--allow-mixed", action="store_true",
                          help="with --results: write runs of different library states (marked loudly) instead of refusing")
-    options.add_argument("--output-dir", help="where the .md goes (default outputs/)")
-    options.add_argument("--cache", help="run cache (default outputs/paper_protocol/runs, quick: .../quick)")
-    options.add_argument("--bootstrap", type=int, default=2000)
-    options.add_argument("--threads", type=int, default=1)
-    options.add_argument("--shard", default="0/1", metavar="K/N",
-                         help="train only every N-th run from the K-th (N processes share one cache), then analyse")
-    args = options.parse_args(argv)
-    try:
-        shard = tuple(int(v) for v in args.shard.split("/"))
-        if len(shard) != 2 or not 0 <= shard[0] < shard[1]:
-            raise ValueError
-    except ValueError:
-        options.error(f"--shard {args.shard!r}: expected K/N with 0 <= K < N, e.g. 0/2 and 1/2 for two processes")
-    torch.set_num_threads(args.threads)
+    args, shard = rs.parse_study(options, argv)
     start, cpu_start = time.perf_counter(), time.process_time()
     recipe = copy.deepcopy(RECIPE)
     names = [n for n in CANDIDATES if n in args.candidates] if args.candidates else list(CANDIDATES)

@@ -784,21 +784,25 @@ def diagnostic_lines(diagnostics: Dict[str, Dict[str, Any]]) -> List[str]:
     return lines
 
 
-def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-    options = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    options.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    options.add_argument("--quick", action="store_true", help="smoke test: 4 candidates, 500 images, 3 epochs")
+def study_options(description: str, name: str, seeds: Sequence[int], quick: str, outputs: str) -> argparse.ArgumentParser:
+    """The command line a study of this layout shares (``examples/paper_protocol.py`` too): seeds, quick,
+    analyse, results, output directory, cache, bootstrap, threads and shards."""
+    options = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    options.add_argument("--seeds", type=int, nargs="+", default=list(seeds))
+    options.add_argument("--quick", action="store_true", help=quick)
     options.add_argument("--analyse", action="store_true", help="only analyse the cached runs")
-    options.add_argument("--results", action="store_true", help="write examples/results/ranking_study.{md,png}")
-    options.add_argument("--output-dir", help="where the .md and .png go (default outputs/)")
-    options.add_argument("--cache", help="run cache (default outputs/ranking_study/runs, quick: .../quick)")
+    options.add_argument("--results", action="store_true", help=f"write examples/results/{name}.{outputs}")
+    options.add_argument("--output-dir", help=f"where the .{outputs} go (default outputs/)")
+    options.add_argument("--cache", help=f"run cache (default outputs/{name}/runs, quick: .../quick)")
     options.add_argument("--bootstrap", type=int, default=2000)
     options.add_argument("--threads", type=int, default=1)
     options.add_argument("--shard", default="0/1", metavar="K/N",
                          help="train only every N-th run from the K-th (N processes share one cache), then analyse")
-    options.add_argument("--reverse", action="store_true", help="train the (shard's) runs from the last one")
-    options.add_argument("--diagnose", metavar="CANDIDATE",
-                         help="only trace one candidate (seed: the first of --seeds) with the learned and a fixed prior")
+    return options
+
+
+def parse_study(options: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> Tuple[argparse.Namespace, Tuple[int, int]]:
+    """The parsed arguments and the shard ``(K, N)``; sets the thread count."""
     args = options.parse_args(argv)
     try:
         shard = tuple(int(v) for v in args.shard.split("/"))
@@ -807,6 +811,15 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     except ValueError:
         options.error(f"--shard {args.shard!r}: expected K/N with 0 <= K < N, e.g. 0/2 and 1/2 for two processes")
     torch.set_num_threads(args.threads)
+    return args, shard  # type: ignore[return-value]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    options = study_options(__doc__, "ranking_study", (0, 1, 2), "smoke test: 4 candidates, 500 images, 3 epochs", "{md,png}")
+    options.add_argument("--reverse", action="store_true", help="train the (shard's) runs from the last one")
+    options.add_argument("--diagnose", metavar="CANDIDATE",
+                         help="only trace one candidate (seed: the first of --seeds) with the learned and a fixed prior")
+    args, shard = parse_study(options, argv)
     start = time.perf_counter()
     recipe = copy.deepcopy(RECIPE)
     names = list(CANDIDATES)
