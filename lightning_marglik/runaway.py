@@ -78,7 +78,12 @@ def runaway_message(prior: GaussianPrior, rises: Mapping[str, float], who: str =
         "(log delta rise in brackets): the evidence prunes them, as ARD does with a group the data barely determine "
         "(benchmarks/results/runaway_mechanism.md)."
     ]
-    if trained:
+    if prior.structure == "scalar":
+        parts.append(
+            f"One precision for every parameter ({listed(trained)}) shrinks them all: use structure='layerwise', whose "
+            "biases and normalization parameters the callback decouples, or GaussianPrior(learn=False)."
+        )
+    elif trained:
         parts.append(
             f"Trained with that weight decay, these are being switched off: {listed(trained)}. To keep them, hold "
             f"their precision: GaussianPrior(fixed={trained!r}), or MargLikCallback(biases='decoupled') for biases "

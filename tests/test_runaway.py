@@ -45,6 +45,9 @@ def test_the_message_tells_trained_from_decoupled_tensors():
     assert "being switched off: 2.weight (+10.2)" in message and "GaussianPrior(fixed=['2.weight'])" in message
     assert "counts them as pruned: 0.bias (+9.0)" in message
     assert runaway_message(prior, {}) == ""
+    scalar = GaussianPrior(_net(), structure="scalar")  # no per-tensor fix exists: the message says what does
+    assert "use structure='layerwise'" in runaway_message(scalar, {"every parameter": 9.0})
+    assert "fixed=" not in runaway_message(scalar, {"every parameter": 9.0})
 
 
 def _fit(callback: MargLikCallback, epochs: int) -> list:
