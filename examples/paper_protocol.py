@@ -466,9 +466,12 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                          help=f"a subset of the candidates (default all: {' '.join(CANDIDATES)})")
     options.add_argument("--allow-mixed", action="store_true",
                          help="with --results: write runs of different library states (marked loudly) instead of refusing")
+    options.add_argument("--biases", choices=("learn", "decoupled"), default="learn",
+                         help="the callback's biases= (the paper's Algorithm 1: learn); a control with another --cache")
     args, shard = rs.parse_study(options, argv)
     start, cpu_start = time.perf_counter(), time.process_time()
     recipe = copy.deepcopy(RECIPE)
+    recipe["callback"]["biases"] = args.biases
     names = [n for n in CANDIDATES if n in args.candidates] if args.candidates else list(CANDIDATES)
     if args.quick:
         recipe.update(max_epochs=3, n_train=400, n_total=500)
