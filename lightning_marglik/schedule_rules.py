@@ -22,7 +22,7 @@ def loss_has_settled(history: Sequence[float], window: int, rel_tol: float) -> b
 
     With ``L`` the losses of the epochs so far (one per epoch, the last one most recent), the loss
     has settled when ``|L[-1] - L[-1 - window]| <= rel_tol * |L[-1 - window]|`` and
-    ``L[-1] <= (1 - rel_tol) * L[0]``. The second condition tells a plateau at the start (a network
+    ``L[0] - L[-1] >= rel_tol * |L[0]|`` (a loss may be negative, e.g. a Gaussian's with a small sigma). The second condition tells a plateau at the start (a network
     whose head or branches start at zero, e.g. Fixup, sits at ``log C`` for its first epochs) from
     training that has settled. Until ``window + 1`` losses exist it has not; a non-finite loss in the
     window has not settled.
@@ -56,4 +56,4 @@ def loss_has_settled(history: Sequence[float], window: int, rel_tol: float) -> b
     if not all(math.isfinite(value) for value in recent):
         return False
     first = float(history[0])
-    return abs(now - then) <= rel_tol * abs(then) and math.isfinite(first) and now <= (1 - rel_tol) * first
+    return abs(now - then) <= rel_tol * abs(then) and math.isfinite(first) and first - now >= rel_tol * abs(first)

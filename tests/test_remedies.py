@@ -375,6 +375,9 @@ def test_loss_has_settled():
     assert not loss_has_settled([2.3, 2.25, 2.21, 2.2], window=2, rel_tol=0.05)  # 2.2 > 0.95 * 2.3
     assert loss_has_settled([2.3, 2.2, 2.17, 2.18], window=2, rel_tol=0.05)  # 2.18 <= 2.185
     assert not loss_has_settled([float("nan"), 1.0, 1.0], window=2, rel_tol=0.05)
+    # negative losses (a Gaussian likelihood with a small sigma): fallen means below the start, by |start|
+    assert not loss_has_settled([-1.0, -1.0, -1.02], window=2, rel_tol=0.05)  # flat at a negative start
+    assert loss_has_settled([-1.0, -2.0, -2.02, -2.05], window=2, rel_tol=0.05)
     for bad, match in ((0, "`window` must be an int >= 1"), (1.0, "`window`")):
         with pytest.raises(ValueError, match=match):
             loss_has_settled(history, window=bad, rel_tol=0.1)
