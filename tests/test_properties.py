@@ -18,7 +18,9 @@ from lightning_marglik import CategoricalLikelihood, GaussianLikelihood, Gaussia
 from tests.reference import reference_env  # noqa: F401 (autouse fixture)
 
 N = 12
-SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# derandomize (as tests/test_solvers.py): the same examples on every run, so CI's verdict is reproducible
+SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 class Net(nn.Module):
