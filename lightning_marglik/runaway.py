@@ -24,6 +24,7 @@ import math
 from typing import Dict, Mapping
 
 from .hyperparameters import GaussianPrior
+from .validators import number
 
 __all__ = ["RUNAWAY_LOG_RISE", "runaway_message", "runaway_precisions"]
 
@@ -41,12 +42,16 @@ def runaway_precisions(prior: GaussianPrior, threshold: float = RUNAWAY_LOG_RISE
     Returns:
         Tensor name (``"every parameter"`` for a scalar prior) -> its rise of ``log delta`` (the
         largest over its entries for a diagonal prior), in ``param_names`` order.
+
+    Raises:
+        ValueError: On a ``threshold`` that is not a positive finite number.
     """
+    threshold = number(threshold, "threshold", what="the largest rise of log delta not reported, e.g. 8.0")
     rise = (prior.log_precision.detach().double() - math.log(prior.initial_precision)).cpu()
     if prior.structure == "scalar":
         value = float(rise[0])
         return {"every parameter": value} if prior.learn and value > threshold else {}
-    per_tensor = rise.split(prior.param_sizes) if prior.structure == "diagonal" else rise.split(1)
+    per_tensor = prior.per_parameter(rise).split(prior.param_sizes)  # as the callback logs them
     learned = set(prior.learned_names())
     rises = {name: float(values.max()) for name, values in zip(prior.param_names, per_tensor)}
     return {name: value for name, value in rises.items() if name in learned and value > threshold}

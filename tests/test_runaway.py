@@ -21,6 +21,9 @@ def test_rises_are_measured_from_the_declared_precision_over_learned_tensors_onl
     prior.log_precision[:] = start + torch.tensor([1.0, RUNAWAY_LOG_RISE + 0.5, RUNAWAY_LOG_RISE, 20.0])
     # 0.bias is above the threshold, 2.weight exactly at it (not above), 2.bias fixed (not learned)
     assert runaway_precisions(prior) == pytest.approx({"0.bias": RUNAWAY_LOG_RISE + 0.5})
+    for bad in (float("nan"), -1.0, "8"):  # a hurried threshold is refused, not silently "nothing ran away"
+        with pytest.raises(ValueError, match="`threshold` must be a finite number"):
+            runaway_precisions(prior, threshold=bad)
     assert runaway_precisions(prior, threshold=0.5) == pytest.approx(
         {"0.weight": 1.0, "0.bias": RUNAWAY_LOG_RISE + 0.5, "2.weight": RUNAWAY_LOG_RISE}
     )
