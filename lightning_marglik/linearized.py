@@ -30,7 +30,7 @@ from .curvature import CurvatureOptions, collect_statistics, eval_mode, locate
 from .curvature.batches import BatchFn, move, split_batch
 from .evidence import LaplaceEvidence
 from .hyperparameters import GaussianPrior, Likelihood
-from .validators import integer
+from .validators import integer, number, optional
 
 __all__ = ["LinearizedEvidence", "linearized_evidence"]
 
@@ -47,12 +47,17 @@ class LinearizedEvidence:
             and at ``theta_lin``.
         gradient_norm: Max-norm of that objective's gradient at ``theta_lin`` (how far from the
             optimum the steps stopped).
+        converged: Whether that norm fell to ``tol`` times its value at ``theta*`` (always ``False``
+            without a ``tol``).
+        iterations: L-BFGS iterations taken.
     """
 
     evidence: LaplaceEvidence
     params: List[Tensor]
     objective: "tuple[float, float]"
     gradient_norm: float
+    converged: bool = False
+    iterations: int = 0
 
 
 def linearized_evidence(
@@ -66,12 +71,16 @@ def linearized_evidence(
     mc_samples: int = 0,
     generator: Optional[torch.Generator] = None,
     batch_fn: Optional[BatchFn] = None,
+    tol: Optional[float] = None,
 ) -> LinearizedEvidence:
     """Laplace evidence of the network's linearization at the linear model's MAP (see the module docstring).
 
     Cost: each L-BFGS evaluation is one pass over ``dataloader`` with a forward-mode Jacobian-vector
     product and its backward (about three to four forward passes per batch); ``steps`` iterations take
-    at most ``1.25 steps`` evaluations, then one evidence pass of ``structure``.
+    at most ``1.25 steps`` evaluations, then one evidence pass of ``structure``. With ``tol`` the
+    iterations stop once the objective's gradient has fallen to ``tol`` times its value at ``theta*``
+    (Antorán et al.'s recommendation: the convex problem solved to convergence; ``steps`` is then the
+    budget, and ``converged`` says whether it sufficed).
 
     Args:
         model: The network at its trained weights ``theta*`` (evaluated in eval mode).
@@ -85,14 +94,18 @@ def linearized_evidence(
         mc_samples: Monte-Carlo samples for the GGN, 0 for the exact GGN.
         generator: Random generator for the Monte-Carlo samples.
         batch_fn: Maps a batch to ``(inputs, targets)``.
+        tol: Relative gradient tolerance of the linear model's optimum (``None``: run all ``steps``).
 
     Returns:
-        The evidence, ``theta_lin``, the objective before and after, and the final gradient norm.
+        The evidence, ``theta_lin``, the objective before and after, the final gradient norm, whether
+        it converged and the iterations taken.
 
     Raises:
-        ValueError: On a negative ``steps``, bad curvature options, or data without a datum.
+        ValueError: On a negative ``steps``, a ``tol`` that is not a number in (0, 1), bad curvature
+            options, or data without a datum.
     """
     steps = integer(steps, "steps", 0, what="L-BFGS iterations")
+    tol = optional(number, tol, "tol", 0.0, 1.0, high_open=True, what="relative gradient tolerance")
     options = CurvatureOptions(structure, approx, mc_samples)
     names, _ = locate(model, prior)
     star = [p.detach().clone() for p in prior.params]
@@ -120,19 +133,25 @@ def linearized_evidence(
         return total
 
     def closure() -> Tensor:
-        optimizer.zero_grad()
+        for p in theta:
+            p.grad = None
         value = objective()
         value.backward()
         return value
 
+    def max_gradient() -> float:
+        return max(float(p.grad.abs().max()) for p in theta)
+
     with eval_mode(model):
+        start = float(closure().detach())
+        threshold = tol * max_gradient() if tol is not None else 1e-12
         optimizer = torch.optim.LBFGS(theta, lr=1.0, max_iter=max(steps, 1), history_size=20,
-                                      line_search_fn="strong_wolfe", tolerance_grad=1e-12, tolerance_change=1e-14)
-        start = float(objective().detach())
+                                      line_search_fn="strong_wolfe", tolerance_grad=threshold, tolerance_change=1e-14)
         if steps:
             optimizer.step(closure)
         final = closure()
-        gradient_norm = max(float(p.grad.abs().max()) for p in theta)
+        gradient_norm = max_gradient()
+        iterations = int(optimizer.state[theta[0]].get("n_iter", 0)) if steps else 0
         optimum = [p.detach() for p in theta]
         stats = collect_statistics(model, batches, likelihood, prior, generator=generator, options=options)
         stats.likelihood = {}
@@ -141,4 +160,5 @@ def linearized_evidence(
                 stats.add_likelihood(likelihood.statistics(outputs(inputs, optimum), target))
     evidence = LaplaceEvidence.from_statistics(stats, likelihood, prior, params=optimum)
     prior.record_n_data(evidence.n_data)
-    return LinearizedEvidence(evidence, optimum, (start, float(final.detach())), gradient_norm)
+    converged = tol is not None and gradient_norm <= threshold
+    return LinearizedEvidence(evidence, optimum, (start, float(final.detach())), gradient_norm, converged, iterations)

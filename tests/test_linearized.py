@@ -80,3 +80,19 @@ def test_zero_steps_is_the_evidence_at_the_trained_weights_and_bad_steps_are_ref
     for steps in (-1, 2.5, True):
         with pytest.raises(ValueError, match="steps"):
             linearized_evidence(model, loader(x, y), lik, prior, steps=steps)
+
+
+def test_a_tolerance_runs_the_linear_model_to_its_optimum_and_says_so():
+    model, x, y, problem = setup("cnn", "classification")
+    prior, lik = hyper(model, "classification")
+    result = linearized_evidence(model, loader(x, y, 16), lik, prior, structure="kron", steps=500, tol=1e-7)
+    assert result.converged and 0 < result.iterations < 500
+    start = linearized_evidence(model, loader(x, y, 16), lik, prior, structure="kron", steps=0, tol=1e-7)
+    assert not start.converged and start.iterations == 0
+    assert result.gradient_norm <= 1e-7 * start.gradient_norm
+    short = linearized_evidence(model, loader(x, y, 16), lik, prior, structure="kron", steps=2, tol=1e-7)
+    assert not short.converged and 1 <= short.iterations <= 2  # the budget (2 iterations, 2 evaluations) ran out
+    assert short.gradient_norm > result.gradient_norm
+    for tol in (0.0, 1.0, -1e-3, float("nan"), "1e-6"):
+        with pytest.raises(ValueError, match="tol"):
+            linearized_evidence(model, loader(x, y), lik, prior, tol=tol)
