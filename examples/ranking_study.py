@@ -366,17 +366,50 @@ def run_candidate(name: str, seed: int, data: Tuple[Tensor, ...], recipe: Dict[s
         net.load_state_dict(state["net"])
         log_p, correct = test_log_probs(net, x_te, y_te)
         epoch = epochs if label == "100%" else checkpoint_epochs[float(label[:-1]) / 100]
-        entry: Dict[str, Any] = {
+        result["checkpoints"][label] = {
             "epoch": epoch, "test_accuracy": float(correct.mean()), "test_log_likelihood": float(log_p.mean()),
             "test_log_p": [round(float(v), 5) for v in log_p], "test_correct": [int(v) for v in correct],
-            "evidence": {},
+            "evidence": posthoc_all(net, state, evidence_loader, label, recipe["prior"], seed),
         }
-        wanted = approximations_for(seed) if label == "100%" else EARLY_APPROXIMATIONS
-        for approx in wanted:
-            entry["evidence"][approx] = posthoc_evidence(net, state, evidence_loader, approx, recipe["prior"], seed)
-        result["checkpoints"][label] = entry
     result["total_wall_seconds"] = time.perf_counter() - wall
+    result["_states"] = {label: state for label, state in states.items() if state is not None}
     return result
+
+
+def posthoc_all(net: nn.Module, state: Dict[str, Any], loader: DataLoader, label: str, prior: str,
+                seed: int) -> Dict[str, Any]:
+    """Every post-hoc evidence of one checkpoint (``label``: "10%", "30%" or "100%")."""
+    wanted = approximations_for(seed) if label == "100%" else EARLY_APPROXIMATIONS
+    return {approx: posthoc_evidence(net, state, loader, approx, prior, seed) for approx in wanted}
+
+
+def reevaluate(names: Sequence[str], seeds: Sequence[int], recipe: Dict[str, Any], cache: str, data,
+               shard: Tuple[int, int] = (0, 1)) -> None:
+    """Every post-hoc evidence of the cached runs again, from their saved weights, with the library as it is now.
+
+    The training (weights, test metrics, the online evidence) stays as cached; ``posthoc_library`` records the
+    library the evidences now come from. A run without saved weights is left as it is.
+    """
+    x_tr, y_tr = data[0], data[1]
+    loader = DataLoader(TensorDataset(x_tr, y_tr), batch_size=500)
+    every = [(s, n) for s in seeds for n in names][shard[0]::shard[1]]
+    start = time.perf_counter()
+    for i, (seed, name) in enumerate(every, 1):
+        path, weights = cache_path(cache, name, seed), weights_path(cache, name, seed)
+        if not (os.path.exists(path) and os.path.exists(weights)):
+            continue
+        with open(path) as f:
+            result = json.load(f)
+        states = torch.load(weights)
+        net = build_network(CANDIDATES[name][0], recipe["image_size"], **CANDIDATES[name][1])
+        for label, state in states.items():
+            result["checkpoints"][label]["evidence"] = posthoc_all(net, state, loader, label, recipe["prior"], seed)
+        result["posthoc_library"] = library_state()
+        result["posthoc_date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        with open(path, "w") as f:
+            json.dump(result, f)
+        print(f"[{i}/{len(every)}] seed {seed} {name}: post hoc again, elapsed {(time.perf_counter() - start) / 60:.1f} min",
+              flush=True)
 
 
 class Trace(pl.Callback):
@@ -483,6 +516,11 @@ def cache_path(cache: str, name: str, seed: int) -> str:
     return os.path.join(cache, f"{name}_seed{seed}.json")
 
 
+def weights_path(cache: str, name: str, seed: int) -> str:
+    """The run's weights and precisions at its checkpoints (``--posthoc`` evaluates them again)."""
+    return os.path.join(cache, f"{name}_seed{seed}.pt")
+
+
 def train_all(names: Sequence[str], seeds: Sequence[int], recipe: Dict[str, Any], cache: str, data,
               shard: Tuple[int, int] = (0, 1), reverse: bool = False, run: Optional[Callable[..., Dict[str, Any]]] = None,
               wanted: Sequence[str] = APPROXIMATIONS) -> None:
@@ -504,6 +542,9 @@ def train_all(names: Sequence[str], seeds: Sequence[int], recipe: Dict[str, Any]
         if _cached(cache, name, seed, recipe, wanted):  # trained meanwhile by another process
             continue
         result = run(name, seed, data, recipe)
+        states = result.pop("_states", None)
+        if states is not None:
+            torch.save(states, weights_path(cache, name, seed))
         result["recipe"] = recipe
         result["library"] = library_state()
         result["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -640,6 +681,7 @@ def analyse(runs: Dict[Tuple[str, int], Dict], names: Sequence[str], seeds: Sequ
             "table": table, "bootstrap_samples": samples, "subsets": subsets, "partial_seeds": partial, "cost": cost,
             "reproducibility": reproducibility,
             "libraries": sorted({r.get("library", "not recorded") for r in runs.values()}),
+            "posthoc_libraries": sorted({r.get("posthoc_library", r.get("library", "not recorded")) for r in runs.values()}),
             "dates": sorted(r["date"][:16] for r in runs.values() if "date" in r)}
 
 
@@ -694,7 +736,8 @@ def write_markdown(out: Dict[str, Any], path: str, command: str, wall_minutes: f
         "",
         f"Date: {datetime.date.today().isoformat()}. Command: `{command}` (one CPU thread, shared 2-core machine; "
         f"Python {platform.python_version()}, torch {torch.__version__}, pytorch_lightning {pl.__version__}; "
-        f"library at training time: {', '.join(out['libraries'])}).",
+        f"library at training time: {', '.join(out['libraries'])}; post-hoc evidences: "
+        f"{', '.join(out.get('posthoc_libraries', out['libraries']))}).",
         f"Seeds: {', '.join(map(str, seeds))} (weights, data order, Monte-Carlo draws); data split seed "
         f"{recipe['split_seed']}. Wall time of this invocation: {wall_minutes:.1f} min "
         "(training from the cache is skipped; see the per-candidate seconds below for the full cost).",
@@ -862,6 +905,8 @@ def parse_study(options: argparse.ArgumentParser, argv: Optional[Sequence[str]])
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     options = study_options(__doc__, "ranking_study", (0, 1, 2), "smoke test: 4 candidates, 500 images, 3 epochs", "{md,png}")
     options.add_argument("--reverse", action="store_true", help="train the (shard's) runs from the last one")
+    options.add_argument("--posthoc", action="store_true",
+                         help="no training: every post-hoc evidence of the cached runs again from their saved weights")
     options.add_argument("--diagnose", metavar="CANDIDATE",
                          help="only trace one candidate (seed: the first of --seeds) with the learned and a fixed prior")
     args, shard = parse_study(options, argv)
@@ -885,7 +930,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                 json.dump(found, f)
             print(f"{path}: test accuracy per epoch", [round(r["test_accuracy"], 3) for r in found["trace"]], flush=True)
         return found
-    if not args.analyse:
+    if args.posthoc:
+        data = load_mnist(recipe["n_train"], recipe["image_size"], recipe["split_seed"], recipe.get("n_total"))
+        reevaluate(names, args.seeds, recipe, cache, data, shard)
+    elif not args.analyse:
         data = load_mnist(recipe["n_train"], recipe["image_size"], recipe["split_seed"], recipe.get("n_total"))
         with quiet_lightning():
             train_all(names, args.seeds, recipe, cache, data, shard, args.reverse)
