@@ -159,7 +159,10 @@ def _unit_pairs(model: nn.Module, held: Dict[int, Tensor]) -> List[_Units]:
             target_name, target = sequence[j]
             fan_in = _in_features(target)
             flattened = any(isinstance(m, nn.Flatten) for _, m in sequence[i + 1:j])
-            if fan_in is None or not own(target) or fan_in % channels or (fan_in != channels and not flattened):
+            # a flattened map is channel-major only where channels come first (convolutions, BatchNorm);
+            # a Linear's features come last, so a flattened sequence of them interleaves its units
+            blocks = flattened and isinstance(source, (_ConvNd, _NormBase))
+            if fan_in is None or not own(target) or fan_in % channels or (fan_in != channels and not blocks):
                 continue
             pairs.append(_Units(f"{name} -> {target_name}", source, target, channels))
     return pairs

@@ -183,6 +183,16 @@ def test_a_frozen_or_shared_layer_is_not_moved():
     assert canonicalize(tied, GaussianPrior(tied), torch.randn(3, 4, dtype=torch.float64)).units == {}
 
 
+def test_a_flattened_sequence_of_linear_features_is_not_taken_for_channel_blocks():
+    # (batch, 4 steps, 5 features) -> Linear -> (batch, 4, 6) -> flatten: step-major, the units interleave
+    net = nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Flatten(), nn.Linear(24, 2)).double()
+    x = torch.randn(3, 4, 5, dtype=torch.float64)
+    reference = net(x)
+    report = canonicalize(net, GaussianPrior(net), x)
+    assert report.units == {}
+    torch.testing.assert_close(net(x), reference)
+
+
 def test_a_prior_of_another_model_is_refused():
     net, other = build(mlp), build(mlp)
     with pytest.raises(ValueError, match="not built on this model"):
