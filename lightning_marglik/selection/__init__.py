@@ -27,6 +27,11 @@ does not set it. A YAML file imports the modules it names (as LightningCLI's do)
 files from a trusted source. ``data`` must name a ``LightningDataModule`` subclass and every
 candidate a ``LightningModule`` subclass; anything else is refused before it is called.
 
+The candidates are ranked by ``rank_by`` (YAML key, ``--rank_by``): by default ``auto``, one
+evidence for all of them re-estimated at the final weights, the exact full GGN (``full-ggn``) where
+every candidate affords it (:func:`resolve_auto`: small regression networks), else the Kronecker
+empirical Fisher (``kron-ef``: image classifiers); each result's ``rank_by`` names the choice.
+
 Results are written after every candidate; a re-run with the same settings reuses the
 candidates that finished (``--rerun`` trains them all again). The results of candidates a run
 does not name are kept; an unreadable ``results.json`` is moved aside with a warning; a second
@@ -47,7 +52,8 @@ from __future__ import annotations
 from .cli import DEFAULT_THREADS, QUICK_OVERRIDES, build_parser, main, plain_text, run_command_line  # noqa: F401
 from .config import check_config, instantiate, resolve_class, select_from_config
 from .driver import (  # noqa: F401
-    DEFAULT_RANK_BY, PREDICTIVES, check_trainer_arguments, quiet_lightning, rank_by_choices, select_models,
+    AUTO_FULL_MAX_DIRECTIONS, AUTO_FULL_MAX_MEMORY, DEFAULT_RANK_BY, PREDICTIVES, check_trainer_arguments,
+    full_ggn_refusal, quiet_lightning, rank_by_choices, resolve_auto, select_models,
 )
 from .metrics import NegativeLogLikelihood, default_metrics
 from .plot import label_points
@@ -68,6 +74,8 @@ __all__ = [
     "label_points",
     "quiet_lightning",
     "rank_by_choices",
+    "resolve_auto",
+    "full_ggn_refusal",
     "run_command_line",
     "main",
 ]

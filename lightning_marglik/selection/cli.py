@@ -13,7 +13,7 @@ import torch
 
 from ..callbacks import MargLikCallback
 from .config import check_config, missing_module_fix, select_from_config
-from .driver import DEFAULT_RANK_BY, quiet_lightning, rank_by_choices
+from .driver import AUTO_FULL_MAX_DIRECTIONS, DEFAULT_RANK_BY, quiet_lightning, rank_by_choices
 from .results import CandidateResult
 
 __all__ = ["DEFAULT_THREADS", "QUICK_NOTICE", "QUICK_OVERRIDES", "build_parser", "explain_import_error", "main",
@@ -117,8 +117,10 @@ def build_parser() -> Any:
     # a str checked by check_config: case-insensitive, with "did you mean", and structures registered later
     parser.add_argument("--rank_by", "--rank-by", type=str, default=DEFAULT_RANK_BY,
                         help="The evidence that ranks the candidates: STRUCTURE-APPROX re-estimated at the final "
-                             "weights (hyperparameters re-optimised), or 'online' (the callback's final estimate); "
-                             f"one of {', '.join(rank_by_choices())}.")
+                             "weights (hyperparameters re-optimised); 'auto' (the default): full-ggn for all "
+                             "candidates if the exact full GGN is affordable for every one (min(N C, P) <= "
+                             f"{AUTO_FULL_MAX_DIRECTIONS}), else kron-ef; or 'online' (the callback's final "
+                             f"estimate); one of {', '.join(rank_by_choices())}.")
     parser.add_argument("--trainer", type=Dict[str, Any], default={},
                         help="pl.Trainer arguments, e.g. --trainer.max_epochs=5; names and types are checked "
                              "against pl.Trainer's signature before anything is built. Defaults here: "

@@ -13,36 +13,123 @@ import warnings
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import pytorch_lightning as pl
+import torch
 import torchmetrics
+from pytorch_lightning.utilities.seed import isolate_rng
 from torch.utils.data import DataLoader
 
 from ..callbacks import MargLikCallback, find_hyperparameters
-from ..curvature import APPROXIMATIONS, CurvatureOptions, check_model
+from ..callbacks.data import evidence_batches
+from ..curvature import APPROXIMATIONS, CurvatureOptions, check_model, eval_mode
+from ..curvature.batches import call_model, move, split_batch
 from ..curvature.structures import structures_with
+from ..curvature.structures.full import FullStructure
 from ..diagnostics import ef_ratio_of, ef_unreliable_message
 from ..validators import choice
 from .metrics import MetricsCheck, evaluate_metrics
 from .results import RESULTS_JSON, CandidateResult, load_results, run_lock, save_results
 
 __all__ = [
-    "DEFAULT_RANK_BY", "PREDICTIVES", "check_rank_by", "check_trainer_arguments", "quiet_lightning", "rank_by_choices",
-    "select_models",
+    "AUTO_FALLBACK", "AUTO_FULL", "AUTO_FULL_MAX_DIRECTIONS", "AUTO_FULL_MAX_MEMORY", "DEFAULT_RANK_BY", "PREDICTIVES",
+    "check_rank_by", "check_trainer_arguments", "full_ggn_refusal", "quiet_lightning", "rank_by_choices",
+    "resolve_auto", "select_models",
 ]
 
 PREDICTIVES = ("map", "probit")
-DEFAULT_RANK_BY = "kron-ef"
+DEFAULT_RANK_BY = "auto"
+#: What ``rank_by="auto"`` resolves to, one choice for all candidates: the exact full GGN where every
+#: candidate affords it (small regression networks: ``examples/results/toy_depth.md``, where the
+#: block-diagonal evidences pick another depth), else the Kronecker empirical Fisher, which ranked
+#: MLPs and CNNs best in the ranking study (``examples/results/ranking_study.md``).
+AUTO_FULL, AUTO_FALLBACK = "full-ggn", "kron-ef"
+#: ``rank_by="auto"``'s limits on the exact full GGN of one candidate, read when it is resolved (a test or
+#: a user may change them here). ``R = min(N C, P)`` is the size of the matrix ``full`` factorises: the
+#: ``R x R`` determinant-lemma matrix (and one ``R x R`` row Gram per tensor) when ``N C < P``, else the
+#: ``P x P`` Gram. Measured on one CPU thread (evidence pass and Newton re-optimisation, layerwise prior,
+#: MLPs of 6-18 tensors): R = 500: 0.6 s; 1000: 1-9 s; 1500: 11 s; 2000: 4-50 s (the low-rank form's
+#: Newton steps grow as ``T R^3``); kron-ef: under 0.2 s for all of them.
+AUTO_FULL_MAX_DIRECTIONS = 1000
+#: Bytes ``full`` may hold for ``rank_by="auto"``, estimated as ``8 (R P + T R^2)`` (float64 ``R x P``
+#: Jacobian rows or ``P x P`` Gram, and with ``N C < P`` the ``T`` row Grams, ``T`` prior tensors); the
+#: peak memory measured with the estimates above was 2-3 times the estimate. ``full``'s own limit,
+#: ``CurvatureOptions.max_memory`` for its ``P x P`` matrices, applies as well.
+AUTO_FULL_MAX_MEMORY = 256 * 2**20
 
 
 def rank_by_choices() -> Tuple[str, ...]:
-    """What may rank the candidates: ``"online"`` (the callback's final evidence) or
-    ``"<structure>-<approx>"`` re-estimated at the final weights, for every registered structure
-    that offers ``rank_by`` (:func:`..curvature.structures.structures_with`).
+    """What may rank the candidates: ``"auto"`` (the default: :func:`resolve_auto`), ``"online"`` (the
+    callback's final evidence) or ``"<structure>-<approx>"`` re-estimated at the final weights, for
+    every registered structure that offers ``rank_by`` (:func:`..curvature.structures.structures_with`).
 
     Example:
         >>> rank_by_choices()[:3]
-        ('online', 'full-ggn', 'full-ef')
+        ('auto', 'online', 'full-ggn')
     """
-    return ("online",) + tuple(f"{s}-{a}" for s in structures_with("rank_by") for a in APPROXIMATIONS)
+    return ("auto", "online") + tuple(f"{s}-{a}" for s in structures_with("rank_by") for a in APPROXIMATIONS)
+
+
+def full_ggn_refusal(n_rows: int, n_params: int, n_tensors: int) -> Optional[str]:
+    """Why ``rank_by="auto"`` would not rank a candidate of this size by the exact full GGN.
+
+    The limits are :data:`AUTO_FULL_MAX_DIRECTIONS` on ``R = min(N C, P)``,
+    :data:`AUTO_FULL_MAX_MEMORY` on the estimate ``8 (R P + T R^2)`` bytes (``T R^2`` only when
+    ``N C < P``) and the ``full`` structure's own limit on its ``P x P`` matrices.
+
+    Args:
+        n_rows: ``N C``: the evidence's data terms times the network's outputs per term (the rows of
+            the GGN's Jacobian).
+        n_params: ``P``: the parameters the prior covers.
+        n_tensors: ``T``: the prior's parameter tensors.
+
+    Returns:
+        ``None`` where the exact full GGN is within the limits, else a sentence naming the limit it
+        exceeds.
+
+    Example:
+        >>> full_ggn_refusal(100 * 1, 7801, 10) is None  # examples/toy_depth.py: N = 100, C = 1, 4 hidden layers
+        True
+        >>> full_ggn_refusal(60000 * 10, 100_000, 8)  # doctest: +ELLIPSIS
+        'min(N C, P) = min(600,000, 100,000) = 100,000 is above AUTO_FULL_MAX_DIRECTIONS = 1,000'
+    """
+    directions = min(n_rows, n_params)
+    if directions > AUTO_FULL_MAX_DIRECTIONS:
+        return (f"min(N C, P) = min({n_rows:,}, {n_params:,}) = {directions:,} is above "
+                f"AUTO_FULL_MAX_DIRECTIONS = {AUTO_FULL_MAX_DIRECTIONS:,}")
+    memory = 8 * (directions * n_params + (n_tensors * directions**2 if n_rows < n_params else 0))
+    if memory > AUTO_FULL_MAX_MEMORY:
+        return (f"full would hold about {memory / 2**20:,.0f} MiB for N C = {n_rows:,}, P = {n_params:,} and "
+                f"{n_tensors} tensors, above AUTO_FULL_MAX_MEMORY = {AUTO_FULL_MAX_MEMORY / 2**20:,.0f} MiB")
+    try:  # the structure's own limit (its P x P matrices), as it would refuse rank_by="full-ggn"
+        FullStructure([0], [n_params], "layerwise", CurvatureOptions().max_memory)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def resolve_auto(refusals: Mapping[str, Optional[str]]) -> Tuple[str, str]:
+    """What ``rank_by="auto"`` ranks candidates by, one evidence for all of them: :data:`AUTO_FULL`
+    (``"full-ggn"``) if the exact full GGN of every candidate is within the limits, else
+    :data:`AUTO_FALLBACK` (``"kron-ef"``).
+
+    Args:
+        refusals: Every candidate's name to its :func:`full_ggn_refusal`.
+
+    Returns:
+        The ``rank_by`` choice and why, in words.
+
+    Example:
+        >>> resolve_auto({"1 layer": None, "2 layers": None})[0]
+        'full-ggn'
+        >>> resolve_auto({"1 layer": None, "wide": full_ggn_refusal(5000, 20000, 4)})[0]
+        'kron-ef'
+    """
+    refused = {name: why for name, why in refusals.items() if why is not None}
+    if not refused:
+        return AUTO_FULL, (f"the exact full GGN is within auto's limits for every candidate (min(N C, P) <= "
+                           f"{AUTO_FULL_MAX_DIRECTIONS:,}, about {AUTO_FULL_MAX_MEMORY / 2**20:,.0f} MiB at most)")
+    name, why = next(iter(refused.items()))
+    others = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+    return AUTO_FALLBACK, f"the exact full GGN is too large for candidate {name!r}{others}: {why}"
 
 
 @contextlib.contextmanager
@@ -96,14 +183,18 @@ def select_models(
     run loses at most the candidate in training; ``evidence.png`` follows at the end. The
     directory is locked for the run (:func:`load_results` says what happens to an unreadable file).
 
-    Which evidence to rank by: the Kronecker empirical Fisher re-estimated at the final weights,
-    ``rank_by="kron-ef"``, is the default because it ranked MLPs and CNNs best in the ranking study
+    Which evidence to rank by: the default ``rank_by="auto"`` ranks every candidate by the same
+    evidence re-estimated at the final weights, decided once after training (:func:`resolve_auto`):
+    the exact full GGN (``"full-ggn"``) where it is affordable for every candidate
+    (``min(N C, P) <= AUTO_FULL_MAX_DIRECTIONS`` and within ``AUTO_FULL_MAX_MEMORY``; small
+    regression networks, where ``kron`` and ``diag`` are biased against depth,
+    ``examples/results/toy_depth.md``), else the Kronecker empirical Fisher (``"kron-ef"``, e.g. for
+    image classifiers), which ranked MLPs and CNNs best in the ranking study
     (``examples/results/ranking_study.md``, whose figures the documentation's results page
     carries). Do not compare networks with and without normalization layers by their evidence:
     every approximation ranked the BatchNorm ResNets there last. Compare candidates at the same
-    fraction of training. For small regression networks of different depths use
-    ``callback={"structure": "full"}`` and ``rank_by="full-ggn"`` (``kron`` and ``diag`` are biased
-    against depth, ``examples/results/toy_depth.md``). The evidence prefers the smaller of two
+    fraction of training. For small regression networks of different depths train with
+    ``callback={"structure": "full"}`` too. The evidence prefers the smaller of two
     near-equal models and judges under-trained candidates by where they are.
 
     Args:
@@ -124,13 +215,17 @@ def select_models(
             with the same settings (the data are compared only as far as ``settings`` describe them).
         settings: JSON-able description of each candidate (name to e.g. its class and arguments),
             stored with its result and compared on ``resume``; the trainer, callback, seed,
-            predictive and ``rank_by`` are always part of it.
+            predictive and ``rank_by`` (``"auto"`` as asked, with its two limits) are always part of it.
         rank_by: The evidence that ranks the candidates (:func:`rank_by_choices`, matched
-            case-insensitively): ``"<structure>-<approx>"`` (e.g. ``"kron-ef"``, the default)
-            re-estimated at the final weights, one more evidence pass
-            per candidate with its hyperparameters re-optimised by Newton
-            (:meth:`MargLikCallback.evidence_with`), or ``"online"``, the callback's final estimate.
-            Either way ``online_marglik`` of a result holds the callback's.
+            case-insensitively): ``"<structure>-<approx>"`` (e.g. ``"kron-ef"``) re-estimated at
+            the final weights, one more evidence pass per candidate with its hyperparameters
+            re-optimised by Newton (:meth:`MargLikCallback.evidence_with`); ``"auto"`` (the
+            default), ``"full-ggn"`` or ``"kron-ef"`` for all candidates as above: it computes
+            ``kron-ef`` for every candidate and ``full-ggn`` for those within its limits, and
+            ranks by ``full-ggn`` only if that is all of them (printed with ``verbose``; every
+            result's ``rank_by`` names the choice, its ``evidences`` hold both); or ``"online"``,
+            the callback's final estimate. Either way ``online_marglik`` of a result holds the
+            callback's.
 
     Returns:
         The results, best evidence first.
@@ -138,7 +233,8 @@ def select_models(
     Raises:
         ValueError: On no candidates, no training data, an unknown ``predictive`` or ``rank_by``, ``trainer``
             arguments that do not fit ``pl.Trainer``, a candidate ``rank_by`` cannot score (before
-            it is trained), or (when training starts) test data and metrics that do not fit the
+            it is trained; with ``"auto"``, one its fallback ``"kron-ef"`` cannot score, e.g. with
+            a diagonal prior), or (when training starts) test data and metrics that do not fit the
             candidate.
         RuntimeError: If ``output_dir`` is in use by another run, or the test metrics fail
             after training (the trained result is saved first).
@@ -150,39 +246,54 @@ def select_models(
     if predictive not in PREDICTIVES:
         raise ValueError(f"`predictive` must be one of {PREDICTIVES}, got {predictive!r}.")
     rank_by, rank_options = check_rank_by(rank_by)
+    auto = rank_by == "auto"
+    check_options = check_rank_by(AUTO_FALLBACK)[1] if auto else rank_options  # auto may fall back to it
     trainer = check_trainer_arguments(trainer or {})
     if test_dataloader is None and datamodule is not None and _has_test_data(datamodule):
         datamodule.setup("test")
         test_dataloader = datamodule.test_dataloader()
+    # "auto" is stored as asked (a re-run resolves it again over its candidates), with the limits that decide it
+    limits = {"auto_limits": {"max_directions": AUTO_FULL_MAX_DIRECTIONS, "max_memory": AUTO_FULL_MAX_MEMORY}}
     wanted = {
         name: _jsonable({"candidate": (settings or {}).get(name), "trainer": trainer, "callback": callback or {},
-                         "seed": seed, "predictive": predictive, "rank_by": rank_by})
+                         "seed": seed, "predictive": predictive, "rank_by": rank_by, **(limits if auto else {})})
         for name in candidates
     }
     with run_lock(output_dir):
         stored = load_results(output_dir) if output_dir else {}
         others = [result for name, result in stored.items() if name not in candidates]  # kept, never dropped
-        reusable = {name for name in candidates if resume and name in stored
-                    and stored[name].settings == wanted[name] and stored[name].metrics_error is None}
+        reusable = {name for name in candidates if resume and name in stored and stored[name].settings == wanted[name]
+                    and stored[name].metrics_error is None and (not auto or _has_auto_evidences(stored[name]))}
         results: List[CandidateResult] = []
         directions: Dict[str, bool] = {}
         start, trained, training_seconds = time.perf_counter(), 0, 0.0
         for index, (name, factory) in enumerate(candidates.items(), 1):
             if name in reusable:
                 results.append(stored[name])
+                if auto:
+                    _resolve(results)
+                else:
+                    stored[name].rank_by = rank_by  # same settings: the same rank_by (None in older files)
                 if verbose:
-                    print(f"[{index}/{len(candidates)}] {name}: marglik={stored[name].marglik:.4f} "
-                          f"(finished in an earlier run with the same settings: reused)", flush=True)
+                    print(f"[{index}/{len(candidates)}] {name}: marglik={stored[name].marglik:.4f}"
+                          f"{_shown_auto(stored[name])} (finished in an earlier run with the same settings: reused)",
+                          flush=True)
                 continue
             candidate_start = time.perf_counter()
             pl.seed_everything(seed, verbose=False)
             module = factory()
             prior, _ = find_hyperparameters(module)
-            if rank_options is not None:  # e.g. a diagonal prior with "kron-ef", or "full-ggn" too large: before training
+            if check_options is not None:  # before training: e.g. a diagonal prior with "kron-ef", "full-ggn" too large
                 try:
-                    check_model(module, prior, rank_options)
+                    check_model(module, prior, check_options)
                 except ValueError as err:
-                    raise ValueError(f"rank_by={rank_by!r} cannot score candidate {name!r}: {err}") from err
+                    fallback = (f"rank_by='auto' falls back to rank_by={AUTO_FALLBACK!r} when the exact full GGN of a "
+                                f"candidate is too large, and " if auto else "")
+                    hint = " Give rank_by='full-ggn' (small problems) or another rank_by." if auto else ""
+                    shown = AUTO_FALLBACK if auto else rank_by
+                    raise ValueError(
+                        f"{fallback}rank_by={shown!r} cannot score candidate {name!r}: {err}{hint}"
+                    ) from err
             cb = MargLikCallback(**(callback or {}))
             check = MetricsCheck(test_dataloader, metrics, predictive) if test_dataloader is not None else None
             kwargs = dict(logger=False, enable_checkpointing=False, enable_model_summary=False, accelerator="cpu")
@@ -192,12 +303,17 @@ def select_models(
             fit_trainer = pl.Trainer(callbacks=[cb, *own, *([check] if check else [])], **kwargs)
             fit_start = time.perf_counter()
             fit_trainer.fit(module, train_dataloaders=train_dataloader, datamodule=datamodule)
-            if rank_options is None:
+            evidences: Dict[str, float] = {}
+            refused: Optional[str] = None
+            if auto:
+                evidences, refused = _auto_evidences(cb, fit_trainer, module)
+                marglik = evidences[AUTO_FALLBACK]  # until resolved over the candidates (_resolve)
+            elif rank_options is None:
                 marglik = cb.final_marglik
             else:
                 marglik = cb.evidence_with(fit_trainer, module, rank_options.structure, rank_options.approx)
             seconds = time.perf_counter() - fit_start
-            ranked_by = cb.options.approx if rank_options is None else rank_options.approx
+            ranked_by = "ef" if auto else cb.options.approx if rank_options is None else rank_options.approx
             # the EF's curvature check at the final weights, from the last estimate's own sums (no pass)
             ef_ratio = ef_ratio_of(cb.evidence) if ranked_by == "ef" and cb.evidence is not None else None
             scores: Dict[str, float] = {}
@@ -221,7 +337,12 @@ def select_models(
                 settings=wanted[name],
                 metrics_error=None if failure is None else f"{type(failure).__name__}: {failure}",
                 ef_curvature_ratio=ef_ratio,
+                rank_by=rank_by,
+                evidences=evidences,
+                full_ggn_refused=refused,
             ))
+            if auto:  # over the candidates so far; the last candidate's decides for all
+                _resolve(results)
             if output_dir:  # after every candidate: a killed run keeps what finished
                 save_results(_ranked(results + others), output_dir, plot=False)
             if failure is not None:
@@ -235,30 +356,43 @@ def select_models(
             if verbose:
                 to_train = sum(1 for other in list(candidates)[index:] if other not in reusable)
                 shown = " ".join(f"{k}={v:.4f}" for k, v in scores.items())
-                print(f"[{index}/{len(candidates)}] {name}: marglik={results[-1].marglik:.4f} params={prior.n_params} "
-                      f"time={seconds:.1f}s {shown} | elapsed {_clock(time.perf_counter() - start)}, "
-                      f"about {_clock(training_seconds / trained * to_train)} left", flush=True)
+                left = _clock(training_seconds / trained * to_train)
+                print(f"[{index}/{len(candidates)}] {name}: marglik={results[-1].marglik:.4f}"
+                      f"{_shown_auto(results[-1])} params={prior.n_params} time={seconds:.1f}s {shown} | "
+                      f"elapsed {_clock(time.perf_counter() - start)}, about {left} left", flush=True)
+        if auto:
+            choice, why = _resolve(results)
+            if verbose:
+                print(f"rank_by='auto' ranks all {len(results)} candidates by {choice!r}: {why}.", flush=True)
         if output_dir:
             save_results(_ranked(results + others), output_dir, higher_is_better=directions)
-    message = ef_unreliable_message({r.name: r.ef_curvature_ratio for r in results if r.ef_curvature_ratio is not None})
+    # the EF's check where the ranking evidence is the EF's ("auto" resolved to "full-ggn" is not)
+    message = ef_unreliable_message({r.name: r.ef_curvature_ratio for r in results
+                                     if r.ef_curvature_ratio is not None and r.rank_by != AUTO_FULL})
     if message:
         warnings.warn(message, stacklevel=2)
     return _ranked(results)
 
 
 def check_rank_by(rank_by: Any) -> Tuple[str, Optional[CurvatureOptions]]:
-    """Validate ``rank_by``: its canonical spelling and the curvature it re-estimates with
-    (``None`` for ``"online"``).
+    """Validate ``rank_by``: its canonical spelling and the curvature it re-estimates with.
 
     Example:
         >>> check_rank_by("KRON-EF")[0]
         'kron-ef'
+        >>> check_rank_by("Auto")
+        ('auto', None)
+
+    Returns:
+        The canonical spelling and the curvature options; ``None`` for ``"online"`` (no
+        re-estimate) and for ``"auto"`` (``"full-ggn"`` or ``"kron-ef"``, decided after training by
+        :func:`resolve_auto`).
 
     Raises:
         ValueError: Naming the choices, with a "did you mean" for a near miss.
     """
     rank_by = choice(rank_by, rank_by_choices(), "rank_by")
-    if rank_by == "online":
+    if rank_by in ("online", "auto"):
         return rank_by, None
     structure, approx = rank_by.rsplit("-", 1)  # a registered name may hold a hyphen itself
     return rank_by, CurvatureOptions(structure, approx, 0)
@@ -309,6 +443,58 @@ def _trainer_parser() -> Any:
     parser = ArgumentParser(exit_on_error=False)
     parser.add_class_arguments(pl.Trainer)
     return parser
+
+
+def _auto_evidences(
+    cb: MargLikCallback, trainer: pl.Trainer, module: pl.LightningModule
+) -> Tuple[Dict[str, float], Optional[str]]:
+    """``rank_by="auto"``'s evidences of a trained candidate: ``kron-ef``, and ``full-ggn`` unless
+    :func:`full_ggn_refusal` (or the full evidence pass itself) refuses it, with that reason."""
+    prior = cb.prior
+    assert prior is not None
+    evidences = {AUTO_FALLBACK: cb.evidence_with(trainer, module, *AUTO_FALLBACK.rsplit("-", 1))}
+    refused = full_ggn_refusal(int(prior.n_data) * _outputs_per_datum(cb, trainer, module), prior.n_params,
+                               len(prior.param_sizes))
+    if refused is None:
+        try:
+            evidences[AUTO_FULL] = cb.evidence_with(trainer, module, *AUTO_FULL.rsplit("-", 1))
+        except (ValueError, RuntimeError) as err:  # e.g. a forward torch.func cannot take, or out of memory
+            refused = f"the full GGN evidence pass failed: {type(err).__name__}: {err}"
+    return evidences, refused
+
+
+def _outputs_per_datum(cb: MargLikCallback, trainer: pl.Trainer, module: pl.LightningModule) -> int:
+    """``C``: the last dimension of the trained network's output on one evidence batch."""
+    batch_fn = getattr(module, "marglik_batch", None)
+    parameter = next(iter(cb.prior.params)) if cb.prior is not None else next(module.parameters())
+    with isolate_rng():  # as the callback draws its batches: training's random state stays as it is
+        batch = next(iter(evidence_batches(cb.dataloader, trainer, module)))
+    inputs, _ = split_batch(batch, batch_fn if callable(batch_fn) else None)
+    with eval_mode(module), torch.no_grad():
+        output = call_model(module, move(inputs, parameter.device, parameter.dtype))
+    return int(output.shape[-1]) if output.dim() > 1 else 1
+
+
+def _has_auto_evidences(result: CandidateResult) -> bool:
+    """Whether a stored result holds what ``rank_by="auto"`` may rank it by, whichever way it resolves."""
+    return AUTO_FALLBACK in result.evidences and (result.full_ggn_refused is not None or AUTO_FULL in result.evidences)
+
+
+def _resolve(results: Sequence[CandidateResult]) -> Tuple[str, str]:
+    """``rank_by="auto"`` resolved over ``results`` (:func:`resolve_auto`), written into each."""
+    choice, why = resolve_auto({r.name: r.full_ggn_refused for r in results})
+    for r in results:
+        r.marglik, r.rank_by = r.evidences[choice], choice
+    return choice, why
+
+
+def _shown_auto(result: CandidateResult) -> str:
+    """For a ``rank_by="auto"`` result: `` (full-ggn so far; kron-ef=-0.6610)`` after its marglik."""
+    if not result.evidences:
+        return ""
+    others = "".join(f"; {name}={value:.4f}" for name, value in result.evidences.items() if name != result.rank_by)
+    too_large = f"; {AUTO_FULL} too large" if result.full_ggn_refused is not None else ""
+    return f" ({result.rank_by} so far{others}{too_large})"
 
 
 def _ranked(results: Sequence[CandidateResult]) -> List[CandidateResult]:

@@ -30,10 +30,16 @@ LOCK_FILE = "results.lock"
 class CandidateResult:
     """One trained candidate: its evidence, size, cost and test metrics.
 
-    ``settings`` describe how it was trained (trainer, callback, seed, predictive and, from a
-    YAML, its ``class_path``/``init_args`` and the data); a re-run reuses the result only if they
-    are unchanged. ``metrics_error`` says why the test metrics failed after training (the result
-    is kept for its evidence and trained again by the next run).
+    ``settings`` describe how it was trained (trainer, callback, seed, predictive, the ``rank_by``
+    asked for and, from a YAML, its ``class_path``/``init_args`` and the data); a re-run reuses the
+    result only if they are unchanged. ``metrics_error`` says why the test metrics failed after
+    training (the result is kept for its evidence and trained again by the next run).
+
+    ``rank_by`` names the evidence ``marglik`` is: the one asked for, or what ``rank_by="auto"``
+    resolved to for all the run's candidates (``"full-ggn"`` or ``"kron-ef"``). With ``"auto"``,
+    ``evidences`` holds both of them by name (``"full-ggn"`` only where this candidate's exact full
+    GGN is within ``auto``'s limits; ``full_ggn_refused`` says why not otherwise), so that a re-run
+    that resolves the other way reuses the result.
     """
 
     name: str
@@ -46,8 +52,12 @@ class CandidateResult:
     settings: Dict[str, Any] = field(default_factory=dict)
     metrics_error: Optional[str] = None
     online_marglik: Optional[float] = None  # the callback's final evidence (= marglik with rank_by="online")
-    # tr EF / tr GGN at the final weights when the ranking evidence is the empirical Fisher's (diagnostics)
+    # tr EF / tr GGN at the final weights when the ranking evidence, or with rank_by="auto" its kron-ef
+    # evidence, is the empirical Fisher's (diagnostics)
     ef_curvature_ratio: Optional[float] = None
+    rank_by: Optional[str] = None  # the evidence marglik is ("auto" resolved); None in files of older versions
+    evidences: Dict[str, float] = field(default_factory=dict)  # rank_by="auto": each evidence it may resolve to
+    full_ggn_refused: Optional[str] = None  # rank_by="auto": why the exact full GGN is over its limits here
 
 
 def load_results(output_dir: str) -> Dict[str, CandidateResult]:
@@ -77,12 +87,15 @@ def _result_from_row(row: Any) -> CandidateResult:
     """A ``CandidateResult`` from one row of ``results.json``; TypeError on a field of the wrong type."""
     required = {"name": str, "marglik": (int, float), "n_params": int, "train_seconds": (int, float), "epochs": int}
     types = {**required, "hyperparameters": dict, "metrics": dict, "settings": dict, "metrics_error": (str, type(None)),
-             "online_marglik": (int, float, type(None)), "ef_curvature_ratio": (int, float, type(None))}
+             "online_marglik": (int, float, type(None)), "ef_curvature_ratio": (int, float, type(None)),
+             "rank_by": (str, type(None)), "evidences": dict, "full_ggn_refused": (str, type(None))}
     if not isinstance(row, dict) or not all(k in row for k in required):
         raise TypeError(f"a result must be an object with {', '.join(required)}, got {row!r:.200}")
     for key, expected in types.items():
         if key in row and (not isinstance(row[key], expected) or isinstance(row[key], bool)):
             raise TypeError(f"result {row.get('name')!r}: {key} has the wrong type ({type(row[key]).__name__})")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in row.get("evidences", {}).values()):
+        raise TypeError(f"result {row.get('name')!r}: evidences must map names to numbers")
     return CandidateResult(**{k: v for k, v in row.items() if k in types})
 
 
@@ -103,8 +116,9 @@ def save_results(
         higher_is_better: Direction of each metric, for the plot's axis label.
     """
     os.makedirs(output_dir, exist_ok=True)
-    nested = ("metrics", "hyperparameters", "settings", "metrics_error")
-    rows = [{**{k: v for k, v in asdict(r).items() if k not in nested}, **r.metrics} for r in results]
+    nested = ("metrics", "hyperparameters", "settings", "metrics_error", "evidences", "full_ggn_refused")
+    rows = [{**{k: v for k, v in asdict(r).items() if k not in nested},
+             **{f"marglik_{name}": value for name, value in r.evidences.items()}, **r.metrics} for r in results]
     _write_atomic(os.path.join(output_dir, RESULTS_JSON), lambda f: json.dump([asdict(r) for r in results], f, indent=2))
 
     def write_csv(f: Any) -> None:
