@@ -12,7 +12,9 @@ evidence is re-estimated with each approximation of ``APPROXIMATIONS`` -- kron-G
 diag-EF, eigenvalue-corrected Kronecker (ekfac-EF), the g-prior (kron-EF g-prior: one precision times
 each tensor's mean curvature diagonal), the evidence at the canonical point of the weights' rescaling
 orbits (``lightning_marglik.symmetries``: ReLU units balanced, channels in front of a BatchNorm
-equalized; the same function) with kron-GGN, kron-EF and diag-EF, and the evidence of the linearized
+equalized; the same function) and of the network with its BatchNorms folded into the layers before
+them (``lightning_marglik.folding``: the test-time function without normalization layers), each with
+kron-GGN, kron-EF and diag-EF, and the evidence of the linearized
 network at its own optimum (``lightning_marglik.linearized``: L-BFGS towards the optimum until the
 gradient has fallen to ``LINEARIZED_TOL`` of its start or ``LINEARIZED_STEPS`` iterations, with and
 without the biases in the Jacobian features; the first seed only, ``LIMITED_SEEDS``: it costs 25-100
@@ -63,6 +65,7 @@ from lightning_marglik import (  # noqa: E402
 from common import OUTPUTS, RESULTS, library_state  # noqa: E402
 from lightning_marglik.gprior import curvature_diagonal, optimize_g_prior  # noqa: E402
 from lightning_marglik.linearized import linearized_evidence  # noqa: E402
+from lightning_marglik.folding import fold_batchnorm  # noqa: E402
 from lightning_marglik.symmetries import canonicalize  # noqa: E402
 from lightning_marglik.selection import quiet_lightning  # noqa: E402
 
@@ -99,7 +102,9 @@ QUICK_CANDIDATES = ("linear", "mlp32x1", "cnn8x1", "res4x1")
 
 # approximation label: (structure, approx, mc_samples, method); method "map": the Laplace evidence at the
 # trained weights; "canonical": at the point of the weights' rescaling orbits that lightning_marglik.symmetries
-# picks (units balanced, normalized channels equalized: the same function); "linearized": at the linearized
+# picks (units balanced, normalized channels equalized: the same function); "folded": of the network with every
+# BatchNorm folded into the layer before it (lightning_marglik.folding: the eval-mode function as a network without
+# normalization; the same as "map" for a network without BatchNorm); "linearized": at the linearized
 # network's own optimum, solved to convergence (lightning_marglik.linearized); "linearized-nobias": the same with
 # every bias held at its trained value, outside the Jacobian features and the evidence; "g-prior": one precision
 # delta_g times each tensor's mean curvature diagonal (lightning_marglik.gprior)
@@ -113,6 +118,9 @@ APPROXIMATIONS: Dict[str, Tuple[str, str, int, str]] = {
     "kron-GGN canonical": ("kron", "ggn", 0, "canonical"),
     "kron-EF canonical": ("kron", "ef", 0, "canonical"),
     "diag-EF canonical": ("diag", "ef", 0, "canonical"),
+    "kron-GGN folded": ("kron", "ggn", 0, "folded"),
+    "kron-EF folded": ("kron", "ef", 0, "folded"),
+    "diag-EF folded": ("diag", "ef", 0, "folded"),
     "kron-GGN linearized": ("kron", "ggn", 0, "linearized"),
     "kron-GGN linearized, no biases": ("kron", "ggn", 0, "linearized-nobias"),
 }
@@ -122,7 +130,7 @@ LINEARIZED_STEPS = 40
 LINEARIZED_TOL = 1e-3
 # the linearized evidences cost 25-100 kron-EF passes each (L-BFGS over the training set): on the first seed only
 LIMITED_SEEDS: Dict[str, Tuple[int, ...]] = {"kron-GGN linearized": (0,), "kron-GGN linearized, no biases": (0,)}
-EARLY_APPROXIMATIONS = ("kron-EF", "diag-EF", "kron-EF canonical")  # the cheap ones, also at 10 % and 30 %
+EARLY_APPROXIMATIONS = ("kron-EF", "diag-EF", "kron-EF canonical", "kron-EF folded")  # the cheap ones, also at 10 % and 30 %
 FRACTIONS = (0.1, 0.3, 1.0)
 HAND_WRITTEN = "<!-- hand-written below: kept when the script rewrites the file -->"
 
@@ -275,6 +283,9 @@ def posthoc_evidence(net: nn.Module, state: Dict[str, Any], loader: DataLoader, 
     net.eval()
     names = [n for n, p in net.named_parameters() if p.requires_grad]
     online = dict(zip(names, state["log_precision"]))  # the layerwise prior's order: the net's parameters
+    if method == "folded":  # its own parameters: the online precision where a name survives, else delta = 1
+        net = fold_batchnorm(net, next(iter(loader))[0]).model
+        online = {n: online.get(n, torch.zeros(())) for n, _ in net.named_parameters()}
     frozen = [p for n, p in net.named_parameters() if method == "linearized-nobias" and n.endswith("bias")]
     for p in frozen:
         p.requires_grad_(False)
