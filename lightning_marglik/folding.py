@@ -28,10 +28,9 @@ from torch.nn.modules.conv import _ConvNd
 
 from .curvature.batches import Inputs, call_model
 from .curvature.scale_invariance import find_scale_invariant
+from .symmetries import OUTPUT_TOLERANCE, relative_change
 
 __all__ = ["Folded", "fold_batchnorm"]
-
-OUTPUT_TOLERANCE = 1e-4  # relative change of the eval-mode outputs above which the folding is refused
 
 
 @dataclass
@@ -108,7 +107,7 @@ def fold_batchnorm(model: nn.Module, inputs: Inputs) -> Folded:
         report.folded[entry.layer] = entry.norm
     with torch.no_grad():
         after = call_model(folded_model, inputs).detach()
-    report.output_change = float((after - before).abs().max() / before.abs().max().clamp_min(1e-30))
+    report.output_change = relative_change(before, after)
     if not report.output_change <= OUTPUT_TOLERANCE:
         raise RuntimeError(
             f"folding the BatchNorms {sorted(report.folded.values())} changed the eval-mode outputs by "

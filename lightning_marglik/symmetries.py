@@ -47,7 +47,7 @@ from .curvature.batches import Inputs, call_model
 from .curvature.scale_invariance import find_scale_invariant
 from .hyperparameters import GaussianPrior
 
-__all__ = ["Canonicalization", "canonicalize"]
+__all__ = ["Canonicalization", "canonicalize", "relative_change"]
 
 # maps between two layers that commute with a positive scale per channel
 HOMOGENEOUS = (
@@ -235,6 +235,12 @@ def _equalize(group: _Channels, held: Dict[int, Tensor]) -> Tensor:
     return log_s
 
 
+def relative_change(before: Tensor, after: Tensor) -> float:
+    """Largest change between two output tensors, relative to the largest magnitude of ``before``: what a
+    function-preserving move of the weights is checked by."""
+    return float((after - before).abs().max() / before.abs().max().clamp_min(1e-30))
+
+
 def canonicalize(model: nn.Module, prior: GaussianPrior, inputs: Inputs, units: bool = True,
                  channels: bool = True) -> Canonicalization:
     """Move ``model`` in place to the canonical point of its rescaling orbits (see the module docstring).
@@ -293,7 +299,7 @@ def canonicalize(model: nn.Module, prior: GaussianPrior, inputs: Inputs, units: 
     with torch.no_grad():
         after = call_model(model, inputs).detach()
     model.train(was_training)
-    report.output_change = float((after - before).abs().max() / before.abs().max().clamp_min(1e-30))
+    report.output_change = relative_change(before, after)
     if not report.output_change <= OUTPUT_TOLERANCE:
         model.load_state_dict(state)
         raise RuntimeError(
