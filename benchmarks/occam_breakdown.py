@@ -13,6 +13,11 @@ block-diagonal over tensors with one precision per tensor, so ``log|H_t|`` is ``
 with ``delta_t`` raised to ``e^40`` plus ``40 P_t`` (exact up to ``s lambda e^-40``). With it the effective
 number of parameters ``gamma_t = P_t - d log|H| / d log delta_t`` (MacKay's, by autograd).
 
+Then, on the candidates small enough for the exact ``full`` GGN (``FULL_MAX_PARAMS``: its ``P x P``
+matrix), the whole Occam term and gamma of ``full``, kron-GGN and kron-EF side by side (each with its own
+Newton-optimised layerwise prior): whether the block-diagonal structures count more effective parameters
+than the curvature has, and more so for networks with more tensors.
+
 Usage::
 
     python examples/ranking_study.py                     # first: trains the study and saves its weights
@@ -22,6 +27,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -44,21 +50,33 @@ from lightning_marglik.curvature.scale_invariance import find_scale_invariant  #
 NAME = "occam_breakdown"
 LARGE = 40.0  # log delta that takes a tensor's block out of log|H| (its own term becomes P_t * LARGE)
 KINDS = ("weights feeding a BatchNorm", "BatchNorm scale and shift", "other weights", "other biases")
+FULL_MAX_PARAMS = 5200  # the full GGN's P x P matrices in float64 (about 0.2 GB at the largest), ~1 min each
+STRUCTURES = (("full", "ggn"), ("kron", "ggn"), ("kron", "ef"))
+
+
+def log_det_slope(evidence: LaplaceEvidence):
+    """The hyperparameters (float64), ``log|H|`` there and its gradient in the log precisions."""
+    values = {k: v.detach().to(torch.float64) for k, v in evidence.hyperparameters().items()}
+    log_delta = values["log_precision"].clone().requires_grad_(True)
+    log_det = evidence._pieces({**values, "log_precision": log_delta})["log_det"]
+    return values, log_det.detach(), torch.autograd.grad(log_det, log_delta)[0]
+
+
+def total_gamma(evidence: LaplaceEvidence) -> float:
+    """MacKay's effective number of parameters of any structure: ``P - sum_t d log|H| / d log delta_t``."""
+    return evidence.prior.n_params - float(log_det_slope(evidence)[2].sum())
 
 
 def occam_per_tensor(evidence: LaplaceEvidence) -> List[Dict[str, float]]:
     """Per prior tensor of a layerwise prior: its Occam term, effective parameters and log precision (nats, totals)."""
     prior = evidence.prior
-    values = {k: v.detach().to(torch.float64) for k, v in evidence.hyperparameters().items()}
-    log_delta = values["log_precision"].clone().requires_grad_(True)
-    log_det = evidence._pieces({**values, "log_precision": log_delta})["log_det"]
-    slope = torch.autograd.grad(log_det, log_delta)[0]
+    values, log_det, slope = log_det_slope(evidence)
     rows = []
     for t, (name, param) in enumerate(zip(prior.param_names, prior.params)):
         raised = values["log_precision"].clone()
         raised[t] = LARGE
         without = evidence._pieces({**values, "log_precision": raised})["log_det"]
-        own = float(log_det.detach() - without) + param.numel() * LARGE
+        own = float(log_det - without) + param.numel() * LARGE
         ld, sq = float(values["log_precision"][t]), float(param.detach().double().pow(2).sum())
         rows.append({"name": name, "params": param.numel(), "log_delta": ld,
                      "occam": 0.5 * param.numel() * ld - 0.5 * torch.tensor(ld).exp().item() * sq - 0.5 * own,
@@ -75,7 +93,8 @@ def kind_of(name: str, normalized: Sequence[str], norms: Sequence[str]) -> str:
     return KINDS[3] if name.endswith("bias") else KINDS[2]
 
 
-def breakdown(name: str, seed: int, cache: str, loader: DataLoader) -> Dict[str, Any]:
+def fitted(name: str, seed: int, cache: str, loader: DataLoader, structure: str, approx: str):
+    """The run's final network and its evidence with ``structure``/``approx``, precisions optimised by Newton."""
     family, kwargs = rs.CANDIDATES[name]
     state = torch.load(rs.weights_path(cache, name, seed))["100%"]
     net = rs.build_network(family, rs.RECIPE["image_size"], **kwargs)
@@ -83,9 +102,28 @@ def breakdown(name: str, seed: int, cache: str, loader: DataLoader) -> Dict[str,
     net.eval()
     prior = GaussianPrior(net, structure="layerwise")
     prior.log_precision.copy_(state["log_precision"])
-    evidence = LaplaceEvidence.fit(net, loader, CategoricalLikelihood(), prior, structure="kron", approx="ef")
+    evidence = LaplaceEvidence.fit(net, loader, CategoricalLikelihood(), prior, structure=structure, approx=approx)
     solution = evidence.optimize(solver="newton", max_evaluations=50)
     evidence.set_hyperparameters(solution.values)
+    return net, prior, evidence, solution
+
+
+def structures_side_by_side(name: str, seed: int, cache: str, loader: DataLoader) -> Dict[str, Any]:
+    """Evidence, data fit, Occam term and gamma per structure of ``STRUCTURES`` (per datum, gamma in parameters)."""
+    out: Dict[str, Any] = {"name": name, "family": rs.CANDIDATES[name][0], "seed": seed}
+    for structure, approx in STRUCTURES:
+        _, prior, evidence, solution = fitted(name, seed, cache, loader, structure, approx)
+        n, fit = evidence.n_data, float(evidence.log_likelihood()) / evidence.n_data
+        out["params"] = prior.n_params
+        out[f"{structure}-{approx}"] = {"evidence": float(solution.value) / n, "fit": fit,
+                                        "occam": float(solution.value) / n - fit, "gamma": total_gamma(evidence),
+                                        "converged": bool(solution.converged)}
+    return out
+
+
+def breakdown(name: str, seed: int, cache: str, loader: DataLoader) -> Dict[str, Any]:
+    family = rs.CANDIDATES[name][0]
+    net, prior, evidence, solution = fitted(name, seed, cache, loader, "kron", "ef")
     n = evidence.n_data
     rows = occam_per_tensor(evidence)
     found = find_scale_invariant(net, next(iter(loader))[0][:64])
@@ -104,7 +142,7 @@ def breakdown(name: str, seed: int, cache: str, loader: DataLoader) -> Dict[str,
             "by_kind": by_kind, "tensors": rows, "converged": bool(solution.converged)}
 
 
-def write(results: List[Dict[str, Any]], command: str, seconds: float) -> Path:
+def write(results: List[Dict[str, Any]], side: List[Dict[str, Any]], command: str, seconds: float) -> Path:
     path = RESULTS / f"{NAME}.md"
     lines = [
         "# Where the evidence puts its Occam factor (the ranking study's candidates)",
@@ -125,8 +163,25 @@ def write(results: List[Dict[str, Any]], command: str, seconds: float) -> Path:
                            for k in KINDS)
         lines.append(f"| {r['name']} | {r['family']} | {r['params']} | {r['evidence']:.3f} | {r['fit']:.3f} | "
                      f"{r['occam']:.3f} | {r['gamma']:.0f} | {-r['occam'] * r['n_data'] / r['gamma']:.2f} | {share} |")
+    labels = [f"{s}-{a}" for s, a in STRUCTURES]
+    lines += [
+        "",
+        f"## full against kron on the candidates with at most {FULL_MAX_PARAMS} parameters",
+        "",
+        "Each structure with its own Newton-optimised layerwise prior at the same weights; per datum, gamma in "
+        "parameters. rank: by evidence among these candidates (1 = best).",
+        "",
+        "| candidate | family | params | test acc | "
+        + " | ".join(f"{lb}: evidence / Occam / gamma / rank" for lb in labels) + " |",
+        "|---|---|---|---|" + "---|" * len(labels),
+    ]
+    ranks = {lb: rs.rankdata(-torch.tensor([r[lb]["evidence"] for r in side]).numpy()) for lb in labels} if side else {}
+    for i, r in enumerate(side):
+        cells = " | ".join(f"{r[lb]['evidence']:.3f} / {r[lb]['occam']:.3f} / {r[lb]['gamma']:.0f} / {ranks[lb][i]:.0f}"
+                           for lb in labels)
+        lines.append(f"| {r['name']} | {r['family']} | {r['params']} | {r['test_accuracy']:.3f} | {cells} |")
     lines += ["", hand_written(path)]
-    write_with_data(path, "\n".join(lines), {"results": results})
+    write_with_data(path, "\n".join(lines), {"results": results, "structures": side})
     return path
 
 
@@ -150,9 +205,22 @@ def main(argv: Sequence[str] | None = None) -> None:
             results.append(r)
             print(f"{name} seed {seed}: evidence {r['evidence']:.3f} = fit {r['fit']:.3f} + Occam {r['occam']:.3f}, "
                   f"gamma {r['gamma']:.0f}", flush=True)
+    side = []
+    for seed in args.seeds:
+        for name in args.candidates:
+            small = sum(p.numel() for p in rs.build_network(rs.CANDIDATES[name][0], rs.RECIPE["image_size"],
+                                                            **rs.CANDIDATES[name][1]).parameters())
+            if small > FULL_MAX_PARAMS or not os.path.exists(rs.weights_path(args.cache, name, seed)):
+                continue
+            r = structures_side_by_side(name, seed, args.cache, loader)
+            with open(rs.cache_path(args.cache, name, seed)) as f:
+                r["test_accuracy"] = json.load(f)["checkpoints"]["100%"]["test_accuracy"]
+            side.append(r)
+            print(f"{name} seed {seed}: " + ", ".join(f"{lb} {r[lb]['evidence']:.3f} (gamma {r[lb]['gamma']:.0f})"
+                                                       for lb in (f"{s}-{a}" for s, a in STRUCTURES)), flush=True)
     if results and not args.print_only:
         command = " ".join(["python benchmarks/occam_breakdown.py", *(sys.argv[1:] if argv is None else argv)])
-        print(write(results, command, time.perf_counter() - start))
+        print(write(results, side, command, time.perf_counter() - start))
 
 
 if __name__ == "__main__":
