@@ -26,9 +26,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.conv import _ConvNd
 
-from .curvature.batches import Inputs, call_model
+from .curvature.batches import Inputs
 from .curvature.scale_invariance import find_scale_invariant
-from .symmetries import OUTPUT_TOLERANCE, relative_change
+from .symmetries import OUTPUT_TOLERANCE, eval_outputs, reference_outputs, relative_change
 
 __all__ = ["Folded", "fold_batchnorm"]
 
@@ -83,6 +83,7 @@ def fold_batchnorm(model: nn.Module, inputs: Inputs) -> Folded:
         The folded copy and what was folded (nothing, for a network without such a norm).
 
     Raises:
+        ValueError: If the eval-mode outputs on ``inputs`` are not finite.
         RuntimeError: If the eval-mode outputs on ``inputs`` changed by more than ``OUTPUT_TOLERANCE``
             (relative), e.g. a ``forward`` that reads a folded norm's parameters elsewhere.
 
@@ -93,8 +94,7 @@ def fold_batchnorm(model: nn.Module, inputs: Inputs) -> Folded:
         ({'0': '1'}, 'Identity')
     """
     folded_model = copy.deepcopy(model).eval()
-    with torch.no_grad():
-        before = call_model(folded_model, inputs).detach()
+    before = reference_outputs(folded_model, inputs)
     modules = dict(folded_model.named_modules())
     report = Folded(folded_model)
     for entry in find_scale_invariant(folded_model, inputs):
@@ -105,9 +105,7 @@ def fold_batchnorm(model: nn.Module, inputs: Inputs) -> Folded:
         parent, _, attribute = entry.norm.rpartition(".")
         setattr(modules[parent] if parent else folded_model, attribute, nn.Identity())
         report.folded[entry.layer] = entry.norm
-    with torch.no_grad():
-        after = call_model(folded_model, inputs).detach()
-    report.output_change = relative_change(before, after)
+    report.output_change = relative_change(before, eval_outputs(folded_model, inputs))
     if not report.output_change <= OUTPUT_TOLERANCE:
         raise RuntimeError(
             f"folding the BatchNorms {sorted(report.folded.values())} changed the eval-mode outputs by "

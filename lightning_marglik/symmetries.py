@@ -43,11 +43,12 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.conv import _ConvNd
 
+from .curvature import eval_mode
 from .curvature.batches import Inputs, call_model
 from .curvature.scale_invariance import find_scale_invariant
 from .hyperparameters import GaussianPrior
 
-__all__ = ["Canonicalization", "canonicalize", "relative_change"]
+__all__ = ["Canonicalization", "canonicalize", "eval_outputs", "reference_outputs", "relative_change"]
 
 # maps between two layers that commute with a positive scale per channel
 HOMOGENEOUS = (
@@ -235,6 +236,25 @@ def _equalize(group: _Channels, held: Dict[int, Tensor]) -> Tensor:
     return log_s
 
 
+def eval_outputs(model: nn.Module, inputs: Inputs) -> Tensor:
+    """The eval-mode outputs of ``model`` on ``inputs``, every module's own training flag restored afterwards."""
+    with eval_mode(model), torch.no_grad():
+        return call_model(model, inputs).detach()
+
+
+def reference_outputs(model: nn.Module, inputs: Inputs) -> Tensor:
+    """:func:`eval_outputs` before a function-preserving move, which they are checked against afterwards.
+
+    Raises:
+        ValueError: If they are not finite: there is nothing to compare the moved model with.
+    """
+    outputs = eval_outputs(model, inputs)
+    if not bool(torch.isfinite(outputs).all()):
+        raise ValueError("The model's eval-mode outputs on `inputs` are not finite (NaN or inf in the batch or the "
+                         "weights), so no move of its weights can be checked against them: pass a batch of real data.")
+    return outputs
+
+
 def relative_change(before: Tensor, after: Tensor) -> float:
     """Largest change between two output tensors, relative to the largest magnitude of ``before``: what a
     function-preserving move of the weights is checked by."""
@@ -261,7 +281,8 @@ def canonicalize(model: nn.Module, prior: GaussianPrior, inputs: Inputs, units: 
         What moved.
 
     Raises:
-        ValueError: If ``prior`` was not built on ``model``'s parameters.
+        ValueError: If ``prior`` was not built on ``model``'s parameters, or the outputs on ``inputs``
+            are not finite.
         RuntimeError: If the outputs on ``inputs`` changed by more than ``OUTPUT_TOLERANCE``
             (relative) -- a ``forward`` that does not call its ``nn.Sequential`` children in order;
             the model is then restored as it was.
@@ -278,11 +299,7 @@ def canonicalize(model: nn.Module, prior: GaussianPrior, inputs: Inputs, units: 
     precision = torch.split(prior.per_parameter(prior.log_precision.detach()).exp(), prior.param_sizes)
     held = {id(p): d.reshape(p.shape) for p, d in zip(prior.params, precision)}
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        before = call_model(model, inputs).detach()
-    model.train(was_training)
+    before = reference_outputs(model, inputs)
     # a rescaled float32 tensor's energies are off by rounding: the sweeps cannot settle below its precision
     tolerance = max(TOLERANCE, 100 * torch.finfo(prior.params[0].dtype).eps)
     groups = _normalized(model, inputs, held) if channels else []
@@ -295,11 +312,7 @@ def canonicalize(model: nn.Module, prior: GaussianPrior, inputs: Inputs, units: 
             break
     else:
         report.converged = not (groups or pairs)
-    model.eval()
-    with torch.no_grad():
-        after = call_model(model, inputs).detach()
-    model.train(was_training)
-    report.output_change = relative_change(before, after)
+    report.output_change = relative_change(before, eval_outputs(model, inputs))
     if not report.output_change <= OUTPUT_TOLERANCE:
         model.load_state_dict(state)
         raise RuntimeError(

@@ -125,3 +125,9 @@ def test_a_layer_whose_output_is_used_elsewhere_is_not_folded():
     folded = fold_batchnorm(net, x)
     assert folded.folded == {}
     torch.testing.assert_close(folded.model(x), net(x))
+
+
+def test_a_batch_with_non_finite_outputs_is_refused():
+    net = trained_statistics(resnet())
+    with pytest.raises(ValueError, match="not finite"):
+        fold_batchnorm(net, torch.full((4, 1, 4, 4), float("inf"), dtype=torch.float64))

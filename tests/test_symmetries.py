@@ -217,3 +217,19 @@ def test_a_forward_that_breaks_the_symmetry_is_refused_and_the_model_restored():
         canonicalize(net, GaussianPrior(net), data()[0])
     for name, value in net.state_dict().items():
         assert torch.equal(value, reference[name])
+
+
+def test_a_batch_with_non_finite_outputs_is_refused_before_anything_moves():
+    net = build(bn_cnn)
+    reference = copy.deepcopy(net.state_dict())
+    with pytest.raises(ValueError, match="not finite"):
+        canonicalize(net, GaussianPrior(net), torch.full((4, 1, 4, 4), float("nan"), dtype=torch.float64))
+    for name, value in net.state_dict().items():
+        assert torch.equal(value, reference[name])
+
+
+def test_each_module_keeps_its_own_training_flag():
+    net = build(bn_cnn).train()
+    net[3].eval()  # a BatchNorm a fine-tuning recipe keeps frozen inside a model in training
+    canonicalize(net, GaussianPrior(net), data()[0])
+    assert net.training and not net[3].training and net[0].training
