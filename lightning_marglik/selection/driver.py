@@ -452,12 +452,17 @@ def _auto_evidences(
     :func:`full_ggn_refusal` (or the full evidence pass itself) refuses it, with that reason."""
     prior = cb.prior
     assert prior is not None
-    evidences = {AUTO_FALLBACK: cb.evidence_with(trainer, module, *AUTO_FALLBACK.rsplit("-", 1))}
+
+    def evidence(rank_by: str) -> float:  # spelled as rank_by: check_rank_by parses it, as for any rank_by
+        options = check_rank_by(rank_by)[1]
+        return cb.evidence_with(trainer, module, options.structure, options.approx)
+
+    evidences = {AUTO_FALLBACK: evidence(AUTO_FALLBACK)}
     refused = full_ggn_refusal(int(prior.n_data) * _outputs_per_datum(cb, trainer, module), prior.n_params,
                                len(prior.param_sizes))
     if refused is None:
         try:
-            evidences[AUTO_FULL] = cb.evidence_with(trainer, module, *AUTO_FULL.rsplit("-", 1))
+            evidences[AUTO_FULL] = evidence(AUTO_FULL)
         except (ValueError, RuntimeError) as err:  # e.g. a forward torch.func cannot take, or out of memory
             refused = f"the full GGN evidence pass failed: {type(err).__name__}: {err}"
     return evidences, refused
