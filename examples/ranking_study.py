@@ -284,9 +284,6 @@ def posthoc_evidence(net: nn.Module, state: Dict[str, Any], loader: DataLoader, 
     net.eval()
     names = [n for n, p in net.named_parameters() if p.requires_grad]
     online = dict(zip(names, state["log_precision"]))  # the layerwise prior's order: the net's parameters
-    if method == "folded":  # its own parameters: the online precision where a name survives, else delta = 1
-        net = fold_batchnorm(net, next(iter(loader))[0]).model
-        online = {n: online.get(n, torch.zeros(())) for n, _ in net.named_parameters()}
     frozen = [p for n, p in net.named_parameters() if method == "linearized-nobias" and n.endswith("bias")]
     for p in frozen:
         p.requires_grad_(False)
@@ -294,6 +291,9 @@ def posthoc_evidence(net: nn.Module, state: Dict[str, Any], loader: DataLoader, 
         prior_obj = GaussianPrior(net, structure=prior)
         prior_obj.log_precision.copy_(torch.stack([online[n] for n in prior_obj.param_names]) if prior == "layerwise"
                                       else state["log_precision"])
+        if method == "folded":  # the prior carried over as select_models does: a new bias from delta = 1
+            folded = fold_batchnorm(net, next(iter(loader))[0], prior=prior_obj)
+            net, prior_obj = folded.model, folded.prior
         return _posthoc(net, prior_obj, loader, structure, kind, mc, method, seed)
     finally:
         for p in frozen:

@@ -69,13 +69,14 @@ def trainer(callbacks, max_epochs: int, **kwargs) -> pl.Trainer:
 
 
 class Classifier(pl.LightningModule):
-    """Small MLP classifier for the model-selection tests."""
+    """Small MLP classifier for the model-selection tests (``norm``: a BatchNorm after each hidden layer)."""
 
-    def __init__(self, n_data: int, width: int = 8, depth: int = 1, in_features: int = 2, classes: int = 3):
+    def __init__(self, n_data: int, width: int = 8, depth: int = 1, in_features: int = 2, classes: int = 3,
+                 norm: bool = False):
         super().__init__()
         layers, size = [], in_features
         for _ in range(depth):
-            layers += [nn.Linear(size, width), nn.Tanh()]
+            layers += [nn.Linear(size, width, bias=not norm), *([nn.BatchNorm1d(width)] if norm else []), nn.Tanh()]
             size = width
         self.net = nn.Sequential(*layers, nn.Linear(size, classes))
         self.prior = GaussianPrior(self.net)

@@ -2,13 +2,14 @@
 exactly, has no norm parameters, and its weights -- so any evidence of it -- do not depend on the scale of the
 channels in front of a BatchNorm, which the evidence of the network itself does."""
 import copy
+import math
 
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_marglik import CategoricalLikelihood, GaussianPrior, LaplaceEvidence
+from lightning_marglik import CategoricalLikelihood, GaussianPrior, LaplaceEvidence, LogNormalHyperprior
 from lightning_marglik.folding import fold_batchnorm
 
 
@@ -131,3 +132,74 @@ def test_a_batch_with_non_finite_outputs_is_refused():
     net = trained_statistics(resnet())
     with pytest.raises(ValueError, match="not finite"):
         fold_batchnorm(net, torch.full((4, 1, 4, 4), float("inf"), dtype=torch.float64))
+
+
+def small_net() -> nn.Module:
+    """conv (no bias) -> BatchNorm -> ReLU -> a Linear head that does not fold."""
+    return trained_statistics(nn.Sequential(nn.Conv2d(1, 2, 3, bias=False), nn.BatchNorm2d(2), nn.ReLU(),
+                                            nn.Flatten(), nn.Linear(8, 3)))
+
+
+def test_the_prior_is_carried_to_the_folded_network_with_its_precisions_and_treatments():
+    net = small_net()
+    hyperprior = LogNormalHyperprior(scale=2.0)
+    prior = GaussianPrior(net, precision=0.5, fixed=["4.bias"], hyperprior=hyperprior).double()
+    with torch.no_grad():
+        prior.log_precision.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]))  # 0.weight 1.weight 1.bias 4.weight 4.bias
+    prior.treat_scale_invariant(["0.weight"], "fixed")
+    prior.treat(["4.weight"], "decoupled", "mine")
+    prior.record_n_data(24)
+    before = (list(prior.param_names), prior.log_precision.clone())
+    folded = fold_batchnorm(net, data()[0], prior=prior)
+    new = folded.prior
+    assert new.model is folded.model and new.param_names == ["0.weight", "0.bias", "4.weight", "4.bias"]
+    # the folded weight starts from its old precision, the new bias from the declared one; the head keeps its own
+    torch.testing.assert_close(new.log_precision, torch.tensor([1.0, math.log(0.5), 4.0, 5.0], dtype=torch.float64))
+    assert new.fixed == ["4.bias"] and new.treated("decoupled") == ["4.weight"]
+    assert new.scale_invariant == [] and new.learned_names() == ["0.weight", "0.bias", "4.weight"]
+    assert new.hyperprior is hyperprior and new.initial_precision == 0.5 and int(new.n_data) == 24
+    assert (prior.param_names, prior.log_precision.tolist()) == (before[0], before[1].tolist())  # the original stays
+    assert prior.model is net
+
+
+def test_diagonal_and_scalar_priors_carry_their_values():
+    net = small_net()
+    diagonal = GaussianPrior(net, precision=2.0, structure="diagonal")
+    with torch.no_grad():
+        diagonal.log_precision.copy_(torch.randn(diagonal.log_precision.shape, generator=torch.Generator().manual_seed(0)))
+    new = fold_batchnorm(net, data()[0], prior=diagonal).prior
+    old = dict(zip(diagonal.param_names, torch.split(diagonal.log_precision, diagonal.param_sizes)))
+    values = dict(zip(new.param_names, torch.split(new.log_precision, new.param_sizes)))
+    for name in ("0.weight", "4.weight", "4.bias"):
+        assert torch.equal(values[name], old[name]), name
+    assert torch.equal(values["0.bias"], torch.full((2,), math.log(2.0)))
+    scalar = GaussianPrior(net, precision=3.0, structure="scalar")
+    with torch.no_grad():
+        scalar.log_precision.fill_(-1.5)
+    assert fold_batchnorm(net, data()[0], prior=scalar).prior.log_precision.tolist() == [-1.5]
+
+
+class Holder(nn.Module):
+    """A network with its prior registered beside it, as a LightningModule holds them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = small_net()
+        self.prior = GaussianPrior(self.net)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_in_a_module_that_holds_the_prior_the_copy_holds_the_carried_prior():
+    holder = Holder()
+    folded = fold_batchnorm(holder, data()[0], prior=holder.prior)
+    assert folded.folded == {"net.0": "net.1"}
+    assert folded.model.prior is folded.prior and folded.prior.model is folded.model.net
+    assert holder.prior.model is holder.net and "1.weight" in holder.prior.param_names
+    assert [m for m in folded.model.modules() if isinstance(m, GaussianPrior)] == [folded.prior]
+
+
+def test_a_prior_of_another_network_is_refused():
+    with pytest.raises(ValueError, match="not part of the Sequential"):
+        fold_batchnorm(small_net(), data()[0], prior=GaussianPrior(small_net()))

@@ -19,10 +19,12 @@ from lightning_utilities.core.rank_zero import rank_zero_warn  # one rank state 
 from torch.utils.data import DataLoader
 
 from ..curvature import CurvatureOptions, check_model, collect_statistics
+from ..curvature.batches import move, split_batch
 from ..curvature.scale_invariance import training_modes
 from ..diagnostics import ef_ratio_of, ef_unreliable_message
 from ..distributed import reduce_statistics, run_on_all_ranks
 from ..evidence import SOLVERS, LaplaceEvidence, require_data
+from ..folding import Folded, fold_batchnorm
 from ..hyperparameters import (
     BIAS_NORMALIZATION,
     SCALE_INVARIANT_TREATMENTS,
@@ -209,11 +211,7 @@ class EstimatorCore:
         prior, likelihood = self._hyperparameters()
         dtype, device = prior.params[0].dtype, prior.params[0].device
         checks.check_finite_hyperparameters(prior, likelihood, dtype)
-        try:
-            with isolate_rng():  # drawing a batch (a shuffled loader's seed) must not shift training's batch order
-                batch = next(iter(self._evidence_batches(trainer, pl_module, warn=True)))
-        except StopIteration:
-            raise MargLikConfigurationError("MargLikCallback: the evidence data loader yields no batches.") from None
+        batch = self._first_batch(trainer, pl_module, warn=True)
         inputs, output = checks.check_forward(pl_module, likelihood, batch, self._batch_fn(pl_module), device, dtype)
         # decided in Lightning's training modes; the first training batch re-checks them (_follow_training_modes)
         self._scale_inputs, self._scale_modes, self._modes_followed = inputs, None, False
@@ -229,11 +227,13 @@ class EstimatorCore:
     def _collect(
         self, pl_module: LightningModule, batches: Iterable, options: CurvatureOptions,
         generator: Optional[torch.Generator] = None, on_batch: Optional[Callable[[int], None]] = None,
+        prior: Optional[GaussianPrior] = None,
     ) -> Any:
-        """This rank's curvature statistics of ``batches`` at the current weights (the evidence pass)."""
-        prior, likelihood = self._hyperparameters()
+        """This rank's curvature statistics of ``batches`` at the current weights (the evidence pass), under
+        the callback's prior or ``prior`` (a folded copy's, :meth:`fold_batchnorm`)."""
+        own, likelihood = self._hyperparameters()
         return collect_statistics(
-            pl_module, batches, likelihood, prior, generator=generator, batch_fn=self._batch_fn(pl_module),
+            pl_module, batches, likelihood, prior or own, generator=generator, batch_fn=self._batch_fn(pl_module),
             on_batch=on_batch, options=options,
         )
 
@@ -308,6 +308,18 @@ class EstimatorCore:
 
     def _evidence_batches(self, trainer: Trainer, pl_module: LightningModule, warn: bool = False) -> Iterable:
         return evidence_batches(self.dataloader, trainer, pl_module, warn)
+
+    def _first_batch(self, trainer: Trainer, pl_module: LightningModule, warn: bool = False) -> Any:
+        """One evidence batch, drawn without shifting training's batch order (a shuffled loader's seed).
+
+        Raises:
+            MargLikConfigurationError: If the evidence data yield no batch.
+        """
+        try:
+            with isolate_rng():
+                return next(iter(self._evidence_batches(trainer, pl_module, warn=warn)))
+        except StopIteration:
+            raise MargLikConfigurationError("MargLikCallback: the evidence data loader yields no batches.") from None
 
     # --- resume ------------------------------------------------------------------------------
 
@@ -473,12 +485,15 @@ class MargLikCallbackCore(EstimatorCore):
 
     def _evidence(
         self, trainer: Trainer, pl_module: LightningModule, options: CurvatureOptions,
-        generator: Optional[torch.Generator],
+        generator: Optional[torch.Generator], folded: Optional[Folded] = None,
     ) -> LaplaceEvidence:
         """The evidence of the curvature ``options`` at the current weights, summed over all ranks:
         this epoch's training-pass sums where they are the callback's own, complete and hold as many
-        data as the evidence data, else one evidence pass over this rank's evidence batches."""
+        data as the evidence data, else one evidence pass over this rank's evidence batches (of the
+        ``folded`` copy under its prior, if given)."""
         prior, likelihood = self._hyperparameters()
+        model = pl_module if folded is None else folded.model
+        prior = prior if folded is None else folded.prior
         taken_training = False
 
         def local_pass(training: bool) -> Any:  # everything that can fail on one rank only, before the first collective
@@ -488,10 +503,10 @@ class MargLikCallbackCore(EstimatorCore):
             if taken is not None:
                 return taken
             batches = self._evidence_batches(trainer, pl_module)
-            with isolate_rng(), progress(trainer, batches, self._package) as on_batch:  # as in _check_setup
-                return self._collect(pl_module, batches, options, generator, on_batch)
+            with isolate_rng(), progress(trainer, batches, self._package) as on_batch:  # as _first_batch draws
+                return self._collect(model, batches, options, generator, on_batch, prior)
 
-        own = self._training is not None and options is self.options
+        own = self._training is not None and options is self.options and folded is None
         stats = reduce_statistics(run_on_all_ranks(trainer.strategy, lambda: local_pass(own)), trainer.strategy)
         if taken_training and int(stats.n_data) != int(prior.n_data):  # summed over ranks: the same on every rank
             rank_zero_warn(
@@ -502,7 +517,10 @@ class MargLikCallbackCore(EstimatorCore):
             stats = reduce_statistics(run_on_all_ranks(trainer.strategy, lambda: local_pass(False)), trainer.strategy)
         return LaplaceEvidence.from_statistics(stats, likelihood, prior)
 
-    def evidence_with(self, trainer: Trainer, pl_module: LightningModule, structure: str, approx: str) -> float:
+    def evidence_with(
+        self, trainer: Trainer, pl_module: LightningModule, structure: str, approx: str,
+        folded: Optional[Folded] = None,
+    ) -> float:
         """The log evidence per datum at the current weights with another curvature approximation.
 
         One evidence pass over the callback's evidence data with ``structure`` and ``approx``
@@ -516,6 +534,8 @@ class MargLikCallbackCore(EstimatorCore):
             pl_module: The trained module.
             structure: ``"kron"``, ``"ekfac"``, ``"diag"`` or ``"full"``.
             approx: ``"ggn"`` or ``"ef"``.
+            folded: :meth:`fold_batchnorm` of ``pl_module``: the evidence of that copy under its prior
+                (its hyperparameters re-optimised; the likelihood's are the callback's).
 
         Returns:
             The re-optimised log evidence per datum (NaN if the evidence is not finite).
@@ -525,16 +545,55 @@ class MargLikCallbackCore(EstimatorCore):
             RuntimeError: If the callback has not been set up by a fit (no prior or likelihood yet).
         """
         options = CurvatureOptions(structure, approx, 0, backend=self.options.backend)
-        if self.prior is None or self.likelihood is None:
-            raise RuntimeError(
-                "MargLikCallback.evidence_with reads the prior and likelihood the callback found when training "
-                "started: call it after trainer.fit(module) with this callback."
-            )
-        evidence = self._evidence(trainer, pl_module, options, None)
+        self._require_fit("evidence_with")
+        evidence = self._evidence(trainer, pl_module, options, None, folded)
         if not torch.isfinite(evidence.log_marglik().detach()):
             return math.nan
         solution = evidence.optimize(solver="newton", max_evaluations=50)
         return solution.value.item() / evidence.n_data
+
+    def fold_batchnorm(self, trainer: Trainer, pl_module: LightningModule) -> Folded:
+        """A copy of the trained ``pl_module`` with its BatchNorms folded into the layers before them.
+
+        :func:`lightning_marglik.folding.fold_batchnorm` on one evidence batch, with the callback's
+        prior carried over to the copy: pass the result to :meth:`evidence_with` for the evidence of
+        the test-time function as a network without normalization (what ``select_models`` ranks by).
+        ``pl_module`` is left as it is.
+
+        Args:
+            trainer: The trainer that trained ``pl_module`` (its data).
+            pl_module: The trained module.
+
+        Returns:
+            The folded copy, its prior and what was folded (nothing for a network without BatchNorm).
+
+        Raises:
+            RuntimeError: If the callback has not been set up by a fit, or folding changed the
+                eval-mode outputs (a ``forward`` that uses a norm other than as its layer's only consumer).
+            ValueError: If the network's eval-mode outputs on the evidence batch are not finite.
+        """
+        self._require_fit("fold_batchnorm")
+        return fold_batchnorm(pl_module, self.example_inputs(trainer, pl_module), prior=self.prior)
+
+    def example_inputs(self, trainer: Trainer, pl_module: LightningModule) -> Any:
+        """The model inputs of one evidence batch (split by ``marglik_batch``), on the prior's device and dtype.
+
+        Raises:
+            RuntimeError: If the callback has not been set up by a fit.
+            MargLikConfigurationError: If the evidence data yield no batch.
+        """
+        self._require_fit("example_inputs")
+        prior, _ = self._hyperparameters()
+        inputs, _ = split_batch(self._first_batch(trainer, pl_module), self._batch_fn(pl_module))
+        return move(inputs, prior.params[0].device, prior.params[0].dtype)
+
+    def _require_fit(self, method: str) -> None:
+        """Refuse a call that reads the prior and likelihood before a fit has found them."""
+        if self.prior is None or self.likelihood is None:
+            raise RuntimeError(
+                f"MargLikCallback.{method} reads the prior and likelihood the callback found when training "
+                "started: call it after trainer.fit(module) with this callback."
+            )
 
     # --- statistics from the training passes (statistics="training") ---------------------------
 

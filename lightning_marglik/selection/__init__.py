@@ -31,6 +31,9 @@ The candidates are ranked by ``rank_by`` (YAML key, ``--rank_by``): by default `
 evidence for all of them re-estimated at the final weights, the exact full GGN (``full-ggn``) where
 every candidate affords it (:func:`resolve_auto`: small regression networks), else the Kronecker
 empirical Fisher (``kron-ef``: image classifiers); each result's ``rank_by`` names the choice.
+That evidence is of each network with its BatchNorms folded into the layers before them
+(``fold_batchnorm``, YAML key and ``--fold_batchnorm``, default true; each result's ``folded``
+names them).
 
 Results are written after every candidate; a re-run with the same settings reuses the
 candidates that finished (``--rerun`` trains them all again). The results of candidates a run

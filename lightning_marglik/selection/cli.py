@@ -121,6 +121,10 @@ def build_parser() -> Any:
                              "candidates if the exact full GGN is affordable for every one (min(N C, P) <= "
                              f"{AUTO_FULL_MAX_DIRECTIONS}), else kron-ef; or 'online' (the callback's final "
                              f"estimate); one of {', '.join(rank_by_choices())}.")
+    parser.add_argument("--fold_batchnorm", "--fold-batchnorm", type=bool, default=True,
+                        help="Rank each candidate by the evidence of its network with the BatchNorms folded into "
+                             "the layers before them (the test-time function without normalization layers; no "
+                             "effect on networks without BatchNorm or with rank_by=online).")
     parser.add_argument("--trainer", type=Dict[str, Any], default={},
                         help="pl.Trainer arguments, e.g. --trainer.max_epochs=5; names and types are checked "
                              "against pl.Trainer's signature before anything is built. Defaults here: "
@@ -168,6 +172,7 @@ def run_command_line(argv: Optional[Sequence[str]] = None) -> Tuple[List[Candida
         "output_dir": cfg.output_dir,
         "predictive": cfg.predictive,
         "rank_by": cfg.rank_by,
+        "fold_batchnorm": cfg.fold_batchnorm,
         "trainer": dict(cfg.trainer),
         "callback": cfg.callback.as_dict(),
         "data": cfg.data.as_dict(),

@@ -10,7 +10,7 @@ from typing import Any, List, Mapping, Optional
 import pytorch_lightning as pl
 
 from ..callbacks import MargLikCallback
-from .driver import DEFAULT_RANK_BY, check_rank_by, check_trainer_arguments, select_models
+from .driver import DEFAULT_RANK_BY, check_fold_batchnorm, check_rank_by, check_trainer_arguments, select_models
 from .results import CandidateResult
 
 __all__ = ["check_config", "instantiate", "missing_module_fix", "resolve_class", "select_from_config"]
@@ -112,6 +112,7 @@ def check_config(config: Mapping[str, Any]) -> None:
     check_trainer_arguments(config.get("trainer") or {})
     MargLikCallback(**(config.get("callback") or {}))  # raises ValueError naming a bad argument
     check_rank_by(config.get("rank_by", DEFAULT_RANK_BY))
+    check_fold_batchnorm(config.get("fold_batchnorm", True))
 
 
 def _class_path(spec: Any, where: str) -> str:
@@ -127,7 +128,7 @@ def select_from_config(config: Mapping[str, Any], resume: bool = False, verbose:
 
     Args:
         config: ``data``, ``candidates`` and optionally ``trainer``, ``callback``, ``seed``,
-            ``predictive``, ``rank_by``, ``output_dir``.
+            ``predictive``, ``rank_by``, ``fold_batchnorm``, ``output_dir``.
         resume: Reuse results in ``output_dir`` of candidates trained with the same settings.
         verbose: Print one line per candidate.
 
@@ -149,6 +150,7 @@ def select_from_config(config: Mapping[str, Any], resume: bool = False, verbose:
         trainer=config.get("trainer"),
         predictive=config.get("predictive", "map"),
         rank_by=config.get("rank_by", DEFAULT_RANK_BY),
+        fold_batchnorm=config.get("fold_batchnorm", True),
         output_dir=config.get("output_dir"),
         seed=config.get("seed", 0),
         verbose=verbose,

@@ -15,23 +15,22 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import pytorch_lightning as pl
 import torch
 import torchmetrics
-from pytorch_lightning.utilities.seed import isolate_rng
 from torch.utils.data import DataLoader
 
 from ..callbacks import MargLikCallback, find_hyperparameters
-from ..callbacks.data import evidence_batches
 from ..curvature import APPROXIMATIONS, CurvatureOptions, check_model, eval_mode
-from ..curvature.batches import call_model, move, split_batch
+from ..curvature.batches import call_model
 from ..curvature.structures import structures_with
 from ..curvature.structures.full import FullStructure
 from ..diagnostics import ef_ratio_of, ef_unreliable_message
+from ..folding import Folded
 from ..validators import choice
 from .metrics import MetricsCheck, evaluate_metrics
 from .results import RESULTS_JSON, CandidateResult, load_results, run_lock, save_results
 
 __all__ = [
     "AUTO_FALLBACK", "AUTO_FULL", "AUTO_FULL_MAX_DIRECTIONS", "AUTO_FULL_MAX_MEMORY", "DEFAULT_RANK_BY", "PREDICTIVES",
-    "check_rank_by", "check_trainer_arguments", "full_ggn_refusal", "quiet_lightning", "rank_by_choices",
+    "check_fold_batchnorm", "check_rank_by", "check_trainer_arguments", "full_ggn_refusal", "quiet_lightning", "rank_by_choices",
     "resolve_auto", "select_models",
 ]
 
@@ -175,6 +174,7 @@ def select_models(
     resume: bool = False,
     settings: Optional[Mapping[str, Any]] = None,
     rank_by: str = DEFAULT_RANK_BY,
+    fold_batchnorm: bool = True,
 ) -> List[CandidateResult]:
     """Train every candidate with ``MargLikCallback`` and rank them by their evidence at the final weights.
 
@@ -191,8 +191,11 @@ def select_models(
     ``examples/results/toy_depth.md``), else the Kronecker empirical Fisher (``"kron-ef"``, e.g. for
     image classifiers), which ranked MLPs and CNNs best in the ranking study
     (``examples/results/ranking_study.md``, whose figures the documentation's results page
-    carries). Do not compare networks with and without normalization layers by their evidence:
-    every approximation ranked the BatchNorm ResNets there last. Compare candidates at the same
+    carries). A candidate's BatchNorms are folded into the layers before them for that evidence
+    (``fold_batchnorm``): the test-time function ranked as a network without normalization, the
+    best-ranking evidence of the study at the cost of one forward pass. Do not compare networks
+    with and without normalization layers by their evidence all the same: every approximation,
+    folded or not, ranked the BatchNorm ResNets there last. Compare candidates at the same
     fraction of training. For small regression networks of different depths train with
     ``callback={"structure": "full"}`` too. The evidence prefers the smaller of two
     near-equal models and judges under-trained candidates by where they are.
@@ -226,12 +229,17 @@ def select_models(
             result's ``rank_by`` names the choice, its ``evidences`` hold both); or ``"online"``,
             the callback's final estimate. Either way ``online_marglik`` of a result holds the
             callback's.
+        fold_batchnorm: Re-estimate the evidence of each trained candidate with its BatchNorms folded
+            into the layers before them (:meth:`MargLikCallback.fold_batchnorm`; its ``folded``
+            names them; no effect on a network without BatchNorm, nor on ``rank_by="online"``). A
+            candidate whose forward does not allow it is ranked as trained, with a warning.
 
     Returns:
         The results, best evidence first.
 
     Raises:
-        ValueError: On no candidates, no training data, an unknown ``predictive`` or ``rank_by``, ``trainer``
+        ValueError: On no candidates, no training data, an unknown ``predictive`` or ``rank_by``, a
+            ``fold_batchnorm`` that is not a bool, ``trainer``
             arguments that do not fit ``pl.Trainer``, a candidate ``rank_by`` cannot score (before
             it is trained; with ``"auto"``, one its fallback ``"kron-ef"`` cannot score, e.g. with
             a diagonal prior), or (when training starts) test data and metrics that do not fit the
@@ -246,6 +254,7 @@ def select_models(
     if predictive not in PREDICTIVES:
         raise ValueError(f"`predictive` must be one of {PREDICTIVES}, got {predictive!r}.")
     rank_by, rank_options = check_rank_by(rank_by)
+    fold = check_fold_batchnorm(fold_batchnorm) and rank_by != "online"  # the online evidence is the callback's own
     auto = rank_by == "auto"
     check_options = check_rank_by(AUTO_FALLBACK)[1] if auto else rank_options  # auto may fall back to it
     trainer = check_trainer_arguments(trainer or {})
@@ -256,7 +265,8 @@ def select_models(
     limits = {"auto_limits": {"max_directions": AUTO_FULL_MAX_DIRECTIONS, "max_memory": AUTO_FULL_MAX_MEMORY}}
     wanted = {
         name: _jsonable({"candidate": (settings or {}).get(name), "trainer": trainer, "callback": callback or {},
-                         "seed": seed, "predictive": predictive, "rank_by": rank_by, **(limits if auto else {})})
+                         "seed": seed, "predictive": predictive, "rank_by": rank_by, "fold_batchnorm": fold,
+                         **(limits if auto else {})})
         for name in candidates
     }
     with run_lock(output_dir):
@@ -305,13 +315,14 @@ def select_models(
             fit_trainer.fit(module, train_dataloaders=train_dataloader, datamodule=datamodule)
             evidences: Dict[str, float] = {}
             refused: Optional[str] = None
+            folded = _folded(cb, fit_trainer, module, name) if fold else None
             if auto:
-                evidences, refused = _auto_evidences(cb, fit_trainer, module)
+                evidences, refused = _auto_evidences(cb, fit_trainer, module, folded)
                 marglik = evidences[AUTO_FALLBACK]  # until resolved over the candidates (_resolve)
             elif rank_options is None:
                 marglik = cb.final_marglik
             else:
-                marglik = cb.evidence_with(fit_trainer, module, rank_options.structure, rank_options.approx)
+                marglik = cb.evidence_with(fit_trainer, module, rank_options.structure, rank_options.approx, folded)
             seconds = time.perf_counter() - fit_start
             ranked_by = "ef" if auto else cb.options.approx if rank_options is None else rank_options.approx
             # the EF's curvature check at the final weights, from the last estimate's own sums (no pass)
@@ -340,6 +351,7 @@ def select_models(
                 rank_by=rank_by,
                 evidences=evidences,
                 full_ggn_refused=refused,
+                folded=dict(folded.folded) if folded is not None else {},
             ))
             if auto:  # over the candidates so far; the last candidate's decides for all
                 _resolve(results)
@@ -398,6 +410,17 @@ def check_rank_by(rank_by: Any) -> Tuple[str, Optional[CurvatureOptions]]:
     return rank_by, CurvatureOptions(structure, approx, 0)
 
 
+def check_fold_batchnorm(fold_batchnorm: Any) -> bool:
+    """Validate ``select_models``' ``fold_batchnorm``.
+
+    Raises:
+        ValueError: If it is not a bool (e.g. the string ``"false"``, which would count as true).
+    """
+    if not isinstance(fold_batchnorm, bool):
+        raise ValueError(f"`fold_batchnorm` must be true or false, got {fold_batchnorm!r}.")
+    return fold_batchnorm
+
+
 def check_trainer_arguments(trainer: Mapping[str, Any]) -> Dict[str, Any]:
     """Check ``trainer`` against ``pl.Trainer``'s signature (names and types), without building one.
 
@@ -445,17 +468,29 @@ def _trainer_parser() -> Any:
     return parser
 
 
+def _folded(cb: MargLikCallback, trainer: pl.Trainer, module: pl.LightningModule, name: str) -> Optional[Folded]:
+    """:meth:`MargLikCallback.fold_batchnorm` of a trained candidate; ``None``, with a warning, where its
+    forward does not allow it (the candidate is then ranked as trained)."""
+    try:
+        return cb.fold_batchnorm(trainer, module)
+    except (ValueError, RuntimeError) as err:
+        warnings.warn(f"select_models(fold_batchnorm=True): candidate {name!r} is ranked by the evidence of the "
+                      f"network as trained, its BatchNorms not folded: {err}", stacklevel=3)
+        return None
+
+
 def _auto_evidences(
-    cb: MargLikCallback, trainer: pl.Trainer, module: pl.LightningModule
+    cb: MargLikCallback, trainer: pl.Trainer, module: pl.LightningModule, folded: Optional[Folded]
 ) -> Tuple[Dict[str, float], Optional[str]]:
-    """``rank_by="auto"``'s evidences of a trained candidate: ``kron-ef``, and ``full-ggn`` unless
-    :func:`full_ggn_refusal` (or the full evidence pass itself) refuses it, with that reason."""
-    prior = cb.prior
+    """``rank_by="auto"``'s evidences of a trained candidate (or its ``folded`` copy): ``kron-ef``, and
+    ``full-ggn`` unless :func:`full_ggn_refusal` (or the full evidence pass itself) refuses it, with that
+    reason."""
+    prior = cb.prior if folded is None else folded.prior
     assert prior is not None
 
     def evidence(rank_by: str) -> float:  # spelled as rank_by: check_rank_by parses it, as for any rank_by
         options = check_rank_by(rank_by)[1]
-        return cb.evidence_with(trainer, module, options.structure, options.approx)
+        return cb.evidence_with(trainer, module, options.structure, options.approx, folded)
 
     evidences = {AUTO_FALLBACK: evidence(AUTO_FALLBACK)}
     refused = full_ggn_refusal(int(prior.n_data) * _outputs_per_datum(cb, trainer, module), prior.n_params,
@@ -470,13 +505,8 @@ def _auto_evidences(
 
 def _outputs_per_datum(cb: MargLikCallback, trainer: pl.Trainer, module: pl.LightningModule) -> int:
     """``C``: the last dimension of the trained network's output on one evidence batch."""
-    batch_fn = getattr(module, "marglik_batch", None)
-    parameter = next(iter(cb.prior.params)) if cb.prior is not None else next(module.parameters())
-    with isolate_rng():  # as the callback draws its batches: training's random state stays as it is
-        batch = next(iter(evidence_batches(cb.dataloader, trainer, module)))
-    inputs, _ = split_batch(batch, batch_fn if callable(batch_fn) else None)
     with eval_mode(module), torch.no_grad():
-        output = call_model(module, move(inputs, parameter.device, parameter.dtype))
+        output = call_model(module, cb.example_inputs(trainer, module))
     return int(output.shape[-1]) if output.dim() > 1 else 1
 
 

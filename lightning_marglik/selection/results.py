@@ -39,7 +39,8 @@ class CandidateResult:
     resolved to for all the run's candidates (``"full-ggn"`` or ``"kron-ef"``). With ``"auto"``,
     ``evidences`` holds both of them by name (``"full-ggn"`` only where this candidate's exact full
     GGN is within ``auto``'s limits; ``full_ggn_refused`` says why not otherwise), so that a re-run
-    that resolves the other way reuses the result.
+    that resolves the other way reuses the result. ``folded`` names the layers whose BatchNorm was
+    folded into them for that evidence (layer -> norm; empty: none, or ``fold_batchnorm=False``).
     """
 
     name: str
@@ -58,6 +59,7 @@ class CandidateResult:
     rank_by: Optional[str] = None  # the evidence marglik is ("auto" resolved); None in files of older versions
     evidences: Dict[str, float] = field(default_factory=dict)  # rank_by="auto": each evidence it may resolve to
     full_ggn_refused: Optional[str] = None  # rank_by="auto": why the exact full GGN is over its limits here
+    folded: Dict[str, str] = field(default_factory=dict)  # layer -> the BatchNorm folded into it for marglik
 
 
 def load_results(output_dir: str) -> Dict[str, CandidateResult]:
@@ -88,7 +90,7 @@ def _result_from_row(row: Any) -> CandidateResult:
     required = {"name": str, "marglik": (int, float), "n_params": int, "train_seconds": (int, float), "epochs": int}
     types = {**required, "hyperparameters": dict, "metrics": dict, "settings": dict, "metrics_error": (str, type(None)),
              "online_marglik": (int, float, type(None)), "ef_curvature_ratio": (int, float, type(None)),
-             "rank_by": (str, type(None)), "evidences": dict, "full_ggn_refused": (str, type(None))}
+             "rank_by": (str, type(None)), "evidences": dict, "full_ggn_refused": (str, type(None)), "folded": dict}
     if not isinstance(row, dict) or not all(k in row for k in required):
         raise TypeError(f"a result must be an object with {', '.join(required)}, got {row!r:.200}")
     for key, expected in types.items():
