@@ -166,7 +166,7 @@ def test_diagonal_and_scalar_priors_carry_their_values():
     net = small_net()
     diagonal = GaussianPrior(net, precision=2.0, structure="diagonal")
     with torch.no_grad():
-        diagonal.log_precision.copy_(torch.randn(diagonal.log_precision.shape, generator=torch.Generator().manual_seed(0)))
+        diagonal.log_precision.normal_(generator=torch.Generator().manual_seed(0))
     new = fold_batchnorm(net, data()[0], prior=diagonal).prior
     old = dict(zip(diagonal.param_names, torch.split(diagonal.log_precision, diagonal.param_sizes)))
     values = dict(zip(new.param_names, torch.split(new.log_precision, new.param_sizes)))
