@@ -92,10 +92,19 @@ def test_a_forward_that_folding_breaks_is_ranked_as_trained_with_a_warning():
     assert warned.folded == {} and warned.marglik == plain.marglik
 
 
-def test_the_callback_folds_only_after_a_fit():
-    trainer = pl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_checkpointing=False)
+def test_the_callback_folds_only_after_a_fit_and_scores_only_a_copy_with_its_prior():
+    callback, module = MargLikCallback(**CALLBACK), Classifier(60, norm=True)
+    trainer = pl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                         callbacks=[callback])
     with pytest.raises(RuntimeError, match="MargLikCallback.fold_batchnorm reads the prior .* after trainer.fit"):
-        MargLikCallback().fold_batchnorm(trainer, Classifier(60, norm=True))
+        callback.fold_batchnorm(trainer, module)
+    trainer.fit(module, datamodule=BlobData())
+    without_prior = fold_batchnorm(module, blobs(60, 0).tensors[0][:20])
+    with pytest.raises(ValueError, match="needs the folded copy's prior: make it with MargLikCallback.fold_batchnorm"):
+        callback.evidence_with(trainer, module, "kron", "ef", folded=without_prior)
+    folded = callback.fold_batchnorm(trainer, module)
+    assert callback.evidence_with(trainer, module, "kron", "ef", folded=folded) == pytest.approx(
+        by_hand(module, True), rel=1e-5)
 
 
 def test_the_command_line_and_the_yaml_take_fold_batchnorm(tmp_path, capsys):

@@ -233,7 +233,7 @@ class EstimatorCore:
         the callback's prior or ``prior`` (a folded copy's, :meth:`fold_batchnorm`)."""
         own, likelihood = self._hyperparameters()
         return collect_statistics(
-            pl_module, batches, likelihood, prior or own, generator=generator, batch_fn=self._batch_fn(pl_module),
+            pl_module, batches, likelihood, own if prior is None else prior, generator=generator, batch_fn=self._batch_fn(pl_module),
             on_batch=on_batch, options=options,
         )
 
@@ -541,11 +541,14 @@ class MargLikCallbackCore(EstimatorCore):
             The re-optimised log evidence per datum (NaN if the evidence is not finite).
 
         Raises:
-            ValueError: On an unknown ``structure`` or ``approx``.
+            ValueError: On an unknown ``structure`` or ``approx``, or a ``folded`` without a prior.
             RuntimeError: If the callback has not been set up by a fit (no prior or likelihood yet).
         """
         options = CurvatureOptions(structure, approx, 0, backend=self.options.backend)
         self._require_fit("evidence_with")
+        if folded is not None and folded.prior is None:
+            raise ValueError("MargLikCallback.evidence_with(folded=...) needs the folded copy's prior: make it with "
+                             "MargLikCallback.fold_batchnorm(trainer, module), not fold_batchnorm(model, inputs).")
         evidence = self._evidence(trainer, pl_module, options, None, folded)
         if not torch.isfinite(evidence.log_marglik().detach()):
             return math.nan
