@@ -21,19 +21,20 @@ iterations are preconditioned by the evidence's own posterior precision at ``the
 ``H = s C + diag(delta)`` of ``structure`` (the linear model's Jacobian is ``J(theta*)`` everywhere,
 so the evidence pass, taken first, serves both): every two-loop recursion starts from
 ``gamma H^-1`` instead of ``gamma I``, i.e. L-BFGS in the coordinates ``u = H^(1/2) (theta - theta*)``.
-``H^-1`` is applied blockwise from the decompositions the structure holds: a Kronecker block
-``kron(G, A)`` in the eigenbasis ``U_G (x) U_A`` as ``1 / (s q_i w_j + delta)``, EKFAC's with its
-second moments, a diagonal block (e.g. a norm's parameters under ``kron``) as ``1 / (s c + delta)``,
-a ``full`` curvature as its dense inverse. A block-diagonal ``H`` holds no coupling between layers
-(a BatchNorm's scale against the weights in front of it, the branches of a residual block), which
-is what keeps a BatchNorm ResNet's linear model slow to solve (see ``precondition``).
+``H^-1`` is applied blockwise, each structure's block by its own ``inverse`` from the decompositions
+it holds: a Kronecker block ``kron(G, A)`` in the eigenbasis ``U_G (x) U_A`` as
+``1 / (s q_i w_j + delta)``, EKFAC's with its second moments, a diagonal block (e.g. a norm's
+parameters under ``kron``) as ``1 / (s c + delta)``, a ``full`` curvature as its dense inverse. A
+block-diagonal ``H`` holds no coupling between layers (a BatchNorm's scale against the weights in
+front of it, the branches of a residual block), which is what keeps a BatchNorm ResNet's linear
+model slow to solve (see ``precondition``).
 
 Nothing is written into the model or the hyperparameters.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -42,10 +43,7 @@ from torch.optim.lbfgs import _strong_wolfe  # the line search of torch.optim.LB
 
 from .curvature import CurvatureOptions, collect_statistics, eval_mode, locate
 from .curvature.batches import BatchFn, move, split_batch
-from .curvature.layers import KronShape
 from .curvature.statistics import Structure
-from .curvature.structures import DiagStructure, EKFACStructure, KronStructure
-from .curvature.structures.kron import _eigh
 from .evidence import LaplaceEvidence
 from .hyperparameters import GaussianPrior, Likelihood
 from .validators import integer, number, optional
@@ -53,9 +51,6 @@ from .validators import integer, number, optional
 __all__ = ["LinearizedEvidence", "linearized_evidence"]
 
 Operator = Callable[[Tensor], Tensor]
-# a Kronecker-type block's left and right eigenbases (None: the identity) and its unit-scale eigenvalues, each a
-# stack over the matrices the tensor is viewed as (_view)
-Bases = Tuple[Optional[Tensor], Optional[Tensor], Tensor]
 TOLERANCE_CHANGE = 1e-14  # smallest directional derivative, step and change of the objective L-BFGS goes on with
 
 
@@ -321,7 +316,7 @@ def _structure_delta(prior: GaussianPrior) -> List[Tensor]:
 
 
 def _inverse_precision(structures: Sequence[Structure], sizes: Sequence[int], scale: Tensor,
-                       delta: Sequence[Tensor]) -> Operator:
+                       delta: List[Tensor]) -> Operator:
     """``v -> H^-1 v`` for ``H = s C + diag(delta)`` over every prior tensor (``v`` flat, in prior order).
 
     Args:
@@ -331,111 +326,17 @@ def _inverse_precision(structures: Sequence[Structure], sizes: Sequence[int], sc
         delta: The prior precision of every prior tensor (:func:`_structure_delta`).
 
     Returns:
-        The operator (float64 inside, the vector's dtype out); its blocks are decomposed once, here.
+        The operator (float64 inside, the vector's dtype out); each structure's block is decomposed
+        once, here (:meth:`Structure.inverse`).
     """
-    blocks = [block for structure in structures for block in _block_inverses(structure, sizes, scale, delta)]
+    blocks = [(structure.indices, structure.inverse(scale, delta)) for structure in structures]
 
     def apply(vector: Tensor) -> Tensor:
         pieces = list(vector.double().split(list(sizes)))
         result = list(pieces)
         for indices, block in blocks:
-            own = block(torch.cat([pieces[i] for i in indices]))
-            for i, piece in zip(indices, own.split([sizes[i] for i in indices])):
+            for i, piece in zip(indices, block([pieces[i] for i in indices])):
                 result[i] = piece
         return torch.cat(result).to(vector.dtype)
 
     return apply
-
-
-def _block_inverses(structure: Structure, sizes: Sequence[int], scale: Tensor,
-                    delta: Sequence[Tensor]) -> List[Tuple[List[int], Operator]]:
-    """One structure's ``H_b^-1`` as ``(prior indices, operator on their concatenation)`` pairs: per
-    tensor for Kronecker (``kron``, ``ekfac``) and diagonal blocks, one dense block otherwise (``full``)."""
-    if isinstance(structure, KronStructure):
-        blocks = []
-        for j, (layer, shape) in enumerate(zip(structure.layers, structure.shapes)):
-            bases = _ekfac_bases(structure, j) if isinstance(structure, EKFACStructure) else _kron_bases(structure, j)
-            for role, index in layer.roles.items():  # one precision per tensor (kron refuses a diagonal prior)
-                blocks.append(([index], _rotated_inverse(*_view(shape, role), bases[role], scale, delta[index])))
-        return blocks
-    if isinstance(structure, DiagStructure):
-        return [([i], _scaling(1 / (scale * c + delta[i]))) for i, c in structure.diagonal().items()]
-    return [(list(structure.indices), _dense_inverse(structure, sizes, scale, delta))]
-
-
-def _kron_bases(structure: KronStructure, j: int) -> Dict[str, Bases]:
-    """Layer ``j``'s eigenbases and eigenvalue products by role, as :meth:`KronStructure.covariance` takes them."""
-    layer, shape = structure.layers[j], structure.shapes[j]
-    g, a = structure._factors(j)
-    q, u = _eigh(g)
-    bases: Dict[str, Bases] = {"bias": (u[None], None, q.reshape(1, -1, 1))}
-    if "weight" not in layer.roles:
-        return bases
-    if shape.diagonal_input:  # kron(A, G) with A diagonal: the basis I (x) U_G
-        bases["weight"] = (None, u[None], torch.outer(a, q)[None])
-        return bases
-    blocks = structure._group_blocks(j, g)
-    outs = [(q, u)] if len(blocks) == 1 else [_eigh(gk) for gk in blocks]
-    ins = [_eigh(ak) for ak in a]
-    bases["weight"] = (torch.stack([u_g for _, u_g in outs]), torch.stack([u_a for _, u_a in ins]),
-                       torch.stack([torch.outer(q_g, w_a) for (q_g, _), (w_a, _) in zip(outs, ins)]))
-    return bases
-
-
-def _ekfac_bases(structure: EKFACStructure, j: int) -> Dict[str, Bases]:
-    """Layer ``j``'s EKFAC eigenbases (of its Kronecker factors) and second moments in them, by role."""
-    layer, shape, basis = structure.layers[j], structure.shapes[j], structure.bases[j]
-    bases: Dict[str, Bases] = {}
-    if "bias" in layer.roles:
-        bases["bias"] = (basis["bias"][None], None, structure.state(f"{j}.s_bias").reshape(1, -1, 1))
-    if "weight" in layer.roles:
-        moments = structure.state(f"{j}.s")
-        bases["weight"] = ((None, basis["g"][0][None], moments) if shape.diagonal_input
-                           else (torch.stack(basis["g"]), torch.stack(basis["a"]), moments))
-    return bases
-
-
-def _view(shape: KronShape, role: str) -> Tuple[Tuple[int, int, int], bool]:
-    """A layer's tensor as the stack of matrices its block acts on, and whether it is stored transposed."""
-    if role == "bias":
-        return (1, shape.out, 1), False
-    if shape.diagonal_input or shape.transposed:  # stored (in, out): an Embedding's kron(A, G) acts on it as it is,
-        return (1, shape.inp, shape.out), not shape.diagonal_input  # an HF Conv1D's kron(G, A) on its transpose
-    return (shape.groups, shape.out // shape.groups, shape.inp), False  # (out, in) per conv group
-
-
-def _rotated_inverse(view: Tuple[int, int, int], transposed: bool, bases: Bases, scale: Tensor,
-                     delta: Tensor) -> Operator:
-    """``H^-1`` of a tensor whose block is diagonal in the basis ``L (x) R``: per matrix ``X`` of its
-    ``view`` (``transposed``: the tensor stores ``X^T``), ``L ((L^T X R) / (s E + delta)) R^T``."""
-    left, right, values = bases
-    inverse = 1 / (scale * values + delta)
-
-    def apply(vector: Tensor) -> Tensor:
-        x = vector.reshape(view)
-        x = x.transpose(1, 2) if transposed else x
-        x = left.transpose(1, 2) @ x if left is not None else x
-        x = (x @ right if right is not None else x) * inverse
-        x = left @ x if left is not None else x
-        x = x @ right.transpose(1, 2) if right is not None else x
-        return (x.transpose(1, 2) if transposed else x).reshape(-1)
-
-    return apply
-
-
-def _scaling(inverse: Tensor) -> Operator:
-    """A diagonal block's ``H^-1``: elementwise."""
-    return lambda vector: vector * inverse
-
-
-def _dense_inverse(structure: Structure, sizes: Sequence[int], scale: Tensor, delta: Sequence[Tensor]) -> Operator:
-    """``H_b^-1`` of a structure without a blockwise form, as the dense matrix its ``covariance`` gives for
-    the identity (``P_b x P_b``: for ``full``, the size of the Gram matrix it holds)."""
-    structure.prepare()  # the decomposition its covariance reads
-    own = [sizes[i] for i in structure.indices]
-    identity = torch.eye(sum(own), dtype=torch.float64, device=delta[0].device)
-    jacobians: List[Optional[Tensor]] = [None] * len(sizes)
-    for i, columns in zip(structure.indices, identity.split(own, dim=1)):
-        jacobians[i] = columns.unsqueeze(0)
-    dense = structure.covariance(jacobians, scale, list(delta))[0]  # type: ignore[arg-type]
-    return lambda vector: dense @ vector

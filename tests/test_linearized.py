@@ -5,9 +5,9 @@ Gaussian likelihood: the linear model's MAP is a ridge regression in the Jacobia
 ``log p(y | f_lin)/T + log N(theta_lin; 0, Delta^-1) + P/2 log 2 pi - 1/2 log|s J^T J + Delta|``.
 Categorical: no closed form; the optimum is where the dense gradient of the linear objective
 vanishes. Preconditioning (``precondition=True``, the default) must reach the same optimum as plain
-L-BFGS, with the evidence's own posterior precision ``s C + diag(delta)`` as its preconditioner (against
-the dense inverse of ``LaplaceEvidence.jacobian_covariance``), in fewer iterations where the problem is
-ill-conditioned.
+L-BFGS, with the evidence's own posterior precision ``s C + diag(delta)`` as its preconditioner (the
+structures' ``inverse``, tested in tests/test_structure_inverse.py), in fewer iterations where the problem
+is ill-conditioned.
 """
 from __future__ import annotations
 
@@ -15,10 +15,9 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
 
 from lightning_marglik import LaplaceEvidence
-from lightning_marglik.linearized import _inverse_precision, _structure_delta, linearized_evidence
+from lightning_marglik.linearized import linearized_evidence
 from tests.real_networks import batches, make_case
 from tests.reference import (  # noqa: F401 (reference_env: autouse fixture)
     expand_log_precision, graph_jacobians, hyper, loader, reference_env, rel_err, setup, tempered_log_likelihood,
@@ -171,27 +170,6 @@ def test_preconditioning_takes_fewer_iterations_on_an_ill_conditioned_network():
     assert plain.converged and preconditioned.converged
     assert 3 * preconditioned.iterations < plain.iterations
     assert rel_err(flat(preconditioned.params), flat(plain.params)) <= 1e-4
-
-
-@pytest.mark.parametrize("structure", ["kron", "ekfac", "diag"])
-@pytest.mark.parametrize("name", ["cnn_bn_res", "conv2d_grouped", "tokens_gn", "hf_conv1d"])
-def test_the_preconditioner_is_the_evidence_posterior_precision(name, structure):
-    # layouts: BatchNorm and GroupNorm parameters in diagonal blocks, conv groups, an Embedding's diagonal input
-    # factor, a weight stored (in, out)
-    if name == "hf_conv1d":
-        conv1d = pytest.importorskip("transformers.pytorch_utils").Conv1D
-        torch.manual_seed(0)
-        model = nn.Sequential(conv1d(5, 3), nn.Tanh(), conv1d(3, 5)).double()  # Conv1D(nf=out, nx=in)
-        x, y = torch.randn(20, 3), torch.randint(0, 3, (20,))
-    else:
-        model, x, y = make_case(name, "classification", n=20)
-    prior, lik = hyper(model, "classification")
-    evidence = LaplaceEvidence.fit(model, batches(x, y, 8), lik, prior, structure=structure)
-    identity = torch.eye(prior.n_params)
-    dense = evidence.jacobian_covariance(identity.unsqueeze(0))[0]
-    scale = lik.curvature_scale("ggn", {k: v.detach() for k, v in lik.hyperparameters().items()})
-    inverse = _inverse_precision(evidence.structures, prior.param_sizes, scale, _structure_delta(prior))
-    assert rel_err(torch.stack([inverse(column) for column in identity], 1), dense) <= 1e-10
 
 
 def test_a_precondition_that_is_not_a_bool_is_refused():

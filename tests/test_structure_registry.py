@@ -14,9 +14,11 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_marglik import CurvatureOptions, LaplaceEvidence, MargLikCallback
+from lightning_marglik.curvature.statistics import Structure
 from lightning_marglik.curvature.structures import (
     DiagStructure, register_structure, structure_class, structure_names, structures_with, unregister_structure,
 )
+from lightning_marglik.linearized import _structure_delta
 from lightning_marglik.selection.driver import check_rank_by, rank_by_choices
 from tests.reference import (  # noqa: F401 (reference_env: autouse fixture)
     Problem, curvature_scale, hyper, loader, reference_env, rel_err, setup,
@@ -108,6 +110,23 @@ def test_laplace_evidence_of_the_toy_matches_the_dense_reference(toy, kind, appr
     assert rel_err(ev.log_marglik(), dense_log_marglik(problem, approx, prior, lik)) <= TOL
     plain = LaplaceEvidence.fit(model, loader(x, y, 16), lik, prior, structure="diag", approx=approx)
     assert float(ev.log_det()) > float(plain.log_det())  # the factor is there: s k c > s c
+
+
+@pytest.mark.parametrize("prior_structure", ["layerwise", "diagonal"])
+def test_the_toy_inverse_and_the_base_class_default_are_the_dense_inverse(toy, prior_structure):
+    """The toy inherits the diagonal structure's ``inverse`` (reading its ``diagonal``); the base class's
+    default, the dense inverse through ``covariance``, serves a structure without one of its own."""
+    model, x, y, problem = setup("mlp_small", "regression")
+    prior, lik = hyper(model, "regression", prior_structure=prior_structure)
+    (structure,) = LaplaceEvidence.fit(model, loader(x, y, 16), lik, prior, structure=NAME).structures
+    ref = problem.reference("diag", "ggn")
+    log_delta, log_sigma, log_temperature = ref.hyper_from(prior, lik)
+    scale = curvature_scale(problem.kind, "ggn", log_sigma, log_temperature)
+    expected = torch.diag(1 / (FACTOR * scale * torch.diagonal(ref.full) + log_delta.exp()))
+    for inverse in (structure.inverse, lambda *args: Structure.inverse(structure, *args)):
+        apply = inverse(scale, _structure_delta(prior))
+        columns = [torch.cat(apply(list(column.split(problem.sizes)))) for column in torch.eye(len(ref.theta))]
+        assert rel_err(torch.stack(columns, 1), expected) <= TOL
 
 
 def test_the_callback_trains_with_the_toy_and_its_evidence_is_the_dense_one(toy):

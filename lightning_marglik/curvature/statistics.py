@@ -24,6 +24,7 @@ __all__ = ["BatchCurvature", "CurvatureStatistics", "LayerPlan", "Structure"]
 
 SumFn = Callable[[Tensor], Tensor]
 GatherFn = Callable[[Tensor], List[Tensor]]
+InverseFn = Callable[[List[Tensor]], List[Tensor]]  # a structure's H_b^-1 on its tensors' flat pieces
 
 
 @dataclass
@@ -54,7 +55,7 @@ class Structure:
     """Curvature of one structure over some of the prior's parameter tensors.
 
     Owns its whole life: declared statistics, accumulation from a batch, the decomposition cached
-    once per estimate, ``log_det`` and the posterior covariance. Parameters of different
+    once per estimate, ``log_det``, the posterior covariance and ``H_b^-1``. Parameters of different
     structures are independent blocks of ``H``.
 
     A class that a ``structure=`` option selects declares its :attr:`name` and capabilities below
@@ -200,6 +201,32 @@ class Structure:
     def covariance(self, jacobians: List[Tensor], scale: Tensor, delta: List[Tensor]) -> Tensor:
         """``sum_t J_t H_b^-1 J_t^T`` over the covered tensors; ``jacobians[t]`` is ``(B, C, numel_t)``."""
         raise NotImplementedError
+
+    def inverse(self, scale: Tensor, delta: List[Tensor]) -> InverseFn:
+        """``H_b^-1`` of this structure's block as an operator, its decomposition computed once, here.
+
+        The default is the dense ``P_b x P_b`` matrix :meth:`covariance` gives for identity Jacobians
+        (for ``full``, the size of the Gram matrix it holds); a structure with a blockwise form of its
+        inverse overrides it. It prepares the structure first (:meth:`prepare`): the operator may be
+        wanted before the evidence's own preparation (as by :func:`~lightning_marglik.linearized_evidence`).
+
+        Args:
+            scale: Curvature scale ``s`` (0-dim).
+            delta: Prior precision of every prior tensor: 0-dim (one per tensor) or ``(numel,)`` (a
+                diagonal prior).
+
+        Returns:
+            The map from the covered tensors' flat pieces, in :attr:`indices` order, to ``H_b^-1``
+            applied to their concatenation, split into pieces in the same order.
+        """
+        self.prepare()  # the decomposition covariance reads
+        own = [self.sizes[i] for i in self.indices]
+        identity = torch.eye(sum(own), dtype=torch.float64, device=delta[self.indices[0]].device)
+        jacobians: List[Optional[Tensor]] = [None] * len(self.sizes)
+        for i, columns in zip(self.indices, identity.split(own, dim=1)):
+            jacobians[i] = columns.unsqueeze(0)
+        dense = self.covariance(jacobians, scale, delta)[0]  # type: ignore[arg-type]
+        return lambda pieces: list((dense @ torch.cat(pieces)).split(own))
 
     @staticmethod
     def _guard(matrix: Tensor) -> bool:

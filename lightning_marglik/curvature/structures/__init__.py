@@ -23,7 +23,8 @@ Adding a structure
       ``training_statistics``, ``parametric_bound``, ``rank_by``; see ``Structure``);
     * declares its statistics (``add_state``) and implements ``accumulate``, ``prepare``,
       ``log_det``, ``log_det_derivatives`` and ``covariance`` (``rescale``, ``start_pass``,
-      ``reduce_extra`` and ``diagonal`` where its capabilities need them);
+      ``reduce_extra`` and ``diagonal`` where its capabilities need them; ``inverse`` where ``H_b^-1``
+      has a cheaper form than the dense one the base class takes from ``covariance``);
     * builds itself with the uniform constructor ``from_plan(layers, exact, prior, options)``,
       which receives the hooked layers and the exact path's parameters :func:`..plan.make_plan`
       decided (a structure may cover some tensors itself and hand the rest to another, as

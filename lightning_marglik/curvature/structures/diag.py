@@ -8,7 +8,7 @@ from torch import Tensor
 
 from ..layers import layer_diagonal
 from ..options import CurvatureOptions
-from ..statistics import BatchCurvature, LayerPlan, Structure
+from ..statistics import BatchCurvature, InverseFn, LayerPlan, Structure
 
 if TYPE_CHECKING:
     from ...hyperparameters import GaussianPrior
@@ -73,6 +73,21 @@ class DiagStructure(Structure):
 
     def prepare(self) -> None:
         self._blocks = self.diagonal()
+
+    def inverse(self, scale: Tensor, delta: List[Tensor]) -> InverseFn:
+        """``H_b^-1`` elementwise: ``1 / (s c + delta)`` per covered tensor.
+
+        Args:
+            scale: Curvature scale ``s`` (0-dim).
+            delta: Prior precision of every prior tensor: 0-dim or ``(numel,)`` (a diagonal prior).
+
+        Returns:
+            The map from the covered tensors' flat pieces, in :attr:`indices` order, to ``H_b^-1``
+            applied to them, in the same order.
+        """
+        diagonal = self.diagonal()
+        inverses = [1 / (scale * diagonal[i] + delta[i]) for i in self.indices]
+        return lambda pieces: [piece * inverse for piece, inverse in zip(pieces, inverses)]
 
     def log_det(self, scale: Tensor, log_delta: List[Tensor]) -> Tensor:
         terms = [torch.log(scale * c + log_delta[i].exp()).sum() for i, c in self._blocks.items()]

@@ -26,7 +26,7 @@ from torch import Tensor
 from ..layers import _embedding_diagonal, layer_rule
 from ..statistics import BatchCurvature, LayerPlan, Structure
 from .derivatives import LogDetDerivatives, separable_terms
-from .kron import KronStructure
+from .kron import Bases, KronStructure
 
 __all__ = ["EKFACStructure"]
 
@@ -148,6 +148,19 @@ class EKFACStructure(KronStructure):
                                 for j, layer in enumerate(self.layers)]
         self._bias_moments = [self.state(f"{j}.s_bias") if "bias" in layer.roles else None
                               for j, layer in enumerate(self.layers)]
+
+    def _eigenbases(self, j: int) -> Dict[str, Bases]:
+        """Layer ``j``'s eigenbases (of its Kronecker factors) and second moments in them, by role: the
+        inherited :meth:`~.KronStructure.inverse` then takes ``1 / (s s_ij + delta)`` in them."""
+        layer, shape, basis = self.layers[j], self.shapes[j], self.bases[j]
+        bases: Dict[str, Bases] = {}
+        if "bias" in layer.roles:
+            bases["bias"] = (basis["bias"][None], None, self.state(f"{j}.s_bias").reshape(1, -1, 1))
+        if "weight" in layer.roles:
+            moments = self.state(f"{j}.s")
+            bases["weight"] = ((None, basis["g"][0][None], moments) if shape.diagonal_input
+                               else (torch.stack(basis["g"]), torch.stack(basis["a"]), moments))
+        return bases
 
     def _terms(self) -> List[Tuple[int, Tensor]]:
         """``(prior index, second moments)`` of every covered tensor."""

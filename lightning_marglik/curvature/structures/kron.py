@@ -7,14 +7,14 @@ eigenvalues ``q``, ``w`` of the factors, cached once per estimate.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from ..layers import is_kron_layer, layer_kron, layer_rule
+from ..layers import KronShape, is_kron_layer, layer_kron, layer_rule
 from ..options import CurvatureOptions
-from ..statistics import BatchCurvature, LayerPlan, Structure
+from ..statistics import BatchCurvature, InverseFn, LayerPlan, Structure
 from .derivatives import LogDetDerivatives, separable_terms
 from .diag import DiagStructure
 
@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     from ...hyperparameters import GaussianPrior
 
 __all__ = ["KronStructure"]
+
+# a Kronecker-type block's left and right eigenbases (None: the identity) and its unit-scale eigenvalues, each a
+# stack over the matrices the tensor is viewed as (_view)
+Bases = Tuple[Optional[Tensor], Optional[Tensor], Tensor]
 
 
 def _eigvalsh(matrix: Tensor) -> Tensor:
@@ -54,6 +58,34 @@ def _nonzero_products(q: Tensor, w: Tensor) -> Tuple[Tensor, Tensor, int]:
     NaN eigenvalues are kept, so a non-finite curvature still gives a NaN log-determinant."""
     q_kept, w_kept = q[q != 0], w[w != 0]
     return q_kept, w_kept, q.numel() * w.numel() - q_kept.numel() * w_kept.numel()
+
+
+def _view(shape: KronShape, role: str) -> Tuple[Tuple[int, int, int], bool]:
+    """A layer's tensor as the stack of matrices its block acts on, and whether it is stored transposed."""
+    if role == "bias":
+        return (1, shape.out, 1), False
+    if shape.diagonal_input or shape.transposed:  # stored (in, out): an Embedding's kron(A, G) acts on it as it is,
+        return (1, shape.inp, shape.out), not shape.diagonal_input  # an HF Conv1D's kron(G, A) on its transpose
+    return (shape.groups, shape.out // shape.groups, shape.inp), False  # (out, in) per conv group
+
+
+def _rotated_inverse(view: Tuple[int, int, int], transposed: bool, bases: Bases, scale: Tensor,
+                     delta: Tensor) -> Callable[[Tensor], Tensor]:
+    """``H^-1`` of a tensor whose block is diagonal in the basis ``L (x) R``: per matrix ``X`` of its
+    ``view`` (``transposed``: the tensor stores ``X^T``), ``L ((L^T X R) / (s E + delta)) R^T``."""
+    left, right, values = bases
+    inverse = 1 / (scale * values + delta)
+
+    def apply(vector: Tensor) -> Tensor:
+        x = vector.reshape(view)
+        x = x.transpose(1, 2) if transposed else x
+        x = left.transpose(1, 2) @ x if left is not None else x
+        x = (x @ right if right is not None else x) * inverse
+        x = left @ x if left is not None else x
+        x = x @ right.transpose(1, 2) if right is not None else x
+        return (x.transpose(1, 2) if transposed else x).reshape(-1)
+
+    return apply
 
 
 def _add_zero_terms(out: LogDetDerivatives, index: int, zeros: int, log_delta: Tensor) -> None:
@@ -170,6 +202,46 @@ class KronStructure(Structure):
                 out.add_terms(index, *separable_terms(scale * bias[0], log_delta[index]))
                 _add_zero_terms(out, index, bias[1], log_delta[index])
         return out
+
+    def _eigenbases(self, j: int) -> Dict[str, Bases]:
+        """Layer ``j``'s eigenbases and eigenvalue products by role, as :meth:`covariance` takes them."""
+        layer, shape = self.layers[j], self.shapes[j]
+        g, a = self._factors(j)
+        q, u = _eigh(g)
+        bases: Dict[str, Bases] = {"bias": (u[None], None, q.reshape(1, -1, 1))}
+        if "weight" not in layer.roles:
+            return bases
+        if shape.diagonal_input:  # kron(A, G) with A diagonal: the basis I (x) U_G
+            bases["weight"] = (None, u[None], torch.outer(a, q)[None])
+            return bases
+        blocks = self._group_blocks(j, g)
+        outs = [(q, u)] if len(blocks) == 1 else [_eigh(gk) for gk in blocks]
+        ins = [_eigh(ak) for ak in a]
+        bases["weight"] = (torch.stack([u_g for _, u_g in outs]), torch.stack([u_a for _, u_a in ins]),
+                           torch.stack([torch.outer(q_g, w_a) for (q_g, _), (w_a, _) in zip(outs, ins)]))
+        return bases
+
+    def inverse(self, scale: Tensor, delta: List[Tensor]) -> InverseFn:
+        """``H_b^-1`` per tensor in its block's eigenbasis: ``kron(G, A)``'s ``U_G (x) U_A`` as
+        ``1 / (s q_i w_j + delta)`` (per conv group; an Embedding's ``I (x) U_G``), a bias's ``U_G``
+        (EKFAC: its second moments in place of the products, :meth:`_eigenbases`).
+
+        Args:
+            scale: Curvature scale ``s`` (0-dim).
+            delta: Prior precision of every prior tensor, 0-dim (one per tensor: Kronecker blocks
+                refuse a diagonal prior).
+
+        Returns:
+            The map from the covered tensors' flat pieces, in :attr:`indices` order, to ``H_b^-1``
+            applied to them, in the same order.
+        """
+        blocks: Dict[int, Callable[[Tensor], Tensor]] = {}
+        for j, (layer, shape) in enumerate(zip(self.layers, self.shapes)):
+            bases = self._eigenbases(j)
+            for role, index in layer.roles.items():
+                blocks[index] = _rotated_inverse(*_view(shape, role), bases[role], scale, delta[index])
+        operators = [blocks[i] for i in self.indices]
+        return lambda pieces: [operator(piece) for operator, piece in zip(operators, pieces)]
 
     def covariance(self, jacobians: List[Tensor], scale: Tensor, delta: List[Tensor]) -> Tensor:
         b, c = jacobians[self.indices[0]].shape[:2]
