@@ -180,12 +180,6 @@ class LaplaceEvidence:
     def _scale(self, values: Dict[str, Tensor]) -> Tensor:
         return self.likelihood.curvature_scale(self.approx, values)
 
-    def _log_delta(self, log_precision: Tensor) -> List[Tensor]:
-        """Log precision of every prior tensor: 0-dim, or per scalar for a diagonal prior."""
-        if self.prior.structure == "diagonal":
-            return list(torch.split(log_precision, self.prior.param_sizes))
-        return list(self.prior.per_tensor(log_precision).unbind())
-
     def _groups_of_tensors(self) -> List[Tensor]:
         """Per prior tensor, the entries of ``log_precision`` its log precision comes from."""
         device = self.prior.log_precision.device
@@ -198,7 +192,8 @@ class LaplaceEvidence:
     def _pieces(self, values: Dict[str, Tensor]) -> Dict[str, Tensor]:
         values = {k: v.to(torch.float64) for k, v in values.items()}
         log_prec = values["log_precision"]
-        log_det = sum(s.log_det(self._scale(values), self._log_delta(log_prec)) for s in self.structures)
+        log_delta = self.prior.tensor_log_precisions(log_prec)
+        log_det = sum(s.log_det(self._scale(values), log_delta) for s in self.structures)
         log_prior = (
             0.5 * (self._group_sizes * log_prec).sum()
             - 0.5 * (log_prec.exp() * self._sq_norms).sum()
@@ -290,7 +285,7 @@ class LaplaceEvidence:
         names = [n for n in values if n != "log_precision"]
         full = {k: v.detach() for k, v in self._with_fixed(current, values).items()}
         log_prec = full["log_precision"]
-        log_delta = self._log_delta(log_prec)
+        log_delta = self.prior.tensor_log_precisions(log_prec)
         parts = [s.log_det_derivatives(self._scale(full), log_delta) for s in self.structures]
         if not all(bool(torch.isfinite(p.value)) for p in parts):
             # non-finite curvature or a failed factorisation: no derivatives, the solver rejects the point
@@ -345,7 +340,7 @@ class LaplaceEvidence:
         """
         values = self._current()
         scale = self._scale(values)
-        delta = [d.exp() for d in self._log_delta(values["log_precision"])]
+        delta = [d.exp() for d in self.prior.tensor_log_precisions(values["log_precision"])]
         blocks = list(torch.split(jacobians.to(torch.float64), self.prior.param_sizes, dim=2))
         return sum(s.covariance(blocks, scale, delta) for s in self.structures)
 

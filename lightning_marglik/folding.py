@@ -97,8 +97,8 @@ def fold_batchnorm(model: nn.Module, inputs: Inputs, prior: Optional[GaussianPri
         the copy's prior.
 
     Raises:
-        ValueError: If the eval-mode outputs on ``inputs`` are not finite, or ``prior`` covers a network
-            that is not part of ``model``.
+        ValueError: If the eval-mode outputs on ``inputs`` are not finite, or ``prior`` is not a
+            ``GaussianPrior`` or covers a network that is not part of ``model``.
         RuntimeError: If the eval-mode outputs on ``inputs`` changed by more than ``OUTPUT_TOLERANCE``
             (relative), or the folded copy's ``forward`` raised, e.g. a ``forward`` that reads a folded
             norm's parameters elsewhere.
@@ -109,6 +109,8 @@ def fold_batchnorm(model: nn.Module, inputs: Inputs, prior: Optional[GaussianPri
         >>> folded.folded, type(folded.model[1]).__name__
         ({'0': '1'}, 'Identity')
     """
+    if prior is not None and not isinstance(prior, GaussianPrior):
+        raise ValueError(f"`prior` must be the network's GaussianPrior (or None), got {type(prior).__name__}.")
     copies: Dict[int, Any] = {}  # original object id -> its copy: where the prior's network went
     folded_model = copy.deepcopy(model, copies).eval()
     if prior is not None and id(prior.model) not in copies:

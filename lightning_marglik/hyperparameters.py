@@ -324,6 +324,13 @@ class GaussianPrior(nn.Module):
             )
         return log_precision.expand(len(self.param_sizes)) if self.structure == "scalar" else log_precision
 
+    def tensor_log_precisions(self, log_precision: Tensor) -> List[Tensor]:
+        """Log precision of every parameter tensor as the curvature structures take it: 0-dim, or one per
+        scalar (``(numel,)``) for a diagonal prior."""
+        if self.structure == "diagonal":
+            return list(torch.split(log_precision, self.param_sizes))
+        return list(self.per_tensor(log_precision).unbind())
+
     def per_parameter(self, log_precision: Tensor) -> Tensor:
         """Log precision of each scalar parameter, flattened in ``param_names`` order, shape ``(P,)``."""
         if self.structure == "diagonal":

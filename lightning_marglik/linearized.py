@@ -46,7 +46,7 @@ from .curvature.batches import BatchFn, move, split_batch
 from .curvature.statistics import Structure
 from .evidence import LaplaceEvidence
 from .hyperparameters import GaussianPrior, Likelihood
-from .validators import integer, number, optional
+from .validators import flag, integer, number, optional
 
 __all__ = ["LinearizedEvidence", "linearized_evidence"]
 
@@ -144,7 +144,7 @@ def linearized_evidence(
     steps = integer(steps, "steps", 0, what="L-BFGS iterations")
     tol = optional(number, tol, "tol", 0.0, 1.0, high_open=True, what="relative gradient tolerance")
     history = integer(history, "history", 1, what="L-BFGS memory in steps")
-    precondition = _flag(precondition, "precondition", "whether L-BFGS is preconditioned by the posterior precision")
+    precondition = flag(precondition, "precondition", what="L-BFGS preconditioned by the posterior precision")
     options = CurvatureOptions(structure, approx, mc_samples)
     names, _ = locate(model, prior)
     star = [p.detach().clone() for p in prior.params]
@@ -213,17 +213,6 @@ def linearized_evidence(
     prior.record_n_data(evidence.n_data)
     converged = tol is not None and gradient_norm <= threshold
     return LinearizedEvidence(evidence, optimum, (start, final), gradient_norm, converged, iterations)
-
-
-def _flag(value: object, name: str, what: str) -> bool:
-    """``value`` if it is a bool (``1``, ``None`` and ``"yes"`` are not), in the style of :mod:`.validators`.
-
-    Raises:
-        ValueError: Naming the option and the bad value.
-    """
-    if not isinstance(value, bool):
-        raise ValueError(f"`{name}` must be True or False ({what}), got {value!r}.")
-    return value
 
 
 # --- the unpreconditioned iterations: torch.optim.LBFGS ----------------------------------------------
@@ -309,10 +298,7 @@ def _two_loop(gradient: Tensor, pairs: Sequence[Tuple[Tensor, Tensor, float]], i
 
 def _structure_delta(prior: GaussianPrior) -> List[Tensor]:
     """The prior precision as the structures take it (float64): 0-dim per tensor, ``(numel,)`` for a diagonal prior."""
-    log_precision = prior.log_precision.detach().double()
-    if prior.structure == "diagonal":
-        return list(log_precision.exp().split(prior.param_sizes))
-    return list(prior.per_tensor(log_precision).exp().unbind())
+    return [d.exp() for d in prior.tensor_log_precisions(prior.log_precision.detach().double())]
 
 
 def _inverse_precision(structures: Sequence[Structure], sizes: Sequence[int], scale: Tensor,

@@ -86,6 +86,18 @@ def integer(value: Any, name: str, minimum: int = 0, what: str = "") -> int:
     return int(value)
 
 
+def flag(value: Any, name: str, what: str = "") -> bool:
+    """``value`` if it is a bool: ``1``, ``None`` and the string ``"false"`` (true as a condition) are refused.
+
+    Raises:
+        ValueError: Naming the option and the bad value.
+    """
+    if not isinstance(value, bool):
+        extra = f" ({what})" if what else ""
+        raise ValueError(f"`{name}` must be True or False{extra}, got {value!r}.")
+    return value
+
+
 def number(
     value: Any, name: str, low: float = 0.0, high: float = math.inf, low_open: bool = True,
     high_open: bool = False, what: str = "",

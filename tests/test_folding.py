@@ -200,6 +200,8 @@ def test_in_a_module_that_holds_the_prior_the_copy_holds_the_carried_prior():
     assert [m for m in folded.model.modules() if isinstance(m, GaussianPrior)] == [folded.prior]
 
 
-def test_a_prior_of_another_network_is_refused():
+def test_a_prior_of_another_network_or_not_a_prior_is_refused():
     with pytest.raises(ValueError, match="not part of the Sequential"):
         fold_batchnorm(small_net(), data()[0], prior=GaussianPrior(small_net()))
+    with pytest.raises(ValueError, match="`prior` must be the network's GaussianPrior .*got Tensor"):
+        fold_batchnorm(small_net(), data()[0], prior=torch.zeros(3))

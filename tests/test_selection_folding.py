@@ -72,7 +72,8 @@ def test_a_network_without_batchnorm_and_the_online_ranking_are_as_before():
 
 def test_a_fold_batchnorm_that_is_not_a_bool_is_refused_before_training():
     made = []
-    with pytest.raises(ValueError, match="`fold_batchnorm` must be true or false, got 'false'"):
+    with pytest.raises(ValueError, match=r"`fold_batchnorm` must be True or False \(fold each candidate's "
+                                         r"BatchNorms before ranking it\), got 'false'"):
         run(lambda: made.append(1), fold_batchnorm="false")
     assert made == []
 
@@ -102,6 +103,8 @@ def test_the_callback_folds_only_after_a_fit_and_scores_only_a_copy_with_its_pri
     without_prior = fold_batchnorm(module, blobs(60, 0).tensors[0][:20])
     with pytest.raises(ValueError, match="needs the folded copy's prior: make it with MargLikCallback.fold_batchnorm"):
         callback.evidence_with(trainer, module, "kron", "ef", folded=without_prior)
+    with pytest.raises(ValueError, match="takes what MargLikCallback.fold_batchnorm returns, got bool"):
+        callback.evidence_with(trainer, module, "kron", "ef", folded=True)
     folded = callback.fold_batchnorm(trainer, module)
     assert callback.evidence_with(trainer, module, "kron", "ef", folded=folded) == pytest.approx(
         by_hand(module, True), rel=1e-5)

@@ -541,11 +541,15 @@ class MargLikCallbackCore(EstimatorCore):
             The re-optimised log evidence per datum (NaN if the evidence is not finite).
 
         Raises:
-            ValueError: On an unknown ``structure`` or ``approx``, or a ``folded`` without a prior.
+            ValueError: On an unknown ``structure`` or ``approx``, or a ``folded`` that is not a
+                :class:`~lightning_marglik.folding.Folded` with a prior.
             RuntimeError: If the callback has not been set up by a fit (no prior or likelihood yet).
         """
         options = CurvatureOptions(structure, approx, 0, backend=self.options.backend)
         self._require_fit("evidence_with")
+        if folded is not None and not isinstance(folded, Folded):
+            raise ValueError(f"MargLikCallback.evidence_with(folded=...) takes what MargLikCallback.fold_batchnorm "
+                             f"returns, got {type(folded).__name__}.")
         if folded is not None and folded.prior is None:
             raise ValueError("MargLikCallback.evidence_with(folded=...) needs the folded copy's prior: make it with "
                              "MargLikCallback.fold_batchnorm(trainer, module), not fold_batchnorm(model, inputs).")

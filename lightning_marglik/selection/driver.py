@@ -24,7 +24,7 @@ from ..curvature.structures import structures_with
 from ..curvature.structures.full import FullStructure
 from ..diagnostics import ef_ratio_of, ef_unreliable_message
 from ..folding import Folded
-from ..validators import choice
+from ..validators import choice, flag
 from .metrics import MetricsCheck, evaluate_metrics
 from .results import RESULTS_JSON, CandidateResult, load_results, run_lock, save_results
 
@@ -416,9 +416,7 @@ def check_fold_batchnorm(fold_batchnorm: Any) -> bool:
     Raises:
         ValueError: If it is not a bool (e.g. the string ``"false"``, which would count as true).
     """
-    if not isinstance(fold_batchnorm, bool):
-        raise ValueError(f"`fold_batchnorm` must be true or false, got {fold_batchnorm!r}.")
-    return fold_batchnorm
+    return flag(fold_batchnorm, "fold_batchnorm", what="fold each candidate's BatchNorms before ranking it")
 
 
 def check_trainer_arguments(trainer: Mapping[str, Any]) -> Dict[str, Any]:
