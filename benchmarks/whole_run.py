@@ -153,14 +153,15 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     path = RESULTS / f"{NAME}.md"
-    data: Dict[str, Any] = {} if args.quick else read_data(path)
+    command = ("python benchmarks/whole_run.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
+    data: Dict[str, Any] = {}
     for network in args.networks:
         data[network] = measure(network, args.quick)
-        if not args.quick:  # after every network: a killed run keeps what it measured
+        if not args.quick:  # after every network, read again: processes measuring other networks share the file
+            data = {**read_data(path), **data}
             ordered = {n: data[n] for n in NETWORKS if n in data}
-            command = ("python benchmarks/whole_run.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
             write_with_data(path, markdown(ordered, command) + "\n" + hand_written(path) + "\n", ordered)
-    print(markdown({n: data[n] for n in NETWORKS if n in data}, "whole_run.py"))
+    print(markdown({n: data[n] for n in NETWORKS if n in data}, command))
     return data
 
 
