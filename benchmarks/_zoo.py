@@ -43,8 +43,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 from lightning_marglik import (  # noqa: E402
-    FixupBias, FixupScale, GaussianPrior, MargLikCallback, MargLikCheckpoint, MargLikEarlyStopping,
+    CategoricalLikelihood, FixupBias, FixupScale, GaussianPrior, LaplaceEvidence, MargLikCallback, MargLikCheckpoint,
+    MargLikEarlyStopping, predict_classification,
 )
+from lightning_marglik.curvature import eval_mode  # noqa: E402
 from lightning_marglik.curvature.structures import DiagStructure, EKFACStructure, KronStructure  # noqa: E402
 from lightning_marglik.selection import quiet_lightning  # noqa: E402
 
@@ -253,6 +255,12 @@ class RunSpec:
     where epochs are timed). ``peer``: train with laplace-torch's ``marglik_training`` instead, on the same
     network, data, recipe and initial precision, with these options (``backend`` names a class of
     ``laplace.curvature``); ``callback`` must then be None.
+
+    ``ood``: a data set of ``DATASETS`` whose test images (resized to this one's) are the out-of-distribution
+    inputs; with it the final and best-evidence models are scored by :func:`assess` (ECE, OOD AUROC, the
+    linearized predictive) besides accuracy and NLL. ``augment``: training batches randomly shifted (up to
+    ``SHIFT`` pixels each way); ``evidence``: the evidence on ``"plain"`` or ``"augmented"`` batches.
+    ``temperature``: the likelihood temperature ``T`` (``T < 1`` up-weights the data, as under augmentation).
     """
 
     network: str
@@ -276,6 +284,10 @@ class RunSpec:
     warmup: int = 0
     trace: bool = True
     peer: Optional[Dict[str, Any]] = None
+    ood: Optional[str] = None
+    augment: bool = False
+    evidence: str = "plain"
+    temperature: float = 1.0
 
     def key(self) -> str:
         blob = json.dumps(asdict(self), sort_keys=True)
@@ -418,6 +430,7 @@ class Recipe(Candidate):
 
     def __init__(self, net: nn.Module, spec: RunSpec, n_data: int, steps_per_epoch: int) -> None:
         super().__init__(net, n_data, spec.lr, spec.precision, "layerwise")
+        self.likelihood = CategoricalLikelihood(temperature=spec.temperature)
         self.optimizer_class, self.optimizer_options = optimizer_of(spec)
         self.factor = lr_factor(spec, steps_per_epoch)
 
@@ -477,10 +490,80 @@ def make_module(spec: RunSpec, data: Data, n_data: int) -> pl.LightningModule:
     return module
 
 
-def _loader(x: Any, y: Tensor, batch_size: int, seed: Optional[int]) -> DataLoader:
+SHIFT = 2  # pixels an augmented image moves at most, each way
+
+
+def shifted(batch: List[Tuple[Tensor, Tensor]]) -> Tuple[Tensor, Tensor]:
+    """Collate image batches, each image shifted by up to ``SHIFT`` pixels each way (zeros fill in), drawn from
+    torch's global generator (so the training seed fixes them; the callback's evidence pass keeps its state)."""
+    x = torch.stack([item[0] for item in batch])
+    y = torch.stack([item[1] for item in batch])
+    size = x.shape[-1]
+    padded = nn.functional.pad(x, (SHIFT,) * 4)
+    offsets = torch.randint(0, 2 * SHIFT + 1, (len(x), 2)).tolist()
+    return torch.stack([padded[i, :, r:r + size, c:c + size] for i, (r, c) in enumerate(offsets)]), y
+
+
+def _loader(x: Any, y: Tensor, batch_size: int, seed: Optional[int], augment: bool = False) -> DataLoader:
     dataset = (DictDataset({**x, "labels": y}) if isinstance(x, dict) else TensorDataset(x, y))
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    return DataLoader(dataset, batch_size=batch_size, shuffle=seed is not None, generator=generator)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=seed is not None, generator=generator,
+                      collate_fn=shifted if augment else None)
+
+
+@functools.lru_cache(maxsize=8)
+def ood_inputs(dataset: str, image_size: int, n: int = 1000) -> Tensor:
+    """``n`` test images of ``dataset`` (an image set of ``DATASETS``), average-pooled or upsampled to
+    ``image_size``: out-of-distribution inputs for networks trained on another set."""
+    source = load(dataset, 500, n)  # its test split: drawn apart from any training split of it
+    x = source.x_test[:n]
+    if x.shape[-1] != image_size:
+        x = nn.functional.interpolate(x, size=(image_size, image_size), mode="area" if x.shape[-1] > image_size else "bilinear")
+    return x
+
+
+@torch.no_grad()
+def _softmax_scores(probs: Tensor, y: Tensor, ood_probs: Tensor, prefix: str = "") -> Dict[str, float]:
+    """Accuracy, NLL, ECE (torchmetrics, 15 bins) and the OOD AUROC of the maximum softmax probability."""
+    from torchmetrics.functional.classification import binary_auroc, multiclass_calibration_error
+
+    probs, ood_probs = probs.double(), ood_probs.double()
+    confidence = torch.cat([probs.max(1).values, ood_probs.max(1).values])
+    is_in = torch.cat([torch.ones(len(probs)), torch.zeros(len(ood_probs))]).long()
+    return {
+        f"{prefix}acc": (probs.argmax(1) == y).double().mean().item(),
+        f"{prefix}nll": -probs.gather(1, y[:, None]).clamp_min(1e-300).log().mean().item(),
+        f"{prefix}ece": multiclass_calibration_error(probs, y, num_classes=probs.shape[1], n_bins=15).item(),
+        f"{prefix}auroc": binary_auroc(confidence, is_in).item(),
+    }
+
+
+def assess(module: pl.LightningModule, data: Data, spec: RunSpec, evidence_loader: Optional[DataLoader]) -> Dict[str, Any]:
+    """The test metrics of ``module`` (accuracy, NLL), and with ``spec.ood`` also ECE and the OOD AUROC of the
+    maximum softmax probability, for the MAP softmax and (``evidence_loader`` given) the linearized-Laplace
+    predictive (probit) under a kron-GGN evidence at the module's weights and hyperparameters, one pass over
+    ``evidence_loader``. The module's hyperparameters and training modes are left as they were."""
+    out: Dict[str, Any] = evaluate(module, data.x_test, data.y_test)
+    if spec.ood is None:
+        return out
+    ood = ood_inputs(spec.ood, data.image_size)
+    with torch.no_grad(), eval_mode(module):
+        out.update(_softmax_scores(module(data.x_test).softmax(1), data.y_test, module(ood).softmax(1)))
+    if evidence_loader is not None:
+        n_data = int(module.prior.n_data)
+        evidence = LaplaceEvidence.fit(module, evidence_loader, module.likelihood, module.prior, "kron", "ggn")
+        if n_data:  # the MAP loss's N as it was (0: never counted, the module passes its own)
+            module.prior.record_n_data(n_data)
+        lin = [torch.cat([predict_classification(evidence, module, x[i:i + 250]) for i in range(0, len(x), 250)])
+               for x in (data.x_test, ood)]
+        out.update(_softmax_scores(lin[0], data.y_test, lin[1], prefix="lin_"))
+    return out
+
+
+def log_precisions(prior: GaussianPrior) -> Dict[str, List[float]]:
+    """Every tensor's evidence and weight-decay log precision (they differ for decoupled tensors)."""
+    return {"log_delta": prior.per_tensor(prior.log_precision).tolist(),
+            "wd_log_delta": prior.per_tensor(prior.weight_decay_log_precision()).tolist()}
 
 
 def train(spec: RunSpec) -> Dict[str, Any]:
@@ -492,13 +575,15 @@ def train(spec: RunSpec) -> Dict[str, Any]:
     n_data = len(data.y_train)
     pl.seed_everything(spec.seed, verbose=False)
     module = make_module(spec, data, n_data)
-    loader = _loader(data.x_train, data.y_train, spec.batch_size, spec.seed)
+    loader = _loader(data.x_train, data.y_train, spec.batch_size, spec.seed, spec.augment)
+    plain = _loader(data.x_train, data.y_train, 500, None)  # the evidence data: each training example once
     clock = EpochClock()
     callbacks: List[pl.Callback] = [clock]
     marglik: Optional[MargLikCallback] = None
     if spec.callback is not None:
         kind = CALLBACKS[spec.callback_class] if spec.callback_class else MargLikCallback
-        marglik = kind(**spec.callback, dataloader=_loader(data.x_train, data.y_train, 500, None), seed=spec.seed)
+        evidence_data = plain if spec.evidence == "plain" else _loader(data.x_train, data.y_train, 500, None, augment=True)
+        marglik = kind(**spec.callback, dataloader=evidence_data, seed=spec.seed)
         callbacks.append(marglik)
     callbacks.append(clock.after)
     trace = Trace(data, validation, marglik)
@@ -524,14 +609,17 @@ def train(spec: RunSpec) -> Dict[str, Any]:
         "param_sizes": module.prior.param_sizes, "trace": trace.rows, "n_data": n_data,
         "wall_seconds": time.perf_counter() - wall, "cpu_seconds": time.process_time() - cpu,
         "epochs_cpu": clock.rows, "denormals": denormal_counts(module, trainer.optimizers[0] if trainer.optimizers else None),
-        "final": evaluate(module, data.x_test, data.y_test),
+        "final": assess(module, data, spec, plain), **log_precisions(module.prior),
         "history": [] if marglik is None else copy.deepcopy(marglik.history),
         "warnings": sorted({str(w.message) for w in caught if "MargLik" in str(w.message) or "precision" in str(w.message)}),
     }
+    if validation is not None:  # the held-out fraction at the end of training (cross-validation reads it)
+        result["validation"] = evaluate(module, *validation)
     if checkpoint is not None and checkpoint.best_model_path:
         best = make_module(spec, data, n_data)
         best.load_state_dict(torch.load(checkpoint.best_model_path, weights_only=False)["state_dict"])
-        result["checkpoint"] = {"epoch": marglik.best_epoch + 1, **evaluate(best, data.x_test, data.y_test)}
+        best.prior.record_n_data(n_data)
+        result["checkpoint"] = {"epoch": marglik.best_epoch + 1, **assess(best, data, spec, plain), **log_precisions(best.prior)}
     if recorder is not None:
         result["stop"] = {"epoch": recorder.epoch, "reason": recorder.reason}
     shutil.rmtree(directory, ignore_errors=True)
@@ -584,13 +672,16 @@ def train_peer(spec: RunSpec) -> Dict[str, Any]:
         "error": error, "margliks": [-m for m in margliks], "history": [], "trace": [],
     }
     if error is None:
-        best = evaluate(net, data.x_test, data.y_test)
-        result["checkpoint"] = best
-        result["peer_log_delta"] = lap.prior_precision.log().tolist()
+        net.load_state_dict = load_state  # type: ignore[method-assign]
+        module = Recipe(net, spec, len(data.y_train), len(loader))  # our prior on its network: assess's evidence
+        module.prior.record_n_data(len(data.y_train))
+        with torch.no_grad():  # the peer's layerwise precisions, one per tensor in the same order
+            module.prior.log_precision.copy_(lap.prior_precision.log().to(module.prior.log_precision))
+        plain = _loader(data.x_train, data.y_train, 500, None)
+        result["checkpoint"] = {**assess(module, data, spec, plain), **log_precisions(module.prior)}
         if final:
-            net.load_state_dict = load_state  # type: ignore[method-assign]
             load_state(final)
-        result["final"] = evaluate(net, data.x_test, data.y_test) if final else best
+        result["final"] = assess(module, data, spec, plain) if final else result["checkpoint"]
     return result
 
 

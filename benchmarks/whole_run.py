@@ -47,6 +47,7 @@ from _common import RESULTS, cpu_name, hand_written, load_avg, now, package_vers
 from common import library_state  # noqa: E402  (examples/common.py, on the path through _zoo)
 
 NAME = "whole_run"
+PENALTY = "penalty"  # the results' key of adam_penalty()
 NETWORKS = ("mlp256", "cnn", "fixup_resnet", "bn_resnet")
 EPOCHS, EDGE = 40, 5  # epochs per run; the early and late epochs compared
 ALGORITHM_1 = {"settle": None, "biases": "learn", "max_step": None, "solver": "adam", "steps": 10, "lr": 0.1}
@@ -108,15 +109,70 @@ def measure(network: str, quick: bool) -> Dict[str, Any]:
             "versions": {"torch": torch.__version__, "laplace": package_version("laplace-torch")}}
 
 
+PENALTY_FRACTIONS = (0.0, 0.1, 0.5)
+
+
+def adam_penalty(repeats: int = 200) -> Dict[str, Any]:
+    """Where denormals cost on this CPU, op by op (one thread, process CPU): ``sqrt`` of 65,536 float32 values that
+    are normal, zero or denormal, and one Adam step on a 256 x 256 weight whose moments are denormal in a fraction
+    of its entries (their gradients tiny, as a weight the evidence has shrunk), each unflushed and flushed."""
+
+    def seconds(fn: Any) -> float:
+        fn()
+        start = time.process_time()
+        for _ in range(repeats):
+            fn()
+        return (time.process_time() - start) / repeats
+
+    out: Dict[str, Any] = {"sqrt": {}, "adam": {}}
+    values = {"normal": torch.rand(65536) + 0.1, "zero": torch.zeros(65536)}
+    values["denormal"] = values["normal"] * 1e-39
+    for flush in (False, True):
+        torch.set_flush_denormal(flush)
+        out["sqrt"][str(flush)] = {name: seconds(lambda v=v: v.sqrt()) for name, v in values.items()}
+        for fraction in PENALTY_FRACTIONS:
+            torch.set_flush_denormal(False)  # the state is made denormal unflushed, as a run leaves it
+            generator = torch.Generator().manual_seed(0)
+            weight = torch.nn.Parameter(torch.randn(256, 256, generator=generator))
+            optimizer = torch.optim.Adam([weight], lr=3e-3)
+            weight.grad = torch.randn(256, 256, generator=generator)
+            optimizer.step()
+            tiny = torch.rand(256, 256, generator=generator) < fraction
+            for moment in ("exp_avg", "exp_avg_sq"):
+                optimizer.state[weight][moment][tiny] = 1e-39
+            weight.grad = torch.where(tiny, 1e-21, 1e-3) * torch.randn(256, 256, generator=generator)
+            torch.set_flush_denormal(flush)
+            out["adam"].setdefault(str(flush), {})[str(fraction)] = seconds(optimizer.step)
+    torch.set_flush_denormal(False)
+    return {"table": out, "date": now(), "load": load_avg(), "library": library_state()}
+
+
+def penalty_markdown(penalty: Dict[str, Any]) -> List[str]:
+    t = penalty["table"]
+    lines = ["", "## Where denormals cost on this CPU", "",
+             f"Measured {penalty['date']} (load {penalty['load']:.1f}), `adam_penalty()`: microseconds per call, one "
+             "thread. `sqrt` of 65,536 float32 values; one Adam step (lr 3e-3) on a 256 x 256 weight with the given "
+             "fraction of its moments denormal and their gradients tiny.", "",
+             "| mode | sqrt normal | sqrt zero | sqrt denormal | " + " | ".join(
+                 f"Adam step, {float(f):.0%} denormal" for f in t["adam"]["False"]) + " |",
+             "|---|---:|---:|---:|" + "---:|" * len(t["adam"]["False"])]
+    for flush, label in (("False", "unflushed"), ("True", "flushed")):
+        sq, ad = t["sqrt"][flush], t["adam"][flush]
+        lines.append(f"| {label} | {sq['normal'] * 1e6:.0f} | {sq['zero'] * 1e6:.0f} | {sq['denormal'] * 1e6:.0f} | "
+                     + " | ".join(f"{v * 1e6:.0f}" for v in ad.values()) + " |")
+    return lines
+
+
 def _cell(value: Any, digits: int = 2) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
 
 
 def markdown(data: Dict[str, Any], command: str) -> str:
-    first = next(iter(data.values()))
+    networks = {n: d for n, d in data.items() if n != PENALTY}
+    first = next(iter(networks.values()))
     lines = [
         "# The callback's cost over whole runs (issue 34)", "",
-        f"Command: `{command}`. Library: {'; '.join(sorted({d['library'] for d in data.values()}))}. "
+        f"Command: `{command}`. Library: {'; '.join(sorted({d['library'] for d in networks.values()}))}. "
         f"{cpu_name()}, one thread, process CPU seconds; torch {first['versions']['torch']}, laplace-torch "
         f"{first['versions']['laplace']}. Dates and load per network below.", "",
         f"MNIST-5k, 4,000 train images (14x14), Adam 3e-3 constant, batch 32, {first['epochs']} epochs; every arm of a "
@@ -129,7 +185,7 @@ def markdown(data: Dict[str, Any], command: str) -> str:
         "| test acc | denormal tensors |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for network, d in data.items():
+    for network, d in networks.items():
         for arm, s in d["table"].items():
             if s.get("error"):
                 lines.append(f"| {network} | {arm} | - | - | - | - | - | - | - | - | - | - | not run: {s['error'][:120]} |")
@@ -142,26 +198,36 @@ def markdown(data: Dict[str, Any], command: str) -> str:
                 f"{_cell(s.get('early'))} | {_cell(s.get('late'))} | {_cell(s.get('late_over_early'))} | "
                 f"{s.get('estimates', '-')} | {_cell(s.get('pass'))} | {_cell(s.get('vs_peer'))} | "
                 f"{_cell(s['acc'], 4)} | {shown or ('none' if 'denormals' in s else '-')} |")
-    lines += ["", "Measured: " + "; ".join(f"{n} {d['date']} (load {d['load']:.1f})" for n, d in data.items()) + "."]
+    lines += ["", "Measured: " + "; ".join(f"{n} {d['date']} (load {d['load']:.1f})" for n, d in networks.items()) + "."]
+    if PENALTY in data:
+        lines += penalty_markdown(data[PENALTY])
     return "\n".join(lines) + "\n"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--networks", nargs="+", choices=NETWORKS, default=list(NETWORKS))
+    parser.add_argument("--networks", nargs="*", choices=NETWORKS, default=list(NETWORKS),
+                        help="the networks to measure (none: only --penalty)")
     parser.add_argument("--quick", action="store_true", help="smoke test: 300 images, 4 epochs, nothing written")
+    parser.add_argument("--penalty", action="store_true", help="also measure adam_penalty() (seconds)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     path = RESULTS / f"{NAME}.md"
     command = ("python benchmarks/whole_run.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
-    data: Dict[str, Any] = {}
+    data: Dict[str, Any] = {PENALTY: adam_penalty()} if args.penalty else {}
+
+    def save() -> None:  # read again first: processes measuring other networks share the file
+        merged = {**read_data(path), **data}
+        ordered = {n: merged[n] for n in (*NETWORKS, PENALTY) if n in merged}
+        write_with_data(path, markdown(ordered, command) + "\n" + hand_written(path) + "\n", ordered)
+
+    if args.penalty and not args.quick:
+        save()
     for network in args.networks:
         data[network] = measure(network, args.quick)
-        if not args.quick:  # after every network, read again: processes measuring other networks share the file
-            data = {**read_data(path), **data}
-            ordered = {n: data[n] for n in NETWORKS if n in data}
-            write_with_data(path, markdown(ordered, command) + "\n" + hand_written(path) + "\n", ordered)
-    print(markdown({n: data[n] for n in NETWORKS if n in data}, command))
+        if not args.quick:  # after every network: a killed run keeps what it measured
+            save()
+    print(markdown({n: data[n] for n in (*NETWORKS, PENALTY) if n in data}, command))
     return data
 
 
