@@ -169,6 +169,8 @@ def _cell(value: Any, digits: int = 2) -> str:
 
 def markdown(data: Dict[str, Any], command: str) -> str:
     networks = {n: d for n, d in data.items() if n != PENALTY}
+    if not networks:
+        return "\n".join(["# The callback's cost over whole runs (issue 34)", *penalty_markdown(data[PENALTY])]) + "\n"
     first = next(iter(networks.values()))
     lines = [
         "# The callback's cost over whole runs (issue 34)", "",
