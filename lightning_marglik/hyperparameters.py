@@ -105,8 +105,7 @@ class GaussianPrior(nn.Module):
                 f"`hyperprior` must be None or a Hyperprior (e.g. LogNormalHyperprior(scale=2.0)), got {hyperprior!r}."
             )
         self.hyperprior = hyperprior
-        if structure not in PRIOR_STRUCTURES:
-            raise ValueError(f"`structure` must be one of {PRIOR_STRUCTURES}, got {structure!r}.")
+        structure = choice(structure, PRIOR_STRUCTURES, "structure")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("GaussianPrior: the model has no parameters that require grad.")
@@ -208,8 +207,7 @@ class GaussianPrior(nn.Module):
             ValueError: On an unknown treatment or name, or a scalar prior with a treatment other
                 than ``"learn"`` (one precision cannot treat some tensors apart).
         """
-        if treatment not in SCALE_INVARIANT_TREATMENTS:
-            raise ValueError(f"`scale_invariant` must be one of {SCALE_INVARIANT_TREATMENTS}, got {treatment!r}.")
+        treatment = choice(treatment, SCALE_INVARIANT_TREATMENTS, "scale_invariant")
         if names and treatment != "learn" and self.structure == "scalar":
             raise ValueError(
                 f"scale_invariant={treatment!r} needs one precision per tensor, the prior is scalar: use "
