@@ -89,6 +89,9 @@ class GaussianPrior(nn.Module):
 
     log_precision: Tensor
     n_data: Tensor
+    # the autograd nodes of the penalties returned while a callback checks that the training loss carries the
+    # prior (lightning_marglik.callbacks.prior_in_loss); None: not watched
+    _penalty_nodes: Optional[List[object]] = None
 
     def __init__(
         self,
@@ -340,9 +343,13 @@ class GaussianPrior(nn.Module):
         """``1/2 sum_g delta_g ||theta_g||^2`` at the current precision (the MAP loss term).
 
         Tensors under the ``"decoupled"`` treatment use the constructor's ``precision`` here,
-        whatever the evidence learned for them (:meth:`treat`).
+        whatever the evidence learned for them (:meth:`treat`). ``MargLikCallback`` finds this term
+        in the loss of the first training batch (else it warns, naming :func:`map_loss`).
         """
-        return 0.5 * (self.weight_decay_log_precision().exp() * self.group_sq_norms()).sum()
+        value = 0.5 * (self.weight_decay_log_precision().exp() * self.group_sq_norms()).sum()
+        if self._penalty_nodes is not None and value.grad_fn is not None:
+            self._penalty_nodes.append(value.grad_fn)
+        return value
 
     def weight_decay_log_precision(self) -> Tensor:
         """Log precision per group that the MAP loss uses (detached): ``log_precision``, except for

@@ -6,9 +6,13 @@ Real Trainers and checkpoints on disk; numbers in float64 against the dense refe
 """
 from __future__ import annotations
 
+import warnings
+
 import pytest
+import pytorch_lightning as pl
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from lightning_marglik import (
     CategoricalLikelihood,
@@ -17,10 +21,11 @@ from lightning_marglik import (
     LaplaceEvidence,
     MargLikCallback,
     MargLikConfigurationError,
+    map_loss,
     predict_classification,
     select_models,
 )
-from tests.lightning_models import BlobData, Classifier, Regressor, loader, regression_data, trainer
+from tests.lightning_models import BlobData, Classifier, Regressor, RegressorSteps, loader, regression_data, trainer
 
 
 class NoTraining(Regressor):
@@ -113,3 +118,103 @@ def test_choice_valued_options_of_the_prior_and_engine_name_the_value_meant(call
 def test_choice_valued_options_of_the_prior_ignore_case():
     assert GaussianPrior(nn.Linear(2, 2), structure=" Layerwise ").structure == "layerwise"
 
+
+# --- item 1: a training loss without the prior is named, on the first training batch -------------
+
+PRIOR_NOT_IN_LOSS = "the training loss does not carry the prior"
+
+
+class MSEOnly(RegressorSteps):
+    """The hurried user's training_step: the data term alone, the prior never reaches the weights."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+
+class MapLossPlusTerm(RegressorSteps):
+    """map_loss with a term of the user's own added."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self(x)
+        return map_loss(out, y, self.likelihood, self.prior) + 1e-3 * out.pow(2).mean()
+
+
+class OwnLossWithPenalty(RegressorSteps):
+    """The user's own data term with the prior's term added by hand."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self(x), y) + self.prior.penalty() / self.n_data
+
+
+class ManualMapLoss(RegressorSteps):
+    """Manual optimization (as several optimizers need) with map_loss through manual_backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        x, y = batch
+        self.manual_backward(map_loss(self(x), y, self.likelihood, self.prior))
+        optimizer.step()
+
+
+class SkipsFirstBatch(MSEOnly):
+    """Skips its first step (returns None): the first batch with a backward decides."""
+
+    def training_step(self, batch, batch_idx):
+        return None if self.trainer.global_step == 0 and batch_idx == 0 else super().training_step(batch, batch_idx)
+
+
+def _lightning_module(body: type, package: str):
+    """``body`` as a LightningModule of ``package``, and the trainer and callback classes of that package."""
+    if package == "lightning":
+        L = pytest.importorskip("lightning.pytorch", reason="the `lightning` package is not installed")
+        from lightning_marglik.lightning import MargLikBoundCallback as Bound, MargLikCallback as Callback
+        return type(body.__name__, (body, L.LightningModule), {}), L.Trainer, Callback, Bound
+    from lightning_marglik import MargLikBoundCallback as Bound
+    return type(body.__name__, (body, pl.LightningModule), {}), pl.Trainer, MargLikCallback, Bound
+
+
+def _fit_one_batch(body: type, package: str = "pytorch_lightning", bound: bool = False, **trainer_kwargs):
+    """One training batch (a second one where the first is skipped) under the estimating callback; the warnings."""
+    module_class, trainer_class, callback_class, bound_class = _lightning_module(body, package)
+    module = module_class()
+    callback = bound_class() if bound else callback_class(settle=None, steps=1)
+    kwargs = dict(max_epochs=1, limit_train_batches=1, logger=False, enable_progress_bar=False,
+                  enable_model_summary=False, enable_checkpointing=False, accelerator="cpu")
+    kwargs.update(trainer_kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer_class(callbacks=[callback], **kwargs).fit(module, loader(regression_data()))
+    assert module.prior._penalty_nodes is None  # nothing is recorded after the fit
+    return [str(w.message) for w in caught if PRIOR_NOT_IN_LOSS in str(w.message)]
+
+
+@pytest.mark.parametrize("package", ["pytorch_lightning", "lightning"])
+def test_a_training_loss_without_the_prior_is_named_on_the_first_training_batch(package):
+    (message,) = _fit_one_batch(MSEOnly, package)
+    assert "MargLikCallback: the training loss does not carry the prior" in message
+    assert "map_loss(output, target, self.likelihood, self.prior)" in message and "self.prior.penalty() / N" in message
+
+
+def test_the_bound_callback_names_a_training_loss_without_the_prior():
+    (message,) = _fit_one_batch(MSEOnly, bound=True)
+    assert message.startswith("MargLikBoundCallback: the training loss does not carry the prior")
+
+
+def test_the_first_batch_with_a_backward_decides():
+    assert len(_fit_one_batch(SkipsFirstBatch, limit_train_batches=2)) == 1
+
+
+@pytest.mark.parametrize("body", [MapLossPlusTerm, OwnLossWithPenalty, ManualMapLoss, RegressorSteps],
+                         ids=["extra term", "own loss + penalty", "manual optimization", "map_loss"])
+@pytest.mark.parametrize("package", ["pytorch_lightning", "lightning"])
+def test_a_training_loss_that_carries_the_prior_is_never_named(body, package):
+    accumulate = 1 if body is ManualMapLoss else 2  # two backwards before a step: the check sees each
+    assert _fit_one_batch(body, package, limit_train_batches=2, accumulate_grad_batches=accumulate) == []
