@@ -218,3 +218,87 @@ def test_the_first_batch_with_a_backward_decides():
 def test_a_training_loss_that_carries_the_prior_is_never_named(body, package):
     accumulate = 1 if body is ManualMapLoss else 2  # two backwards before a step: the check sees each
     assert _fit_one_batch(body, package, limit_train_batches=2, accumulate_grad_batches=accumulate) == []
+
+
+# --- item 6: a killed job resumes from last.ckpt, exactly ----------------------------------------
+
+
+class Killed(RuntimeError):
+    """The job's death, in the middle of an epoch."""
+
+
+class KillAt(pl.Callback):
+    """Raises :class:`Killed` at the second batch of epoch ``epoch`` (from 0): that epoch's work is lost."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.current_epoch == self.epoch and batch_idx == 1:
+            raise Killed(f"killed in epoch {self.epoch}")
+
+
+def _job(dirpath, kill_at=None, ckpt_path=None, seed=0):
+    """The README's recipe (settle default, best and last checkpoints, early stopping) on 12 epochs."""
+    from lightning_marglik import MargLikCheckpoint, MargLikEarlyStopping
+
+    torch.manual_seed(seed)  # a resumed job starts from other random weights: the checkpoint must overwrite them
+    model = Regressor()
+    callback = MargLikCallback(frequency=2, steps=20)
+    checkpoint = MargLikCheckpoint(dirpath=dirpath, save_top_k=1, save_last=True)
+    stopping = MargLikEarlyStopping(patience=20)
+    callbacks = [callback, checkpoint, stopping] + ([KillAt(kill_at)] if kill_at is not None else [])
+    trainer([*callbacks], 12).fit(model, loader(regression_data()), ckpt_path=ckpt_path)
+    return model, callback, checkpoint, stopping
+
+
+def _identical(a, b) -> bool:
+    """Bitwise equality of nested states (tensors, dicts, lists, numbers)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_identical(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_identical(x, y) for x, y in zip(a, b))
+    return a == b or (a != a and b != b)  # NaN equals NaN here
+
+
+@pytest.mark.parametrize("kill_at", [2, 9], ids=["before the first estimate", "after estimates"])
+def test_a_job_killed_mid_epoch_resumes_from_last_ckpt_as_if_never_interrupted(kill_at, tmp_path):
+    whole_model, whole, whole_checkpoint, whole_stopping = _job(tmp_path / "whole")
+    first_estimate = whole.history[0]["epoch"]  # counted from 1
+    assert 3 < first_estimate < 10  # the settle rule waits past epoch 3; the second kill comes after estimates
+    with pytest.raises(Killed):
+        _job(tmp_path / "killed", kill_at=kill_at)
+    last = torch.load(tmp_path / "killed" / "last.ckpt", weights_only=False)
+    assert last["epoch"] == kill_at - 1  # the last complete epoch, estimate or not
+    model, resumed, checkpoint, stopping = _job(tmp_path / "killed", ckpt_path=tmp_path / "killed" / "last.ckpt",
+                                                seed=1)
+    assert _identical(model.state_dict(), whole_model.state_dict())  # weights and hyperparameters (buffers)
+    assert _identical(resumed.state_dict(), whole.state_dict())  # history, best, Adam state, the settle rule's losses
+    assert resumed.final_marglik == whole.final_marglik
+    assert _identical(checkpoint.best_model_score, whole_checkpoint.best_model_score)
+    assert _identical(stopping.state_dict(), whole_stopping.state_dict())
+    best = torch.load(checkpoint.best_model_path, weights_only=False)["state_dict"]
+    assert _identical(best, torch.load(whole_checkpoint.best_model_path, weights_only=False)["state_dict"])
+
+
+def test_last_ckpt_is_written_every_epoch_before_the_first_estimate(tmp_path):
+    from lightning_marglik import MargLikCheckpoint
+
+    checkpoint = MargLikCheckpoint(dirpath=tmp_path, save_top_k=1, save_last=True)
+    callback = MargLikCallback(frequency=2, steps=5)
+    with pytest.raises(Killed):
+        trainer([callback, checkpoint, KillAt(2)], 12).fit(Regressor(), loader(regression_data()))
+    assert callback.history == [] and checkpoint.best_model_path == ""  # no estimate yet, so no best model
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    state = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert state["epoch"] == 1 and len(next(v for k, v in state["callbacks"].items() if "MargLikCallback" in k)
+                                       ["training_losses"]) == 2
+
+
+def test_save_last_takes_true_or_false_not_link():
+    from lightning_marglik import MargLikCheckpoint
+
+    with pytest.raises(ValueError, match=r"`save_last` must be True or False \(write last.ckpt after every epoch"):
+        MargLikCheckpoint(save_last="link")
