@@ -13,6 +13,7 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.utils import prune
 
 from lightning_marglik import (
     CategoricalLikelihood,
@@ -25,7 +26,14 @@ from lightning_marglik import (
     predict_classification,
     select_models,
 )
+from lightning_marglik.curvature.layers import is_kron_layer
+from lightning_marglik.linearized import _structure_delta
 from tests.lightning_models import BlobData, Classifier, Regressor, RegressorSteps, loader, regression_data, trainer
+from tests.real_networks import batches
+from tests.reference import graph_problem, reference_env, rel_err  # noqa: F401 (reference_env: autouse)
+from tests.test_ekfac import check_moments_against_reference
+from tests.test_real_networks_reference import check_against_reference, fit, hyperparameters
+from tests.test_structure_inverse import dense_precision, operator_matrix
 
 
 class NoTraining(Regressor):
@@ -302,3 +310,75 @@ def test_save_last_takes_true_or_false_not_link():
 
     with pytest.raises(ValueError, match=r"`save_last` must be True or False \(write last.ckpt after every epoch"):
         MargLikCheckpoint(save_last="link")
+
+
+# --- item 7: a pruned layer keeps its Kronecker factors where its mask allows --------------------
+
+PRUNINGS = {
+    "ones": lambda m: prune.identity(m, "weight"),
+    "rows": lambda m: prune.ln_structured(m, "weight", amount=0.5, n=1, dim=0),  # whole output units / channels
+    "columns": lambda m: prune.ln_structured(m, "weight", amount=0.5, n=1, dim=1),  # whole inputs / input channels
+    "rows and columns": lambda m: (PRUNINGS["rows"](m), PRUNINGS["columns"](m)),  # pruned twice: r c^T
+    "bias": lambda m: (prune.identity(m, "weight"), prune.l1_unstructured(m, "bias", amount=0.5)),
+    "unstructured": lambda m: prune.l1_unstructured(m, "weight", amount=0.4),  # no outer product
+}
+OUTER = [name for name in PRUNINGS if name != "unstructured"]  # masks r c^T: the layer keeps its factors
+_PRUNED: dict = {}
+
+
+def pruned_case(layer: str, pruning: str, kind: str):
+    """(model, x, y, GraphProblem): a Linear or a grouped Conv2d pruned by ``pruning``, then a Linear (cached)."""
+    key = (layer, pruning, kind)
+    if key not in _PRUNED:
+        torch.manual_seed(0)
+        if layer == "linear":
+            model, x = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 2)), torch.randn(20, 3)
+        else:  # the (out, in) matrix of a grouped conv's weight: out x (in / groups) k k
+            model = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 4 * 4, 2))
+            x = torch.randn(20, 4, 6, 6)
+        model = model.double()
+        PRUNINGS[pruning](model[0])
+        y = torch.randint(0, 2, (20,)) if kind == "classification" else torch.randn(20, 2)
+        _PRUNED[key] = (model, x, y, graph_problem(model, x, y, kind))
+    return _PRUNED[key]
+
+
+@pytest.mark.parametrize("structure, approx", [("kron", "ggn"), ("kron", "ef"), ("diag", "ggn"), ("full", "ggn")])
+@pytest.mark.parametrize("pruning", list(PRUNINGS))
+@pytest.mark.parametrize("layer", ["linear", "conv"])
+def test_a_pruned_layer_keeps_its_kronecker_factors_where_its_mask_allows_and_equals_the_dense_reference(
+    layer, pruning, structure, approx
+):
+    """The reference's blocks of a pruned tensor are D_m (block) D_m (tests/reference.py); Kronecker blocks
+    where the weight's mask has rank one, exact diagonal blocks otherwise."""
+    model, x, y, problem = pruned_case(layer, pruning, "regression")
+    prior, lik = hyperparameters(model, "regression")
+    assert "0.weight_orig" in prior.param_names
+    ev = fit(model, batches(x, y, 8), lik, prior, structure, approx)
+    assert ev.slow == {}  # the hook path: no per-example Jacobians
+    assert is_kron_layer(model[0]) == (pruning in OUTER)
+    check_against_reference(ev, problem.reference(structure, approx), prior, lik)
+
+
+@pytest.mark.parametrize("pruning", OUTER)
+@pytest.mark.parametrize("layer", ["linear", "conv"])
+def test_a_pruned_layer_under_ekfac_has_the_dense_blocks_moments_in_its_masked_kronecker_eigenbasis(layer, pruning):
+    model, x, y, problem = pruned_case(layer, pruning, "classification")
+    prior, lik = hyperparameters(model, "classification")
+    ev = fit(model, batches(x, y, 8), lik, prior, "ekfac")
+    assert check_moments_against_reference(ev, problem, "classification", "ggn") == len(prior.param_sizes)
+
+
+@pytest.mark.parametrize("structure", ["kron", "ekfac"])
+@pytest.mark.parametrize("pruning", ["rows and columns", "bias"])
+@pytest.mark.parametrize("layer", ["linear", "conv"])
+def test_a_pruned_layers_posterior_inverse_is_the_dense_inverse(layer, pruning, structure):
+    """The predictive's covariance and linearized_evidence's preconditioner (Structure.inverse) on the masked blocks."""
+    model, x, y, problem = pruned_case(layer, pruning, "classification")
+    prior, lik = hyperparameters(model, "classification")
+    ev = fit(model, batches(x, y, 8), lik, prior, structure)
+    scale = lik.curvature_scale("ggn", {k: v.detach() for k, v in lik.hyperparameters().items()})
+    dense = operator_matrix(ev, scale, _structure_delta(prior))
+    covariance = ev.jacobian_covariance(torch.eye(prior.n_params).unsqueeze(0))[0]
+    expected = covariance if structure == "ekfac" else torch.linalg.inv(dense_precision(problem, "kron", prior, lik))
+    assert rel_err(dense, expected) <= 1e-10 and rel_err(covariance, expected) <= 1e-10
