@@ -302,7 +302,8 @@ def _factor_masks(base: LayerRule, module: nn.Module, pruned: Dict[str, str]) ->
             out[name] = (mask.reshape(-1), None)
             continue
         shape = base.kron_shape(module)
-        factors = None if shape.diagonal_input else _outer_factors(mask.T if shape.transposed else mask.reshape(shape.out, -1))
+        matrix = mask.T if shape.transposed else mask.reshape(shape.out, -1)  # the (out, in) layout of kron(G, A)
+        factors = None if shape.diagonal_input else _outer_factors(matrix)
         if factors is None:
             return None
         out[name] = factors
