@@ -220,6 +220,17 @@ def test_the_first_batch_with_a_backward_decides():
     assert len(_fit_one_batch(SkipsFirstBatch, limit_train_batches=2)) == 1
 
 
+def test_the_warning_can_be_made_an_error_that_stops_the_fit_at_the_first_batch():
+    module_class, trainer_class, callback_class, _ = _lightning_module(MSEOnly, "pytorch_lightning")
+    module = module_class()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*training loss does not carry the prior")  # as docs/callback.md says
+        with pytest.raises(UserWarning, match="map_loss"):
+            trainer_class(callbacks=[callback_class(settle=None)], max_epochs=3, logger=False, enable_progress_bar=False,
+                          enable_checkpointing=False, accelerator="cpu").fit(module, loader(regression_data()))
+    assert module.trainer.global_step == 1 and module.prior._penalty_nodes is None
+
+
 @pytest.mark.parametrize("body", [MapLossPlusTerm, OwnLossWithPenalty, ManualMapLoss, RegressorSteps],
                          ids=["extra term", "own loss + penalty", "manual optimization", "map_loss"])
 @pytest.mark.parametrize("package", ["pytorch_lightning", "lightning"])
