@@ -102,8 +102,13 @@ def test_the_docs_first_selection_config_does_not_trip_the_librarys_ef_check(mon
     config = yaml.safe_load((ROOT / "configs" / "digits_selection.yaml").read_text())
     config.update(output_dir=None, candidates={"mlp256x1": config["candidates"]["mlp256x1"]})
     config["trainer"]["max_epochs"] = 20
-    with warnings.catch_warnings(record=True) as caught, quiet_lightning():
-        warnings.simplefilter("always")
-        (result,) = select_from_config(config, verbose=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as marglik-select runs (--threads=1): small models, a shared machine
+    try:
+        with warnings.catch_warnings(record=True) as caught, quiet_lightning():
+            warnings.simplefilter("always")
+            (result,) = select_from_config(config, verbose=False)
+    finally:
+        torch.set_num_threads(threads)
     assert result.epochs == 20
     assert [str(w.message) for w in caught if "unreliable" in str(w.message)] == []
