@@ -491,6 +491,7 @@ def make_module(spec: RunSpec, data: Data, n_data: int) -> pl.LightningModule:
 
 
 SHIFT = 2  # pixels an augmented image moves at most, each way
+WEIGHTS = "weights"  # the key of a run's state dicts in train's result (cached() saves them apart)
 
 
 def shifted(batch: List[Tuple[Tensor, Tensor]]) -> Tuple[Tensor, Tensor]:
@@ -531,6 +532,7 @@ def _softmax_scores(probs: Tensor, y: Tensor, ood_probs: Tensor, prefix: str = "
     confidence = torch.cat([probs.max(1).values, ood_probs.max(1).values])
     is_in = torch.cat([torch.ones(len(probs)), torch.zeros(len(ood_probs))]).long()
     return {
+        f"{prefix}confidence": probs.max(1).values.mean().item(),  # above accuracy: over-confident on average
         f"{prefix}acc": (probs.argmax(1) == y).double().mean().item(),
         f"{prefix}nll": -probs.gather(1, y[:, None]).clamp_min(1e-300).log().mean().item(),
         f"{prefix}ece": multiclass_calibration_error(probs, y, num_classes=probs.shape[1], n_bins=15).item(),
@@ -615,9 +617,11 @@ def train(spec: RunSpec) -> Dict[str, Any]:
     }
     if validation is not None:  # the held-out fraction at the end of training (cross-validation reads it)
         result["validation"] = evaluate(module, *validation)
+    result[WEIGHTS] = {"final": copy.deepcopy(module.state_dict())}
     if checkpoint is not None and checkpoint.best_model_path:
         best = make_module(spec, data, n_data)
         best.load_state_dict(torch.load(checkpoint.best_model_path, weights_only=False)["state_dict"])
+        result[WEIGHTS]["checkpoint"] = copy.deepcopy(best.state_dict())
         best.prior.record_n_data(n_data)
         result["checkpoint"] = {"epoch": marglik.best_epoch + 1, **assess(best, data, spec, plain), **log_precisions(best.prior)}
     if recorder is not None:
@@ -693,6 +697,8 @@ def cached(spec: RunSpec, cache: str, rerun: bool = False, log: Callable[[str], 
         with open(path) as f:
             return json.load(f)
     result = train_peer(spec) if spec.peer is not None else train(spec)
+    if WEIGHTS in result:  # beside the JSON: the final (and best-evidence) state dicts, for metrics added later
+        torch.save(result.pop(WEIGHTS), os.path.join(cache, spec.key() + ".pt"))
     with open(path + ".tmp", "w") as f:
         json.dump(result, f)
     os.replace(path + ".tmp", path)
