@@ -89,6 +89,7 @@ LEARNED: Dict[str, Dict[str, Any]] = {
     "defaults": {},
     "settle=None": {"settle": None},
     "settle=None, F=5": {"settle": None, "frequency": 5},
+    "settle=None, F=5, biases learned": {"settle": None, "frequency": 5, "biases": "learn"},
     "Algorithm 1": ALGORITHM_1,
 }
 PEER_ARM = "laplace-torch"
@@ -137,8 +138,9 @@ def arms_of(dataset: str, network: str) -> List[str]:
     return arms
 
 
-def cells(quick: bool) -> List[Tuple[str, str]]:
-    return [("digits", "mlp"), ("digits", "cnn")] if quick else [(d, n) for d in DATA for n in NETWORKS]
+def cells(quick: bool, networks: Sequence[str] = NETWORKS, datasets: Sequence[str] = tuple(DATA)) -> List[Tuple[str, str]]:
+    """The (data set, network) cells of the study (``quick``: two small ones)."""
+    return [("digits", "mlp"), ("digits", "cnn")] if quick else [(d, n) for d in datasets for n in networks]
 
 
 # rough CPU seconds of one delta = 1 run on this machine, to order and balance the shards
@@ -153,9 +155,9 @@ def estimated_cost(s: _zoo.RunSpec) -> float:
     return 5.0 * scale
 
 
-def plan(seeds: Sequence[int], quick: bool) -> List[_zoo.RunSpec]:
-    """Every run of the study, the most expensive first (shards then take turns)."""
-    specs = [spec(d, n, s, arm, quick) for d, n in cells(quick) for s in seeds for arm in arms_of(d, n)]
+def plan(seeds: Sequence[int], quick: bool, chosen: List[Tuple[str, str]]) -> List[_zoo.RunSpec]:
+    """Every run of the ``chosen`` cells, the most expensive first (shards then take turns)."""
+    specs = [spec(d, n, s, arm, quick) for d, n in chosen for s in seeds for arm in arms_of(d, n)]
     return sorted(specs, key=estimated_cost, reverse=True)
 
 
@@ -231,11 +233,12 @@ def targets(row: Dict[str, Any], cv: Dict[str, Any], one: Dict[str, Any]) -> Dic
     }
 
 
-def collect(cache: str, seeds: Sequence[int], quick: bool) -> Tuple[Dict[Tuple[str, str], Dict[str, List]], List[str]]:
-    """The cached runs by cell and arm (seeds in order); the runs still missing."""
+def collect(cache: str, seeds: Sequence[int], quick: bool,
+            chosen: List[Tuple[str, str]]) -> Tuple[Dict[Tuple[str, str], Dict[str, List]], List[str]]:
+    """The cached runs of the ``chosen`` cells by cell and arm (seeds in order); the runs still missing."""
     out: Dict[Tuple[str, str], Dict[str, List]] = {}
     missing = []
-    for d, n in cells(quick):
+    for d, n in chosen:
         for arm in arms_of(d, n):
             got = []
             for s in seeds:
@@ -303,8 +306,9 @@ def markdown(analysis: Dict[str, Any], libraries: List[str], seeds: Sequence[int
     return "\n".join(lines) + "\n"
 
 
-def analyse(cache: str, seeds: Sequence[int], quick: bool, command: str, write: bool) -> Dict[str, Any]:
-    runs, missing = collect(cache, seeds, quick)
+def analyse(cache: str, seeds: Sequence[int], quick: bool, chosen: List[Tuple[str, str]], command: str,
+            write: bool) -> Dict[str, Any]:
+    runs, missing = collect(cache, seeds, quick, chosen)
     analysis = {cell: analyse_cell(by) for cell, by in runs.items() if fixed(1.0) in by
                 and all(fixed(d) in by and fixed(d, cv=True) in by for d in GRID)}
     libraries = sorted({r["library"] for by in runs.values() for got in by.values() for r in got})
@@ -325,12 +329,15 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--analyse", action="store_true", help="train nothing: the tables of the cached runs")
     parser.add_argument("--shard", default="0/1", metavar="K/N", help="train every N-th run from the K-th")
     parser.add_argument("--cache", default=os.path.join(_zoo.output_dir(NAME), "runs"))
+    parser.add_argument("--networks", nargs="+", choices=NETWORKS, default=list(NETWORKS))
+    parser.add_argument("--datasets", nargs="+", choices=tuple(DATA), default=list(DATA))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     k, n = (int(v) for v in args.shard.split("/"))
     cache = os.path.join(args.cache, "quick") if args.quick else args.cache
     command = ("python benchmarks/vs_cross_validation.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
-    specs = plan(args.seeds, args.quick)
+    chosen = cells(args.quick, args.networks, args.datasets)
+    specs = plan(args.seeds, args.quick, chosen)
     if args.plan:
         for s in specs:
             print(f"{s.dataset}/{s.network} seed {s.seed} {s.key()}: ~{estimated_cost(s):.0f} s")
@@ -342,7 +349,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         for s in specs[k::n]:
             _zoo.cached(s, cache)
         print(f"shard {k}/{n} done in {(time.perf_counter() - start) / 60:.1f} min", flush=True)
-    return analyse(cache, args.seeds, args.quick, command, write=not args.quick and (args.analyse or n == 1))
+    return analyse(cache, args.seeds, args.quick, chosen, command, write=not args.quick and (args.analyse or n == 1))
 
 
 if __name__ == "__main__":
