@@ -18,7 +18,8 @@ and without data augmentation. This script does the same at the scale of a 2-cor
   (delta = 1 the baseline, the test-best one the oracle) and cross-validation: ``GRID`` trained on 80 % of the
   training data, delta chosen by the validation NLL of the other 20 %, then the ``delta=<d>`` run on all of it;
 * metrics (``_zoo.assess``): test accuracy, NLL, ECE (15 bins), OOD AUROC by maximum softmax probability, the
-  same for the linearized-Laplace predictive (probit, kron-GGN at the model's own precisions), process CPU over
+  same for the linearized-Laplace predictive (probit, kron-GGN at the model's own precisions; final models, 500
+  test and OOD inputs: its Jacobians cost as much as a run's training), process CPU over
   the same seed's delta = 1 run (cross-validation: its six runs), every tensor's learned log delta;
 * augmentation (``AUGMENTED``): MNIST, MLP and CNN trained on images shifted by up to 2 pixels; the callback
   with its evidence on plain or on augmented batches, and with the likelihood up-weighted by 5 (T = 0.2) as
@@ -270,7 +271,9 @@ def markdown(analysis: Dict[str, Any], libraries: List[str], seeds: Sequence[int
         f"{'; '.join(libraries)}{'' if one else ' — MIXED LIBRARIES: this is no study, rerun it on one commit'}. "
         "One CPU thread per process.", "",
         "Columns: means over seeds of test accuracy, NLL, ECE (15 bins), OOD AUROC (maximum softmax probability), the "
-        "same three for the linearized-Laplace predictive (`lin_`: probit, kron-GGN at the model's precisions), and "
+        "same three for the linearized-Laplace predictive (`lin_`: probit, kron-GGN at the model's precisions, on the first "
+        f"{_zoo.LINEARIZED} test and OOD inputs, final models only; laplace-torch's final weights with its best "
+        "precisions, the only ones it returns), and "
         "`cost`: process CPU over the same seed's delta = 1 run (cross-validation: its five split runs and the retrain). "
         "Learned arms: `(final)` the weights at the end, `(checkpoint)` the best-evidence checkpoint.", "",
     ]
