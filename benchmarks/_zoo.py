@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -261,6 +261,7 @@ class RunSpec:
     linearized predictive) besides accuracy and NLL. ``augment``: training batches randomly shifted (up to
     ``SHIFT`` pixels each way); ``evidence``: the evidence on ``"plain"`` or ``"augmented"`` batches.
     ``temperature``: the likelihood temperature ``T`` (``T < 1`` up-weights the data, as under augmentation).
+    ``prior``: the ``GaussianPrior`` structure (``"layerwise"``, ``"scalar"``).
     """
 
     network: str
@@ -288,9 +289,14 @@ class RunSpec:
     augment: bool = False
     evidence: str = "plain"
     temperature: float = 1.0
+    prior: str = "layerwise"
 
     def key(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True)
+        """The cache name: network, data, seed and a hash of the fields that differ from their defaults (so a
+        field added later, at its default, keeps every cached run's name)."""
+        defaults = {f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(self)
+                    if f.default is not MISSING or f.default_factory is not MISSING}
+        blob = json.dumps({k: v for k, v in asdict(self).items() if k not in defaults or v != defaults[k]}, sort_keys=True)
         return f"{self.network}_{self.dataset}_s{self.seed}_{hashlib.sha1(blob.encode()).hexdigest()[:10]}"
 
 
@@ -429,7 +435,7 @@ class Recipe(Candidate):
     """The ranking study's ``Candidate`` trained by a ``RunSpec``'s recipe (optimizer and per-step schedule)."""
 
     def __init__(self, net: nn.Module, spec: RunSpec, n_data: int, steps_per_epoch: int) -> None:
-        super().__init__(net, n_data, spec.lr, spec.precision, "layerwise")
+        super().__init__(net, n_data, spec.lr, spec.precision, spec.prior)
         self.likelihood = CategoricalLikelihood(temperature=spec.temperature)
         self.optimizer_class, self.optimizer_options = optimizer_of(spec)
         self.factor = lr_factor(spec, steps_per_epoch)
@@ -483,8 +489,8 @@ def make_module(spec: RunSpec, data: Data, n_data: int) -> pl.LightningModule:
     else:
         module = Recipe(net, spec, n_data, math.ceil(n_data / spec.batch_size))
     if spec.fixed or spec.callback is None:
-        module.prior = GaussianPrior(net, precision=spec.precision, learn=spec.callback is not None,
-                                     fixed=spec.fixed or None)
+        module.prior = GaussianPrior(net, precision=spec.precision, structure=spec.prior,
+                                     learn=spec.callback is not None, fixed=spec.fixed or None)
     if spec.prior_setup:
         PRIOR_SETUPS[spec.prior_setup](module.prior)
     return module
