@@ -39,6 +39,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import math
 import os
 import sys
@@ -177,9 +178,11 @@ def estimated_cost(s: _zoo.RunSpec) -> float:
     return 5.0 * scale
 
 
-def plan(seeds: Sequence[int], quick: bool, chosen: List[Tuple[str, str]]) -> List[_zoo.RunSpec]:
-    """Every run of the ``chosen`` cells, the most expensive first (shards then take turns)."""
-    specs = [spec(d, n, s, arm, quick) for d, n in chosen for s in seeds for arm in arms_of(d, n)]
+def plan(seeds: Sequence[int], quick: bool, chosen: List[Tuple[str, str]], arms: Sequence[str] = ("*",)) -> List[_zoo.RunSpec]:
+    """Every run of the ``chosen`` cells whose arm matches one of the ``arms`` patterns, the most expensive first
+    (shards then take turns)."""
+    specs = [spec(d, n, s, arm, quick) for d, n in chosen for s in seeds for arm in arms_of(d, n)
+             if any(fnmatch.fnmatchcase(arm, pattern) for pattern in arms)]
     return sorted(specs, key=estimated_cost, reverse=True)
 
 
@@ -355,13 +358,15 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--cache", default=os.path.join(_zoo.output_dir(NAME), "runs"))
     parser.add_argument("--networks", nargs="+", choices=NETWORKS, default=list(NETWORKS))
     parser.add_argument("--datasets", nargs="+", choices=tuple(DATA), default=list(DATA))
+    parser.add_argument("--arms", nargs="+", default=["*"], metavar="PATTERN",
+                        help="train only the arms matching these patterns (e.g. 'delta=*' 'defaults')")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     k, n = (int(v) for v in args.shard.split("/"))
     cache = os.path.join(args.cache, "quick") if args.quick else args.cache
     command = ("python benchmarks/vs_cross_validation.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
     chosen = cells(args.quick, args.networks, args.datasets)
-    specs = plan(args.seeds, args.quick, chosen)
+    specs = plan(args.seeds, args.quick, chosen, args.arms)
     if args.plan:
         for s in specs:
             print(f"{s.dataset}/{s.network} seed {s.seed} {s.key()}: ~{estimated_cost(s):.0f} s")
