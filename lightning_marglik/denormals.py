@@ -50,7 +50,7 @@ class DenormalFlush:
 
     A context manager (``with DenormalFlush(): ...``, e.g. around a plain PyTorch training loop), or
     :meth:`start` and :meth:`stop` from hooks that open and close a span (``MargLikCallback`` starts
-    it in ``setup`` and stops it in ``teardown`` and ``on_exception``). Calls nest harmlessly: a
+    it in ``on_fit_start`` and stops it in ``teardown`` and ``on_exception``). Calls nest harmlessly: a
     second :meth:`start` keeps the first's saved setting, and :meth:`stop` without a start does nothing.
 
     Args:

@@ -59,7 +59,7 @@ class EstimatorCore:
         seed: Seed of the Monte-Carlo samples.
         scale_invariant: Treatment of the scale-invariant tensors.
         dataloader: The evidence data (``None``: the training data).
-        flush_denormals: Flush denormal floats to zero on the CPU from ``setup`` to ``teardown`` of a
+        flush_denormals: Flush denormal floats to zero on the CPU from ``on_fit_start`` to ``teardown`` of a
             fit (:mod:`lightning_marglik.denormals`).
 
     Raises:
@@ -138,8 +138,6 @@ class EstimatorCore:
         check_package(self, trainer)
         if stage != "fit":
             return
-        # the whole fit, set-up check and training included: weights the evidence shrinks turn denormal
-        self._flush.start()
         # Every fit starts afresh: the Adam state and history of another model must not carry over.
         # Lightning restores a checkpoint (load_state_dict) after setup, so a resumed fit gets its state back.
         self._reset_state()
@@ -155,6 +153,9 @@ class EstimatorCore:
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         checks.warn_weight_decay(trainer)
+        # from here to teardown (or an exception), set-up check and training included: weights the evidence
+        # shrinks turn denormal. Not in setup, which a test or a tool may call alone and leave the mode set
+        self._flush.start()
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
