@@ -4,6 +4,7 @@ from .callbacks import MargLikBoundCallback, MargLikCallback, MargLikCheckpoint,
 from .curvature import CurvatureOptions, CurvatureStatistics, collect_statistics
 from .curvature.layers import KronShape, KronSums, LayerRule, register_layer_rule
 from .curvature.structures import register_structure
+from .denormals import DenormalFlush
 from .diagnostics import ef_curvature_ratio
 from .evidence import LaplaceEvidence
 from .modules import FixupBias, FixupScale
@@ -29,6 +30,7 @@ __all__ = [
     "CategoricalLikelihood",
     "CurvatureOptions",
     "CurvatureStatistics",
+    "DenormalFlush",
     "GammaHyperprior",
     "GaussianLikelihood",
     "GaussianPrior",

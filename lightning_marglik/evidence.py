@@ -17,8 +17,9 @@ from torch import Tensor, nn
 from . import solvers
 from .curvature import CurvatureOptions, CurvatureStatistics, collect_statistics
 from .curvature.batches import BatchFn
+from .denormals import DenormalFlush
 from .hyperparameters import GaussianPrior, Likelihood, assign_hyperparameters, learnable_values
-from .validators import number, optional
+from .validators import flag, number, optional
 
 __all__ = ["LaplaceEvidence", "SOLVERS", "require_data"]
 
@@ -104,6 +105,7 @@ class LaplaceEvidence:
         batch_fn: Optional[BatchFn] = None,
         max_memory: int = CurvatureOptions.max_memory,
         backend: str = "hooks",
+        flush_denormals: bool = True,
     ) -> "LaplaceEvidence":
         """One pass over ``dataloader`` at the model's current weights; stores the count of data on the
         prior (``prior.n_data``, the default ``N`` of :func:`map_loss`).
@@ -120,6 +122,10 @@ class LaplaceEvidence:
             batch_fn: Maps a batch to ``(inputs, targets)``; inputs a tensor, tuple or dict.
             max_memory: Bytes the ``full`` structure may allocate for its ``P x P`` matrices.
             backend: ``"hooks"`` or ``"backpack"`` (optional extra, see :mod:`.curvature.backpack`).
+            flush_denormals: Flush denormal floats to zero on the CPU during the pass, then restore the
+                setting found (:class:`~lightning_marglik.denormals.DenormalFlush`: weights the evidence
+                shrank make the pass many times slower otherwise). Wrap a plain training loop in
+                ``with DenormalFlush():`` to speed up its epochs alike.
 
         Returns:
             The evidence object.
@@ -130,7 +136,10 @@ class LaplaceEvidence:
             TypeError: On batches that are not ``(inputs, targets)`` pairs.
         """
         options = CurvatureOptions(structure, approx, mc_samples, max_memory, backend)
-        stats = collect_statistics(model, dataloader, likelihood, prior, generator=generator, batch_fn=batch_fn, options=options)
+        with DenormalFlush(flag(flush_denormals, "flush_denormals")):
+            stats = collect_statistics(
+                model, dataloader, likelihood, prior, generator=generator, batch_fn=batch_fn, options=options
+            )
         evidence = cls(stats, likelihood, prior)
         prior.record_n_data(evidence.n_data)
         return evidence

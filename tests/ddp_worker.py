@@ -48,6 +48,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, SubsetRandomSampler, TensorDataset
 
 from lightning_marglik import CategoricalLikelihood, GaussianLikelihood, GaussianPrior, map_loss
+from lightning_marglik.denormals import flushing_denormals
 
 # the Lightning package (and our callbacks for it) the worker runs with
 PACKAGE = os.environ.get("DDP_WORKER_PACKAGE", "pytorch_lightning")
@@ -241,6 +242,7 @@ class Recorder(Callback):
                 "sampler": type(sampler).__name__,
                 "sampler_total_size": getattr(sampler, "total_size", None),
                 "dtype": str(next(pl_module.net.parameters()).dtype),
+                "flushing": flushing_denormals(),  # MargLikCallback flushes denormals for the fit
             }
         )
 
@@ -364,6 +366,7 @@ def run_training(out: Path) -> Dict[str, Any]:
         "package": PACKAGE,
         "trainer_checkpoint_is_ours": trainer.checkpoint_callback is checkpoint,
         "trainer_early_stopping_is_ours": trainer.early_stopping_callback is stopper,
+        "flushing_after": flushing_denormals(),
     }
 
 
@@ -522,7 +525,7 @@ def failing_fit(out: Path, case: str, catch: bool) -> None:
         trainer.fit(module, train_dataloaders=train_loader(dataset))
     except Exception as exc:
         record = {"type": type(exc).__name__, "message": str(exc), "epoch": trainer.current_epoch,
-                  "entered": clock.entered, "failed": time.time()}
+                  "entered": clock.entered, "failed": time.time(), "flushing_after": flushing_denormals()}
         if not catch:
             write(out, f"{case}-rank{trainer.global_rank}.json", record)
             raise

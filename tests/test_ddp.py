@@ -269,6 +269,12 @@ def test_checkpoint_holds_the_best_evidence_epoch(train_ranks):
     assert flat == best["weights"]
 
 
+def test_denormals_flushed_on_every_rank_for_the_fit_then_restored(train_ranks):
+    for rank in train_ranks:
+        assert [e["flushing"] for e in rank["epochs"]] == [True] * len(rank["epochs"])
+        assert rank["flushing_after"] is False  # the worker's own setting: torch's default
+
+
 def test_early_stopping_stops_both_ranks_in_the_same_epoch(train_ranks):
     a, b = train_ranks
     assert a["should_stop"] and b["should_stop"]
@@ -324,6 +330,7 @@ def test_error_on_one_rank_raises_on_every_rank_without_hanging(popen_run):
         assert r0["type"] == "RuntimeError" and "failed on another process" in r0["message"], r0
         for r in (r0, r1):
             assert r["epoch"] == 0  # at set-up, or the first estimate
+            assert r["flushing_after"] is False  # the denormal mode restored after the failed fit
             if case == "error-setup":
                 assert r["entered"] is None  # before the first epoch ended
             else:

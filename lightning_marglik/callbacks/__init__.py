@@ -152,6 +152,11 @@ class MargLikCallback(MargLikCallbackCore, Callback):
             weights are far from a MAP (``benchmarks/results/never_worse.md``); a run whose loss never
             settles gets one estimate, at its end. ``None``: Algorithm 1 from epoch ``burnin + 1``
             (the paper's schedule).
+        flush_denormals: Flush denormal floats to zero on the CPU for the whole fit (setup to
+            teardown, or an exception), then restore the process's own setting. The weights and Adam
+            moments of groups whose precision the evidence raises decay into the denormal range, where
+            x86 arithmetic is many times slower; flushing changes results by less than float
+            resolution (:mod:`lightning_marglik.denormals`). No effect on GPUs. ``False``: leave the mode alone.
 
     Raises:
         ValueError: On an invalid argument (the message names it).
@@ -199,6 +204,7 @@ class MargLikBoundCallback(MargLikBoundCallbackCore, Callback):
         seed: Seed of the Monte-Carlo samples.
         backend: ``"hooks"`` or ``"backpack"`` (``"parametric"`` only).
         scale_invariant: As for :class:`MargLikCallback`.
+        flush_denormals: As for :class:`MargLikCallback`.
 
     Raises:
         ValueError: On an invalid argument (the message names it and the fix).

@@ -47,6 +47,7 @@ class MargLikBoundCallbackCore(EstimatorCore):
         seed: int = 0,
         backend: str = "hooks",
         scale_invariant: str = "decoupled",
+        flush_denormals: bool = True,
     ) -> None:
         check_bound_options(bound, structure, subset_size)
         if bound == "ntk" and backend != "hooks":
@@ -56,7 +57,7 @@ class MargLikBoundCallbackCore(EstimatorCore):
         else:
             options = CurvatureOptions(structure, approx, mc_samples, backend=backend)
         schedule = BatchSchedule(every_k_batches, burnin)
-        super().__init__(options, schedule, lr, seed, scale_invariant)
+        super().__init__(options, schedule, lr, seed, scale_invariant, flush_denormals=flush_denormals)
         self.bound = bound
         self.subset_size = subset_size
         self.every_k_batches = schedule.every

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 from ..curvature import CurvatureOptions, check_model, collect_statistics
 from ..curvature.batches import move, split_batch
 from ..curvature.scale_invariance import training_modes
+from ..denormals import DenormalFlush
 from ..diagnostics import ef_ratio_of, ef_unreliable_message
 from ..distributed import reduce_statistics, run_on_all_ranks
 from ..evidence import SOLVERS, LaplaceEvidence, require_data
@@ -36,7 +37,7 @@ from ..hyperparameters import (
     no_decay_names,
 )
 from ..runaway import runaway_message, runaway_precisions
-from ..validators import choice, integer, number, optional
+from ..validators import choice, flag, integer, number, optional
 from . import checks
 from .data import count_data, evidence_batches, isolate_rng, named_loader_method
 from .package import MONITOR, LightningModule, LightningPackage, MargLikConfigurationError, Trainer, check_package, find_hyperparameters
@@ -57,6 +58,8 @@ class EstimatorCore:
         seed: Seed of the Monte-Carlo samples.
         scale_invariant: Treatment of the scale-invariant tensors.
         dataloader: The evidence data (``None``: the training data).
+        flush_denormals: Flush denormal floats to zero on the CPU from ``setup`` to ``teardown`` of a
+            fit (:mod:`lightning_marglik.denormals`).
 
     Raises:
         ValueError: On an invalid argument (the message names it).
@@ -78,7 +81,7 @@ class EstimatorCore:
 
     def __init__(
         self, options: CurvatureOptions, schedule: Schedule, lr: float, seed: int, scale_invariant: str,
-        dataloader: Union[DataLoader, str, None] = None,
+        dataloader: Union[DataLoader, str, None] = None, flush_denormals: bool = True,
     ) -> None:
         super().__init__()
         self.options = options
@@ -91,6 +94,8 @@ class EstimatorCore:
         self.dataloader = dataloader
         self.seed = integer(seed, "seed", 0)
         self.scale_invariant = choice(scale_invariant, SCALE_INVARIANT_TREATMENTS, "scale_invariant")
+        self.flush_denormals = flag(flush_denormals, "flush_denormals")
+        self._flush = DenormalFlush(self.flush_denormals)
         self.prior: Optional[GaussianPrior] = None
         self.likelihood: Optional[Likelihood] = None
         self._setup_plan: Any = None  # the set-up batch's evidence-pass statistics (their structures' layout)
@@ -131,6 +136,8 @@ class EstimatorCore:
         check_package(self, trainer)
         if stage != "fit":
             return
+        # the whole fit, set-up check and training included: weights the evidence shrinks turn denormal
+        self._flush.start()
         # Every fit starts afresh: the Adam state and history of another model must not carry over.
         # Lightning restores a checkpoint (load_state_dict) after setup, so a resumed fit gets its state back.
         self._reset_state()
@@ -146,6 +153,17 @@ class EstimatorCore:
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         checks.warn_weight_decay(trainer)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._end_fit()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._end_fit()  # Lightning calls no callback teardown after an exception
+
+    def _end_fit(self) -> None:
+        """Undo what the fit changed outside the callback: the CPU's denormal mode."""
+        self._flush.stop()
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Check everything the evidence needs, before the first step (the training data exist from here)."""
@@ -365,6 +383,7 @@ class MargLikCallbackCore(EstimatorCore):
         max_step: Optional[float] = 1.0,
         biases: Optional[str] = None,
         settle: Optional[float] = 0.05,
+        flush_denormals: bool = True,
     ) -> None:
         options = CurvatureOptions(structure, approx, mc_samples, backend=backend)
         self.statistics = checks.check_statistics(statistics, options)
@@ -373,7 +392,7 @@ class MargLikCallbackCore(EstimatorCore):
         self.settle = None if settle is None else schedule.settle  # type: ignore[attr-defined]
         self.frequency = schedule.frequency
         self.steps = integer(steps, "steps", 0)
-        super().__init__(options, schedule, lr, seed, scale_invariant, dataloader)
+        super().__init__(options, schedule, lr, seed, scale_invariant, dataloader, flush_denormals)
         self.solver = choice(solver, SOLVERS, "solver")
         self.max_step = optional(number, max_step, "max_step", what="the largest change of log delta per estimate, or None")
         self.biases = optional(choice, biases, TREATMENTS, "biases")
@@ -628,6 +647,8 @@ class MargLikCallbackCore(EstimatorCore):
         if self._training is not None:
             self._training.batch_end(trainer)
 
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+    def _end_fit(self) -> None:
+        """Also remove the training passes' hooks (``statistics="training"``)."""
+        super()._end_fit()
         if self._training is not None:
             self._training.stop()
