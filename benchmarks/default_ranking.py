@@ -6,6 +6,7 @@ networks folded, as ``select_models`` does by default):
 * ``kron-EF``: what ``rank_by="auto"`` resolved to for image classifiers before issue 33;
 * ``kron-GGN``: a GGN default;
 * ``kron-EF/r``: the EF's curvature divided by its ratio ``r = tr EF / tr GGN`` (``rescale_empirical_fisher``);
+* ``kron-EF, flagged /r``: kron-EF, and kron-EF/r for the candidates the EF check flags (evidences mixed);
 * ``default (auto)``: ``rank_by="auto"`` now (``lightning_marglik.selection.resolve_auto``): kron-EF, or kron-GGN
   for every candidate of a run (one seed) whose EF check flags a candidate (``r`` below ``EF_RATIO_THRESHOLD``).
 
@@ -55,7 +56,8 @@ from lightning_marglik.selection import quiet_lightning  # noqa: E402
 # the ranking study's evidences of each option (its networks have BatchNorms: folded, as select_models ranks them)
 RANKING_EVIDENCES = {"kron-EF": "kron-EF folded", "kron-GGN": "kron-GGN folded", "kron-EF/r": "kron-EF/r folded"}
 DEFAULT = "default (auto)"
-OPTIONS = (*RANKING_EVIDENCES, DEFAULT)
+FLAGGED_RESCALED = "kron-EF, flagged /r"  # each candidate's kron-EF, divided by its ratio where the check flags it
+OPTIONS = (*RANKING_EVIDENCES, FLAGGED_RESCALED, DEFAULT)
 # the comparisons docs/selection.md ("When to trust Step 2") trusts: networks of one kind, no BatchNorm mixed in
 TRUSTED_FAMILIES = {"ranking study": ("MLP", "CNN"), "paper protocol": tuple(pp.FAMILIES)}
 CLASSES = 10
@@ -65,24 +67,26 @@ def options_of(study: Dict[str, np.ndarray], names: Sequence[str], n_params: Seq
                n_rows: int) -> Tuple[Dict[str, np.ndarray], List[str]]:
     """Every option's evidence ``(candidates, seeds)`` of a study and the default's choice per seed."""
     default, choices = rs.default_ranking(study["kron-EF"], study["kron-GGN"], study["ratio"], names, n_params, n_rows)
-    return {**{option: study[option] for option in RANKING_EVIDENCES}, DEFAULT: default}, choices
+    flagged_rescaled = np.where(study["ratio"] < EF_RATIO_THRESHOLD, study["kron-EF/r"], study["kron-EF"])
+    return {**{option: study[option] for option in RANKING_EVIDENCES}, FLAGGED_RESCALED: flagged_rescaled,
+            DEFAULT: default}, choices
 
 
-def score(evidences: Dict[str, np.ndarray], accuracy: np.ndarray, names: Sequence[str], keep: Sequence[int],
-          flagged: Sequence[str], samples: int) -> Dict[str, Dict[str, Any]]:
-    """Per option over the candidates ``keep``: rho with its interval, the pick, its gap to the best, its flag.
+def score(evidences: Dict[str, np.ndarray], accuracy: np.ndarray, names: Sequence[str], flagged: Sequence[str],
+          samples: int) -> Dict[str, Dict[str, Any]]:
+    """Per option: rho with its interval, the pick, its gap to the best, whether the check flags it.
 
     ``accuracy``: per test example, ``(candidates, seeds, test examples)``.
     """
-    mean_accuracy = accuracy[keep].mean(2).mean(1)
+    mean_accuracy = accuracy.mean(2).mean(1)
     best = int(np.argmax(mean_accuracy))
     out = {}
     for option, evidence in evidences.items():
-        pick = int(np.argmax(evidence[keep].mean(1)))
-        out[option] = {"rho": rs.bootstrap_spearman(evidence[keep], accuracy[keep], samples),
-                       "pick": names[keep[pick]], "pick_accuracy": float(mean_accuracy[pick]),
-                       "best": names[keep[best]], "gap_points": 100 * float(mean_accuracy[best] - mean_accuracy[pick]),
-                       "pick_flagged": names[keep[pick]] in flagged}
+        pick = int(np.argmax(evidence.mean(1)))
+        out[option] = {"rho": rs.bootstrap_spearman(evidence, accuracy, samples),
+                       "pick": names[pick], "pick_accuracy": float(mean_accuracy[pick]), "best": names[best],
+                       "gap_points": 100 * float(mean_accuracy[best] - mean_accuracy[pick]),
+                       "pick_flagged": names[pick] in flagged}
     return out
 
 
@@ -100,23 +104,31 @@ def study_arrays(runs: Dict[Tuple[str, int], Dict], names: Sequence[str], seeds:
     return out
 
 
+def analyse_part(arrays: Dict[str, np.ndarray], names: Sequence[str], n_params: Sequence[int], n_rows: int,
+                 keep: Sequence[int], samples: int) -> Dict[str, Any]:
+    """The candidates ``keep`` of a study as one ``select_models`` run over them (per seed) would rank them."""
+    part = {key: value[list(keep)] for key, value in arrays.items()}
+    kept = [names[i] for i in keep]
+    evidences, choices = options_of(part, kept, [n_params[i] for i in keep], n_rows)
+    flagged = [n for n, r in zip(kept, part["ratio"]) if (r < EF_RATIO_THRESHOLD).any()]
+    return {"n": len(kept), "choices": choices, "scores": score(evidences, part["accuracy"], kept, flagged, samples),
+            "flagged": {n: [round(float(v), 3) for v in part["ratio"][kept.index(n)]] for n in flagged},
+            "ratio_range": [float(np.nanmin(part["ratio"])), float(np.nanmax(part["ratio"]))]}
+
+
 def analyse_study(name: str, runs: Dict[Tuple[str, int], Dict], names: Sequence[str], seeds: Sequence[int],
                   families: Sequence[str], labels: Dict[str, str], ratio: Any, samples: int) -> Dict[str, Any]:
-    """One study's options over all its candidates and over the trusted ones."""
+    """One study's options over all its candidates and over the ones the documentation trusts comparing."""
     arrays = study_arrays(runs, names, seeds, labels, ratio)
     n_params = [runs[(n, seeds[0])]["n_params"] for n in names]
     n_rows = runs[(names[0], seeds[0])]["recipe"]["n_train"] * CLASSES
-    evidences, choices = options_of(arrays, names, n_params, n_rows)
-    flagged = [n for i, n in enumerate(names) if (arrays["ratio"][i] < EF_RATIO_THRESHOLD).any()]
     trusted = [i for i, f in enumerate(families) if f in TRUSTED_FAMILIES[name]]
-    libraries = sorted({r.get("posthoc_library", r.get("library", "not recorded")) for r in runs.values()})
+    parts = {"all": analyse_part(arrays, names, n_params, n_rows, range(len(names)), samples)}
+    if len(trusted) < len(names):  # the comparisons trusted are a subset
+        parts["trusted"] = analyse_part(arrays, names, n_params, n_rows, trusted, samples)
     return {
-        "study": name, "candidates": len(names), "seeds": list(seeds), "choices": dict(zip(seeds, choices)),
-        "flagged": {n: [round(float(v), 3) for v in arrays["ratio"][names.index(n)]] for n in flagged},
-        "ratio_range": [float(np.nanmin(arrays["ratio"])), float(np.nanmax(arrays["ratio"]))],
-        "all": score(evidences, arrays["accuracy"], names, list(range(len(names))), flagged, samples),
-        "trusted": score(evidences, arrays["accuracy"], names, trusted, flagged, samples),
-        "trusted_families": list(TRUSTED_FAMILIES[name]), "trusted_n": len(trusted), "libraries": libraries,
+        "study": name, "seeds": list(seeds), "trusted_families": list(TRUSTED_FAMILIES[name]), **parts,
+        "libraries": sorted({r.get("posthoc_library", r.get("library", "not recorded")) for r in runs.values()}),
     }
 
 
@@ -169,17 +181,19 @@ def markdown(studies: List[Dict[str, Any]], interpolation: List[Dict[str, Any]],
         "| study | candidates | " + " | ".join(OPTIONS) + " |",
         "|---|---|" + "---|" * len(OPTIONS),
     ]
-    for s in studies:
-        for part, label in (("all", "all"), ("trusted", " + ".join(s["trusted_families"]))):
-            n = s["candidates"] if part == "all" else s["trusted_n"]
-            lines.append(f"| {s['study']} | {label} ({n} x {len(s['seeds'])} seeds) | "
-                         + " | ".join(_cell(s[part][option]) for option in OPTIONS) + " |")
+    parts = [(s, part) for s in studies for part in ("all", "trusted") if part in s]
+    for s, part in parts:
+        label = "all" if part == "all" else " + ".join(s["trusted_families"])
+        lines.append(f"| {s['study']} | {label} ({s[part]['n']} x {len(s['seeds'])} seeds) | "
+                     + " | ".join(_cell(s[part]["scores"][option]) for option in OPTIONS) + " |")
     lines.append("")
-    for s in studies:
-        flagged = ", ".join(f"{n} (r {v})" for n, v in s["flagged"].items()) or "none"
-        lines.append(f"- {s['study']}: best {s['all'][DEFAULT]['best']}; EF ratio r {s['ratio_range'][0]:.3f}.."
-                     f"{s['ratio_range'][1]:.3f}; flagged: {flagged}; the default resolves per seed to "
-                     + ", ".join(f"{seed} {choice}" for seed, choice in s["choices"].items()) + ".")
+    for s, part in parts:
+        p = s[part]
+        flagged = ", ".join(f"{n} (r {v})" for n, v in p["flagged"].items()) or "none"
+        lines.append(f"- {s['study']}, {'all' if part == 'all' else ' + '.join(s['trusted_families'])}: best "
+                     f"{p['scores'][DEFAULT]['best']}; EF ratio r {p['ratio_range'][0]:.3f}..{p['ratio_range'][1]:.3f}; "
+                     f"flagged (r per seed): {flagged}; the default resolves per seed to "
+                     + ", ".join(f"{seed} {choice}" for seed, choice in zip(s["seeds"], p["choices"])) + ".")
     lines += [
         "",
         "## ef_interpolation: the pick per checkpoint (3 candidates, one seed, delta fixed at 1)",
