@@ -68,7 +68,8 @@ class Net(pl.LightningModule):
 
 CANDIDATES = {
     # 16,644 parameters for 64 images: it fits them, noisy labels included
-    "mlp": lambda: Net(nn.Sequential(nn.Flatten(), nn.Linear(SIZE * SIZE, 256), nn.ReLU(), nn.Linear(256, CLASSES)), 1e-2),
+    "mlp": lambda: Net(nn.Sequential(nn.Flatten(), nn.Linear(SIZE * SIZE, 256), nn.ReLU(), nn.Linear(256, CLASSES)),
+                       1e-2),
     # 116 parameters, translation-invariant: it cannot fit the noisy labels
     "cnn": lambda: Net(nn.Sequential(nn.Conv2d(1, 8, 3), nn.ReLU(), nn.AdaptiveMaxPool2d(1), nn.Flatten(),
                                      nn.Linear(8, CLASSES)), 3e-2),
