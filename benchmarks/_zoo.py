@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -261,6 +261,7 @@ class RunSpec:
     linearized predictive) besides accuracy and NLL. ``augment``: training batches randomly shifted (up to
     ``SHIFT`` pixels each way); ``evidence``: the evidence on ``"plain"`` or ``"augmented"`` batches.
     ``temperature``: the likelihood temperature ``T`` (``T < 1`` up-weights the data, as under augmentation).
+    ``prior``: the ``GaussianPrior`` structure (``"layerwise"``, ``"scalar"``).
     """
 
     network: str
@@ -288,9 +289,14 @@ class RunSpec:
     augment: bool = False
     evidence: str = "plain"
     temperature: float = 1.0
+    prior: str = "layerwise"
 
     def key(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True)
+        """The cache name: network, data, seed and a hash of the fields that differ from their defaults (so a
+        field added later, at its default, keeps every cached run's name)."""
+        defaults = {f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(self)
+                    if f.default is not MISSING or f.default_factory is not MISSING}
+        blob = json.dumps({k: v for k, v in asdict(self).items() if k not in defaults or v != defaults[k]}, sort_keys=True)
         return f"{self.network}_{self.dataset}_s{self.seed}_{hashlib.sha1(blob.encode()).hexdigest()[:10]}"
 
 
@@ -429,7 +435,7 @@ class Recipe(Candidate):
     """The ranking study's ``Candidate`` trained by a ``RunSpec``'s recipe (optimizer and per-step schedule)."""
 
     def __init__(self, net: nn.Module, spec: RunSpec, n_data: int, steps_per_epoch: int) -> None:
-        super().__init__(net, n_data, spec.lr, spec.precision, "layerwise")
+        super().__init__(net, n_data, spec.lr, spec.precision, spec.prior)
         self.likelihood = CategoricalLikelihood(temperature=spec.temperature)
         self.optimizer_class, self.optimizer_options = optimizer_of(spec)
         self.factor = lr_factor(spec, steps_per_epoch)
@@ -483,14 +489,16 @@ def make_module(spec: RunSpec, data: Data, n_data: int) -> pl.LightningModule:
     else:
         module = Recipe(net, spec, n_data, math.ceil(n_data / spec.batch_size))
     if spec.fixed or spec.callback is None:
-        module.prior = GaussianPrior(net, precision=spec.precision, learn=spec.callback is not None,
-                                     fixed=spec.fixed or None)
+        module.prior = GaussianPrior(net, precision=spec.precision, structure=spec.prior,
+                                     learn=spec.callback is not None, fixed=spec.fixed or None)
     if spec.prior_setup:
         PRIOR_SETUPS[spec.prior_setup](module.prior)
     return module
 
 
 SHIFT = 2  # pixels an augmented image moves at most, each way
+LINEARIZED = 500  # test and OOD inputs the linearized predictive scores (assess)
+WEIGHTS = "weights"  # the key of a run's state dicts in train's result (cached() saves them apart)
 
 
 def shifted(batch: List[Tuple[Tensor, Tensor]]) -> Tuple[Tensor, Tensor]:
@@ -531,6 +539,7 @@ def _softmax_scores(probs: Tensor, y: Tensor, ood_probs: Tensor, prefix: str = "
     confidence = torch.cat([probs.max(1).values, ood_probs.max(1).values])
     is_in = torch.cat([torch.ones(len(probs)), torch.zeros(len(ood_probs))]).long()
     return {
+        f"{prefix}confidence": probs.max(1).values.mean().item(),  # above accuracy: over-confident on average
         f"{prefix}acc": (probs.argmax(1) == y).double().mean().item(),
         f"{prefix}nll": -probs.gather(1, y[:, None]).clamp_min(1e-300).log().mean().item(),
         f"{prefix}ece": multiclass_calibration_error(probs, y, num_classes=probs.shape[1], n_bins=15).item(),
@@ -541,8 +550,9 @@ def _softmax_scores(probs: Tensor, y: Tensor, ood_probs: Tensor, prefix: str = "
 def assess(module: pl.LightningModule, data: Data, spec: RunSpec, evidence_loader: Optional[DataLoader]) -> Dict[str, Any]:
     """The test metrics of ``module`` (accuracy, NLL), and with ``spec.ood`` also ECE and the OOD AUROC of the
     maximum softmax probability, for the MAP softmax and (``evidence_loader`` given) the linearized-Laplace
-    predictive (probit) under a kron-GGN evidence at the module's weights and hyperparameters, one pass over
-    ``evidence_loader``. The module's hyperparameters and training modes are left as they were."""
+    predictive (probit; on the first ``LINEARIZED`` test and OOD inputs) under a kron-GGN evidence at the module's
+    weights and hyperparameters, one pass over ``evidence_loader``. The module's hyperparameters and training
+    modes are left as they were."""
     out: Dict[str, Any] = evaluate(module, data.x_test, data.y_test)
     if spec.ood is None:
         return out
@@ -554,9 +564,11 @@ def assess(module: pl.LightningModule, data: Data, spec: RunSpec, evidence_loade
         evidence = LaplaceEvidence.fit(module, evidence_loader, module.likelihood, module.prior, "kron", "ggn")
         if n_data:  # the MAP loss's N as it was (0: never counted, the module passes its own)
             module.prior.record_n_data(n_data)
-        lin = [torch.cat([predict_classification(evidence, module, x[i:i + 250]) for i in range(0, len(x), 250)])
-               for x in (data.x_test, ood)]
-        out.update(_softmax_scores(lin[0], data.y_test, lin[1], prefix="lin_"))
+        # the first LINEARIZED test and OOD inputs: its Jacobians cost as much as the run's training
+        x, y, x_ood = data.x_test[:LINEARIZED], data.y_test[:LINEARIZED], ood[:LINEARIZED]
+        lin = [torch.cat([predict_classification(evidence, module, v[i:i + 250]) for i in range(0, len(v), 250)])
+               for v in (x, x_ood)]
+        out.update(_softmax_scores(lin[0], y, lin[1], prefix="lin_"))
     return out
 
 
@@ -609,17 +621,20 @@ def train(spec: RunSpec) -> Dict[str, Any]:
         "param_sizes": module.prior.param_sizes, "trace": trace.rows, "n_data": n_data,
         "wall_seconds": time.perf_counter() - wall, "cpu_seconds": time.process_time() - cpu,
         "epochs_cpu": clock.rows, "denormals": denormal_counts(module, trainer.optimizers[0] if trainer.optimizers else None),
-        "final": assess(module, data, spec, plain), **log_precisions(module.prior),
+        # a split run is read for its validation NLL alone: no linearized predictive
+        "final": assess(module, data, spec, None if validation else plain), **log_precisions(module.prior),
         "history": [] if marglik is None else copy.deepcopy(marglik.history),
         "warnings": sorted({str(w.message) for w in caught if "MargLik" in str(w.message) or "precision" in str(w.message)}),
     }
     if validation is not None:  # the held-out fraction at the end of training (cross-validation reads it)
         result["validation"] = evaluate(module, *validation)
+    result[WEIGHTS] = {"final": copy.deepcopy(module.state_dict())}
     if checkpoint is not None and checkpoint.best_model_path:
         best = make_module(spec, data, n_data)
         best.load_state_dict(torch.load(checkpoint.best_model_path, weights_only=False)["state_dict"])
+        result[WEIGHTS]["checkpoint"] = copy.deepcopy(best.state_dict())
         best.prior.record_n_data(n_data)
-        result["checkpoint"] = {"epoch": marglik.best_epoch + 1, **assess(best, data, spec, plain), **log_precisions(best.prior)}
+        result["checkpoint"] = {"epoch": marglik.best_epoch + 1, **assess(best, data, spec, None), **log_precisions(best.prior)}
     if recorder is not None:
         result["stop"] = {"epoch": recorder.epoch, "reason": recorder.reason}
     shutil.rmtree(directory, ignore_errors=True)
@@ -678,10 +693,10 @@ def train_peer(spec: RunSpec) -> Dict[str, Any]:
         with torch.no_grad():  # the peer's layerwise precisions, one per tensor in the same order
             module.prior.log_precision.copy_(lap.prior_precision.log().to(module.prior.log_precision))
         plain = _loader(data.x_train, data.y_train, 500, None)
-        result["checkpoint"] = {**assess(module, data, spec, plain), **log_precisions(module.prior)}
+        result["checkpoint"] = {**assess(module, data, spec, None), **log_precisions(module.prior)}
         if final:
             load_state(final)
-        result["final"] = assess(module, data, spec, plain) if final else result["checkpoint"]
+        result["final"] = {**assess(module, data, spec, plain), **log_precisions(module.prior)}
     return result
 
 
@@ -693,6 +708,8 @@ def cached(spec: RunSpec, cache: str, rerun: bool = False, log: Callable[[str], 
         with open(path) as f:
             return json.load(f)
     result = train_peer(spec) if spec.peer is not None else train(spec)
+    if WEIGHTS in result:  # beside the JSON: the final (and best-evidence) state dicts, for metrics added later
+        torch.save(result.pop(WEIGHTS), os.path.join(cache, spec.key() + ".pt"))
     with open(path + ".tmp", "w") as f:
         json.dump(result, f)
     os.replace(path + ".tmp", path)

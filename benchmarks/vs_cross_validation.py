@@ -18,7 +18,8 @@ and without data augmentation. This script does the same at the scale of a 2-cor
   (delta = 1 the baseline, the test-best one the oracle) and cross-validation: ``GRID`` trained on 80 % of the
   training data, delta chosen by the validation NLL of the other 20 %, then the ``delta=<d>`` run on all of it;
 * metrics (``_zoo.assess``): test accuracy, NLL, ECE (15 bins), OOD AUROC by maximum softmax probability, the
-  same for the linearized-Laplace predictive (probit, kron-GGN at the model's own precisions), process CPU over
+  same for the linearized-Laplace predictive (probit, kron-GGN at the model's own precisions; final models, 500
+  test and OOD inputs: its Jacobians cost as much as a run's training), process CPU over
   the same seed's delta = 1 run (cross-validation: its six runs), every tensor's learned log delta;
 * augmentation (``AUGMENTED``): MNIST, MLP and CNN trained on images shifted by up to 2 pixels; the callback
   with its evidence on plain or on augmented batches, and with the likelihood up-weighted by 5 (T = 0.2) as
@@ -38,6 +39,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import math
 import os
 import sys
@@ -89,9 +91,24 @@ LEARNED: Dict[str, Dict[str, Any]] = {
     "defaults": {},
     "settle=None": {"settle": None},
     "settle=None, F=5": {"settle": None, "frequency": 5},
+    "settle=None, F=5, biases learned": {"settle": None, "frequency": 5, "biases": "learn"},
+    "settle=None, F=5, unbounded": {"settle": None, "frequency": 5, "max_step": None},
+    "settle=None, F=10, unbounded": {"settle": None, "frequency": 10, "max_step": None},
     "Algorithm 1": ALGORITHM_1,
 }
 PEER_ARM = "laplace-torch"
+# What might make the learned precisions less under-confident (issue 32, item 4), each one change to REMEDY_BASE
+# in the cells where the exact full GGN is affordable: the structure, the prior's, the output layer's precision
+# kept at its declared 1 (what a learned softmax temperature would change: tests/test_softmax_temperature.py),
+# and the initial precision.
+REMEDY_BASE = {"settle": None, "frequency": 5, "max_step": None}
+REMEDIES: Dict[str, Dict[str, Any]] = {
+    "remedy: full GGN": {"callback": {**REMEDY_BASE, "structure": "full"}},
+    "remedy: scalar prior": {"callback": REMEDY_BASE, "prior": "scalar"},
+    "remedy: output layer at delta=1": {"callback": REMEDY_BASE, "fixed": "output"},
+    "remedy: from delta=0.1": {"callback": REMEDY_BASE, "precision": 0.1},
+}
+REMEDY_CELLS = (("digits", "mlp"), ("digits", "cnn"), ("mnist", "cnn"))
 AUGMENTED = {  # arm: (callback options or None for the fixed grid, evidence batches, likelihood temperature)
     "aug defaults, plain evidence": ({}, "plain", 1.0),
     "aug defaults, augmented evidence": ({}, "augmented", 1.0),
@@ -121,6 +138,11 @@ def spec(dataset: str, network: str, seed: int, arm: str, quick: bool = False) -
         return replace(base, callback=dict(LEARNED[arm]), checkpoint=True)
     if arm == PEER_ARM:
         return replace(base, peer=dict(PEER))
+    if arm in REMEDIES:
+        options = dict(REMEDIES[arm])
+        if options.get("fixed") == "output":  # the last layer's weight and bias
+            options["fixed"] = [name for name, _ in _zoo.build(network, 8, 2).named_parameters()][-2:]
+        return replace(base, checkpoint=True, **{**options, "callback": dict(options["callback"])})
     if arm in AUGMENTED:
         options, evidence, temperature = AUGMENTED[arm]
         return replace(base, callback=dict(options), checkpoint=True, augment=True, evidence=evidence,
@@ -132,13 +154,16 @@ def arms_of(dataset: str, network: str) -> List[str]:
     """Every arm of a cell: the learned ones, the peer, the grid on all data and on the split, and for the
     augmented cells the same under augmentation."""
     arms = [*LEARNED, PEER_ARM, *(fixed(d) for d in GRID), *(fixed(d, cv=True) for d in GRID)]
+    if (dataset, network) in REMEDY_CELLS:
+        arms += list(REMEDIES)
     if (dataset, network) in AUGMENTED_CELLS:
         arms += [*AUGMENTED, *(fixed(d, aug=True) for d in GRID), *(fixed(d, cv=True, aug=True) for d in GRID)]
     return arms
 
 
-def cells(quick: bool) -> List[Tuple[str, str]]:
-    return [("digits", "mlp"), ("digits", "cnn")] if quick else [(d, n) for d in DATA for n in NETWORKS]
+def cells(quick: bool, networks: Sequence[str] = NETWORKS, datasets: Sequence[str] = tuple(DATA)) -> List[Tuple[str, str]]:
+    """The (data set, network) cells of the study (``quick``: two small ones)."""
+    return [("digits", "mlp"), ("digits", "cnn")] if quick else [(d, n) for d in datasets for n in networks]
 
 
 # rough CPU seconds of one delta = 1 run on this machine, to order and balance the shards
@@ -153,9 +178,11 @@ def estimated_cost(s: _zoo.RunSpec) -> float:
     return 5.0 * scale
 
 
-def plan(seeds: Sequence[int], quick: bool) -> List[_zoo.RunSpec]:
-    """Every run of the study, the most expensive first (shards then take turns)."""
-    specs = [spec(d, n, s, arm, quick) for d, n in cells(quick) for s in seeds for arm in arms_of(d, n)]
+def plan(seeds: Sequence[int], quick: bool, chosen: List[Tuple[str, str]], arms: Sequence[str] = ("*",)) -> List[_zoo.RunSpec]:
+    """Every run of the ``chosen`` cells whose arm matches one of the ``arms`` patterns, the most expensive first
+    (shards then take turns)."""
+    specs = [spec(d, n, s, arm, quick) for d, n in chosen for s in seeds for arm in arms_of(d, n)
+             if any(fnmatch.fnmatchcase(arm, pattern) for pattern in arms)]
     return sorted(specs, key=estimated_cost, reverse=True)
 
 
@@ -202,7 +229,7 @@ def analyse_cell(runs: Dict[str, List[Dict[str, Any]]], aug: bool = False) -> Di
     """Every arm's summary in one cell (and, for augmented cells, the augmented arms)."""
     reference = runs[fixed(1.0, aug=aug)]
     table: Dict[str, Dict[str, Any]] = {}
-    learned = AUGMENTED if aug else {**LEARNED, PEER_ARM: None}
+    learned = AUGMENTED if aug else {**LEARNED, PEER_ARM: None, **REMEDIES}
     for arm in learned:
         if arm in runs:
             for which in ("final", "checkpoint"):
@@ -231,11 +258,12 @@ def targets(row: Dict[str, Any], cv: Dict[str, Any], one: Dict[str, Any]) -> Dic
     }
 
 
-def collect(cache: str, seeds: Sequence[int], quick: bool) -> Tuple[Dict[Tuple[str, str], Dict[str, List]], List[str]]:
-    """The cached runs by cell and arm (seeds in order); the runs still missing."""
+def collect(cache: str, seeds: Sequence[int], quick: bool,
+            chosen: List[Tuple[str, str]]) -> Tuple[Dict[Tuple[str, str], Dict[str, List]], List[str]]:
+    """The cached runs of the ``chosen`` cells by cell and arm (seeds in order); the runs still missing."""
     out: Dict[Tuple[str, str], Dict[str, List]] = {}
     missing = []
-    for d, n in cells(quick):
+    for d, n in chosen:
         for arm in arms_of(d, n):
             got = []
             for s in seeds:
@@ -267,7 +295,9 @@ def markdown(analysis: Dict[str, Any], libraries: List[str], seeds: Sequence[int
         f"{'; '.join(libraries)}{'' if one else ' — MIXED LIBRARIES: this is no study, rerun it on one commit'}. "
         "One CPU thread per process.", "",
         "Columns: means over seeds of test accuracy, NLL, ECE (15 bins), OOD AUROC (maximum softmax probability), the "
-        "same three for the linearized-Laplace predictive (`lin_`: probit, kron-GGN at the model's precisions), and "
+        "same three for the linearized-Laplace predictive (`lin_`: probit, kron-GGN at the model's precisions, on the first "
+        f"{_zoo.LINEARIZED} test and OOD inputs, final models only; laplace-torch's final weights with its best "
+        "precisions, the only ones it returns), and "
         "`cost`: process CPU over the same seed's delta = 1 run (cross-validation: its five split runs and the retrain). "
         "Learned arms: `(final)` the weights at the end, `(checkpoint)` the best-evidence checkpoint.", "",
     ]
@@ -303,8 +333,9 @@ def markdown(analysis: Dict[str, Any], libraries: List[str], seeds: Sequence[int
     return "\n".join(lines) + "\n"
 
 
-def analyse(cache: str, seeds: Sequence[int], quick: bool, command: str, write: bool) -> Dict[str, Any]:
-    runs, missing = collect(cache, seeds, quick)
+def analyse(cache: str, seeds: Sequence[int], quick: bool, chosen: List[Tuple[str, str]], command: str,
+            write: bool) -> Dict[str, Any]:
+    runs, missing = collect(cache, seeds, quick, chosen)
     analysis = {cell: analyse_cell(by) for cell, by in runs.items() if fixed(1.0) in by
                 and all(fixed(d) in by and fixed(d, cv=True) in by for d in GRID)}
     libraries = sorted({r["library"] for by in runs.values() for got in by.values() for r in got})
@@ -325,12 +356,17 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--analyse", action="store_true", help="train nothing: the tables of the cached runs")
     parser.add_argument("--shard", default="0/1", metavar="K/N", help="train every N-th run from the K-th")
     parser.add_argument("--cache", default=os.path.join(_zoo.output_dir(NAME), "runs"))
+    parser.add_argument("--networks", nargs="+", choices=NETWORKS, default=list(NETWORKS))
+    parser.add_argument("--datasets", nargs="+", choices=tuple(DATA), default=list(DATA))
+    parser.add_argument("--arms", nargs="+", default=["*"], metavar="PATTERN",
+                        help="train only the arms matching these patterns (e.g. 'delta=*' 'defaults')")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     k, n = (int(v) for v in args.shard.split("/"))
     cache = os.path.join(args.cache, "quick") if args.quick else args.cache
     command = ("python benchmarks/vs_cross_validation.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
-    specs = plan(args.seeds, args.quick)
+    chosen = cells(args.quick, args.networks, args.datasets)
+    specs = plan(args.seeds, args.quick, chosen, args.arms)
     if args.plan:
         for s in specs:
             print(f"{s.dataset}/{s.network} seed {s.seed} {s.key()}: ~{estimated_cost(s):.0f} s")
@@ -342,7 +378,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         for s in specs[k::n]:
             _zoo.cached(s, cache)
         print(f"shard {k}/{n} done in {(time.perf_counter() - start) / 60:.1f} min", flush=True)
-    return analyse(cache, args.seeds, args.quick, command, write=not args.quick and (args.analyse or n == 1))
+    return analyse(cache, args.seeds, args.quick, chosen, command, write=not args.quick and (args.analyse or n == 1))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from .curvature import CurvatureOptions, CurvatureStatistics, collect_statistics
 from .curvature.batches import BatchFn
 from .denormals import DenormalFlush
 from .hyperparameters import GaussianPrior, Likelihood, assign_hyperparameters, learnable_values
-from .validators import flag, number, optional
+from .validators import choice, flag, number, optional
 
 __all__ = ["LaplaceEvidence", "SOLVERS", "require_data"]
 
@@ -396,8 +396,7 @@ class LaplaceEvidence:
                 positive and finite, or an Adam ``state`` that does not fit the learnable
                 hyperparameters.
         """
-        if solver not in SOLVERS:
-            raise ValueError(f"`solver` must be one of {SOLVERS}, got {solver!r}.")
+        solver = choice(solver, SOLVERS, "solver")
         max_step = optional(number, max_step, "max_step", what="the largest change of log delta per solve, or None")
         current = self._current()
         learnable = self._learnable_values()

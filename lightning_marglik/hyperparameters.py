@@ -89,6 +89,9 @@ class GaussianPrior(nn.Module):
 
     log_precision: Tensor
     n_data: Tensor
+    # the autograd nodes of the penalties returned while a callback checks that the training loss carries the
+    # prior (lightning_marglik.callbacks.prior_in_loss); None: not watched
+    _penalty_nodes: Optional[List[object]] = None
 
     def __init__(
         self,
@@ -105,8 +108,7 @@ class GaussianPrior(nn.Module):
                 f"`hyperprior` must be None or a Hyperprior (e.g. LogNormalHyperprior(scale=2.0)), got {hyperprior!r}."
             )
         self.hyperprior = hyperprior
-        if structure not in PRIOR_STRUCTURES:
-            raise ValueError(f"`structure` must be one of {PRIOR_STRUCTURES}, got {structure!r}.")
+        structure = choice(structure, PRIOR_STRUCTURES, "structure")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("GaussianPrior: the model has no parameters that require grad.")
@@ -208,8 +210,7 @@ class GaussianPrior(nn.Module):
             ValueError: On an unknown treatment or name, or a scalar prior with a treatment other
                 than ``"learn"`` (one precision cannot treat some tensors apart).
         """
-        if treatment not in SCALE_INVARIANT_TREATMENTS:
-            raise ValueError(f"`scale_invariant` must be one of {SCALE_INVARIANT_TREATMENTS}, got {treatment!r}.")
+        treatment = choice(treatment, SCALE_INVARIANT_TREATMENTS, "scale_invariant")
         if names and treatment != "learn" and self.structure == "scalar":
             raise ValueError(
                 f"scale_invariant={treatment!r} needs one precision per tensor, the prior is scalar: use "
@@ -342,9 +343,13 @@ class GaussianPrior(nn.Module):
         """``1/2 sum_g delta_g ||theta_g||^2`` at the current precision (the MAP loss term).
 
         Tensors under the ``"decoupled"`` treatment use the constructor's ``precision`` here,
-        whatever the evidence learned for them (:meth:`treat`).
+        whatever the evidence learned for them (:meth:`treat`). ``MargLikCallback`` finds this term
+        in the loss of the first training batch (else it warns, naming :func:`map_loss`).
         """
-        return 0.5 * (self.weight_decay_log_precision().exp() * self.group_sq_norms()).sum()
+        value = 0.5 * (self.weight_decay_log_precision().exp() * self.group_sq_norms()).sum()
+        if self._penalty_nodes is not None and value.grad_fn is not None:
+            self._penalty_nodes.append(value.grad_fn)
+        return value
 
     def weight_decay_log_precision(self) -> Tensor:
         """Log precision per group that the MAP loss uses (detached): ``log_precision``, except for

@@ -208,15 +208,20 @@ class GaussianLikelihood(Likelihood):
                 f"GaussianLikelihood expects outputs of shape (batch, ..., outputs), got {tuple(output.shape)}; "
                 "return (batch, 1) for a single output."
             )
+        # integer targets are most often class labels given to the regression likelihood by mistake
+        labels = "" if target.is_floating_point() else (
+            " Integer targets are class labels: for classification use CategoricalLikelihood (for regression "
+            "pass the targets as floats, y.float())."
+        )
         if target.shape == output.shape[:-1] and output.shape[-1] == 1:
             target = target.unsqueeze(-1)
         if target.shape != output.shape:
             raise ValueError(
                 f"GaussianLikelihood: target shape {tuple(target.shape)} does not match output shape "
-                f"{tuple(output.shape)}."
+                f"{tuple(output.shape)}.{labels}"
             )
-        if not target.is_floating_point():
-            raise ValueError(f"GaussianLikelihood expects floating-point targets, got {target.dtype}.")
+        if labels:
+            raise ValueError(f"GaussianLikelihood expects floating-point targets, got {target.dtype}.{labels}")
         return target.to(output.dtype)
 
     def terms(self, output: Tensor, target: Tensor) -> "tuple[Tensor, Tensor, Tensor]":
@@ -292,9 +297,14 @@ class CategoricalLikelihood(Likelihood):
         if output.dim() < 2:
             raise ValueError(f"CategoricalLikelihood expects logits of shape (batch, ..., classes), got {tuple(output.shape)}.")
         if target.shape != output.shape[:-1] or target.dtype.is_floating_point or target.dtype == torch.bool:
+            # floating-point targets are most often regression targets given to the classifier's likelihood
+            regression = (
+                " Floating-point targets are regression targets: for regression use GaussianLikelihood (for "
+                "classification pass the labels as integers, y.long())." if target.dtype.is_floating_point else ""
+            )
             raise ValueError(
                 f"CategoricalLikelihood expects integer class labels of shape {tuple(output.shape[:-1])}, got "
-                f"{tuple(target.shape)} of {target.dtype}."
+                f"{tuple(target.shape)} of {target.dtype}.{regression}"
             )
         target = target.long()  # every integer dtype: cross_entropy and one_hot take int64 labels
         kept = target[target != self.ignore_index]

@@ -16,6 +16,7 @@ from .curvature import eval_mode, locate
 from .curvature.functional import jacobian_rows
 from .evidence import LaplaceEvidence
 from .hyperparameters import CategoricalLikelihood, GaussianLikelihood
+from .validators import choice
 
 __all__ = ["RegressionPrediction", "linearized_outputs", "predict_regression", "predict_classification"]
 
@@ -99,8 +100,7 @@ def predict_classification(
     """
     if not isinstance(evidence.likelihood, CategoricalLikelihood):
         raise TypeError("predict_classification needs a CategoricalLikelihood; use predict_regression.")
-    if method not in CLASSIFICATION_METHODS:
-        raise ValueError(f"`method` must be one of {CLASSIFICATION_METHODS}, got {method!r}.")
+    method = choice(method, CLASSIFICATION_METHODS, "method")
     if not isinstance(samples, int) or samples < 1:
         raise ValueError(f"`samples` must be an int >= 1, got {samples!r}.")
     mean, cov = linearized_outputs(evidence, model, x)

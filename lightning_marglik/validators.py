@@ -17,7 +17,7 @@ import difflib
 import math
 from typing import Any, Mapping, Optional, Sequence
 
-__all__ = ["SYNONYMS", "choice", "integer", "number", "optional", "suggestion"]
+__all__ = ["SYNONYMS", "choice", "flag", "integer", "keywords", "number", "optional", "suggestion"]
 
 # Names users bring from other libraries (laplace-torch, BackPACK, the literature) for the values
 # we spell otherwise: a miss on one of them is answered with ours.
@@ -33,6 +33,9 @@ SYNONYMS: Mapping[str, str] = {
     "empirical-fisher": "ef",
     "empirical_fisher": "ef",
     "backpack-for-pytorch": "backpack",
+    "per-tensor": "layerwise",
+    "per-layer": "layerwise",
+    "isotropic": "scalar",
 }
 
 
@@ -72,6 +75,30 @@ def choice(value: Any, choices: Sequence[str], name: str, what: str = "") -> str
             return value
     extra = f" {what}" if what else ""
     raise ValueError(f"`{name}` must be one of {tuple(choices)}, got {value!r}{suggestion(value, choices)}.{extra}")
+
+
+def keywords(given: Mapping[str, Any], accepted: Sequence[str], name: str, what: str) -> None:
+    """Refuse the keys of ``given`` that are not in ``accepted``, each with a "did you mean" for a near miss.
+
+    Args:
+        given: The keyword arguments the user passed (e.g. ``select_models``' ``callback``).
+        accepted: The names the receiver takes.
+        name: The option that holds them, for the message.
+        what: What takes them (e.g. ``"MargLikCallback"``), for the message.
+
+    Raises:
+        ValueError: Naming every unknown key.
+
+    Example:
+        >>> keywords({"structre": "full"}, ("structure", "approx"), "callback", "MargLikCallback")
+        Traceback (most recent call last):
+        ...
+        ValueError: `callback` has keys that are not MargLikCallback arguments: 'structre' (did you mean 'structure'?).
+    """
+    unknown = [key for key in given if key not in accepted]
+    if unknown:
+        named = ", ".join(f"{key!r}{suggestion(key, accepted)}" for key in unknown)
+        raise ValueError(f"`{name}` has keys that are not {what} arguments: {named}.")
 
 
 def integer(value: Any, name: str, minimum: int = 0, what: str = "") -> int:

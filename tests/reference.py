@@ -54,6 +54,11 @@ structure="kron" on any graph is HYBRID: log|H| = sum over blocks of log|s C_b +
     the one shared output, the indices count once per example;
     A = diag(c) / R_kept with c_i = number of kept rows with index i (rows with index ==
     padding_idx count in R_kept, not in c); weight (num, dim): kron(A, G).
+  A layer pruned by torch.nn.utils.prune (parameter <t>_orig, t = <t>_orig * <t>_mask): the
+  Jacobian w.r.t. <t>_orig is the one w.r.t. t times the mask m = vec(<t>_mask), so each of its
+  blocks above becomes D_m (block) D_m. It is eligible only if its weight's mask, as the
+  (out, in) matrix, has rank <= 1 (r c^T: then D_m = D_r (x) D_c and the block stays a Kronecker
+  product), and never for an Embedding.
 * Exact DIAGONAL blocks for every other covered parameter (norm affine parameters, raw
   nn.Parameters, parameters of a module called more than once or used outside its call):
   log det = sum_p log(s C_pp + delta_p) with C_pp the diagonal of the dense C.
@@ -579,7 +584,7 @@ def kron_eligible(model: nn.Module, names: Sequence[str], inputs) -> Dict[str, n
         def post(mod, args, output):
             active.pop()
 
-        handles.append(m.register_forward_pre_hook(pre))
+        handles.append(m.register_forward_pre_hook(pre, prepend=True))  # before pruning's hook computes the weight
         handles.append(m.register_forward_hook(post, always_call=True))
     tracker = _UseTracker(found, active)
     try:
@@ -592,12 +597,27 @@ def kron_eligible(model: nn.Module, names: Sequence[str], inputs) -> Dict[str, n
     for mod_name, (m, own) in candidates.items():
         if calls[mod_name] != 1:
             continue
+        if "weight" in pruned_masks(m) and (isinstance(m, nn.Embedding) or not outer_product(pruned_masks(m)["weight"])):
+            continue  # D_M kron(G, A) D_M is no Kronecker product: exact diagonal blocks
         if any(id(m) not in ctx for p in own for ctx in tracker.uses.get(p, [])):
             continue
         if _depends_outside_call(model, inputs, m, own):
             continue
         eligible[mod_name] = m
     return eligible
+
+
+def pruned_masks(module: nn.Module) -> Dict[str, Tensor]:
+    """The masks of the tensors ``torch.nn.utils.prune`` computes in ``module``: ``<name> = <name>_orig *
+    <name>_mask``, the parameter being ``<name>_orig``."""
+    own = dict(module.named_parameters(recurse=False))
+    return {name[: -len("_orig")]: getattr(module, name[: -len("_orig")] + "_mask").detach()
+            for name in own if name.endswith("_orig") and hasattr(module, name[: -len("_orig")] + "_mask")}
+
+
+def outer_product(mask: Tensor) -> bool:
+    """Whether a weight's mask, as its ``(out, in)`` matrix, has rank at most one (``r c^T``)."""
+    return int(torch.linalg.matrix_rank(mask.reshape(mask.shape[0], -1).double())) <= 1
 
 
 def _depends_outside_call(model: nn.Module, inputs, module: nn.Module, own: Sequence[str]) -> bool:
@@ -728,11 +748,19 @@ def hybrid_module_blocks(record: LayerRecord, lam: Tensor, offsets: Dict[int, Tu
     n, o = jac.shape[:2]
     blocks = []
 
-    def add(param, matrix, role, factors):
+    masks = pruned_masks(layer)
+
+    def add(role, matrix, factors):
+        # a pruned tensor's parameter is <role>_orig: its Jacobian is the one w.r.t. <role> times the mask
+        param = getattr(layer, f"{role}_orig") if role in masks else getattr(layer, role, None)
         if param is not None and id(param) in offsets:  # frozen: not in the prior, no block
             lo, hi = offsets[id(param)]
+            if role in masks:
+                m = masks[role].reshape(-1).to(matrix)
+                matrix = m[:, None] * matrix * m[None, :]
             assert matrix.shape == (hi - lo, hi - lo), (prefix, role, matrix.shape)
-            blocks.append(KronBlock(torch.arange(lo, hi), matrix, prefix + role, factors, "kron"))
+            name = f"{role}_orig" if role in masks else role
+            blocks.append(KronBlock(torch.arange(lo, hi), matrix, prefix + name, factors, "kron"))
 
     if isinstance(layer, nn.Linear):
         rows = a.reshape(n, -1, layer.in_features)  # every leading index beyond the batch is a row
@@ -742,8 +770,8 @@ def hybrid_module_blocks(record: LayerRecord, lam: Tensor, offsets: Dict[int, Tu
         a_mean = kept.T @ kept / kept.shape[0]
         check = rows @ layer.weight.detach().T + (0 if layer.bias is None else layer.bias.detach())
         assert torch.allclose(check, z.reshape(check.shape), atol=1e-10), prefix
-        add(layer.weight, kron(g, a_mean), "weight", (g, a_mean))
-        add(layer.bias, g.clone(), "bias", (g,))
+        add("weight", kron(g, a_mean), (g, a_mean))
+        add("bias", g.clone(), (g,))
     elif HFConv1D is not None and isinstance(layer, HFConv1D):  # y = a W + b, W (in, out): kron(A, G)
         rows = a.reshape(n, -1, layer.nx)
         r = rows.shape[1]
@@ -753,8 +781,8 @@ def hybrid_module_blocks(record: LayerRecord, lam: Tensor, offsets: Dict[int, Tu
         a_mean = kept.T @ kept / kept.shape[0]
         check = rows @ layer.weight.detach() + layer.bias.detach()
         assert torch.allclose(check, z.reshape(check.shape), atol=1e-10), prefix
-        add(layer.weight, kron(a_mean, g), "weight", (a_mean, g))
-        add(layer.bias, g.clone(), "bias", (g,))
+        add("weight", kron(a_mean, g), (a_mean, g))
+        add("bias", g.clone(), (g,))
     elif isinstance(layer, (nn.Conv1d, nn.Conv2d)):
         cols = conv_patches(layer, a)  # (N, in*K, R)
         r, groups, out = cols.shape[2], layer.groups, layer.out_channels
@@ -771,8 +799,8 @@ def hybrid_module_blocks(record: LayerRecord, lam: Tensor, offsets: Dict[int, Tu
         g_blocks = [g[i * og:(i + 1) * og, i * og:(i + 1) * og] for i in range(groups)]
         a_blocks = [torch.einsum("nkr,nr,nlr->kl", cols_g[:, i], kept, cols_g[:, i]) / kept.sum() for i in range(groups)]
         weight = torch.block_diag(*[kron(gb, ab) for gb, ab in zip(g_blocks, a_blocks)])
-        add(layer.weight, weight, "weight", tuple(x for pair in zip(g_blocks, a_blocks) for x in pair))
-        add(layer.bias, g.clone(), "bias", (g,))
+        add("weight", weight, tuple(x for pair in zip(g_blocks, a_blocks) for x in pair))
+        add("bias", g.clone(), (g,))
     elif isinstance(layer, nn.Embedding):
         idx = a.reshape(n, -1)
         r, num, dim = idx.shape[1], layer.num_embeddings, layer.embedding_dim
@@ -784,7 +812,7 @@ def hybrid_module_blocks(record: LayerRecord, lam: Tensor, offsets: Dict[int, Tu
             keep = keep[keep != layer.padding_idx]  # counted in R_kept, not in c
         counts = torch.bincount(keep, minlength=num).to(g.dtype)
         a_diag = torch.diag(counts) / kept.sum()
-        add(layer.weight, kron(a_diag, g), "weight", (a_diag, g))
+        add("weight", kron(a_diag, g), (a_diag, g))
     else:  # pragma: no cover
         raise AssertionError(type(layer))
     return blocks

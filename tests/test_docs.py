@@ -99,10 +99,15 @@ def test_readme_lightning_example_trains_and_reads_the_result(tmp_path, monkeypa
     code = shortened(readme_python_blocks()[0], "max_epochs=200", "max_epochs=20")
     namespace: dict = {"__name__": "readme_example"}
     exec(compile(code, "README.md (With Lightning)", "exec"), namespace)
-    checkpoint, module = namespace["checkpoint"], namespace["module"]
+    checkpoint, module, callback = namespace["checkpoint"], namespace["module"], namespace["callback"]
     printed = capsys.readouterr().out
-    marglik = re.search(r"^tensor\((\S+)\)$", printed, flags=re.MULTILINE)  # printed before trainer.test
-    assert marglik and math.isfinite(float(marglik.group(1))), printed[-2000:]
+    # the last and the best estimate, each labelled (the best is what early stopping reports and trainer.test loads)
+    marglik = re.search(r"^marglik: last estimate (\S+), best (\S+) \(epoch (\d+): (.+)\)$", printed, flags=re.MULTILINE)
+    assert marglik, printed[-2000:]
+    last, best_value, best_epoch = float(marglik.group(1)), float(marglik.group(2)), int(marglik.group(3))
+    assert math.isfinite(last) and best_value >= last and marglik.group(4) == checkpoint.best_model_path
+    assert {"epoch": best_epoch, "marglik": round(best_value, 4)} in [
+        {"epoch": h["epoch"], "marglik": round(h["marglik"], 4)} for h in callback.history]
     best = Path(checkpoint.best_model_path)
     assert best.is_file() and tmp_path in best.parents
     saved = torch.load(best, weights_only=True)["state_dict"]  # trainer.test(ckpt_path="best") loaded it
@@ -110,14 +115,46 @@ def test_readme_lightning_example_trains_and_reads_the_result(tmp_path, monkeypa
     assert torch.equal(saved["likelihood.log_sigma"], module.likelihood.log_sigma)
     assert len(module.prior.param_names) == module.prior.precision.numel() == 4
     assert module.prior.precision.ne(1.0).all() and module.likelihood.sigma.item() != 1.0  # learned
-    assert "0.weight: prior precision" in printed and "sigma" in printed and "test_rmse" in printed
+    assert "0.weight: prior precision" in printed and "test_rmse" in printed
+    assert re.search(r"^sigma \d\.\d{3} \(true: 0\.1\)$", printed, flags=re.MULTILINE), printed[-2000:]
 
 
 def test_readme_engine_example_runs_from_plain_pytorch(capsys):
     torch.set_default_dtype(torch.float32)
     code = shortened(readme_python_blocks()[1], "range(100)", "range(20)")
-    namespace: dict = {"__name__": "readme_engine_example"}
-    exec(compile(code, "README.md (the evidence engine)", "exec"), namespace)
-    per_datum = float(capsys.readouterr().out.split()[-1])
+    printed = []
+    for _ in range(2):  # seeded: the same number twice
+        namespace: dict = {"__name__": "readme_engine_example"}
+        exec(compile(code, "README.md (the evidence engine)", "exec"), namespace)
+        printed.append(capsys.readouterr().out)
+    assert printed[0] == printed[1] and printed[0].startswith("log evidence per datum: "), printed
+    per_datum = float(printed[0].split()[-1])
     assert math.isfinite(per_datum) and per_datum < 0  # a categorical evidence is a log probability
     assert namespace["evidence"].n_data == 500
+
+
+def test_the_front_page_installs_the_cpu_torch_before_the_commands_that_need_it():
+    text = README.read_text()
+    assert text.index("download.pytorch.org/whl/cpu") < min(text.index(MAIN_JOB), text.index(TESTS))
+
+
+# the front page's words a practitioner may not know, each defined once in its **Terms.** paragraph
+TERMS = {"δ": "*δ*", "ρ": "*ρ*", "points": "*Points*", "cells": "*cells*", "Fixup": "*Fixup*", "Step 1": "*Step 1*",
+         "Step 2": "*Step 2*"}
+
+
+def test_the_front_pages_terms_are_defined_once_before_the_options_use_them():
+    text = README.read_text()
+    start = text.index("**Terms.**")
+    terms = text[start:text.index("\n\n", start)]
+    assert start < text.index("## Options")  # before the options and the recommendation that use them
+    for word, definition in TERMS.items():
+        assert terms.count(definition) == 1, word
+
+
+def test_the_selection_page_opens_with_its_command_and_defines_its_steps():
+    text = (DOCS / "selection.md").read_text()
+    lines = text.splitlines()
+    assert lines.index("```bash") < 12, "the first command comes after the page's opening lines"
+    for step in ("**Step 1**", "**Step 2**"):
+        assert text.index(step) < text.index("```bash") < text.index("## When to trust Step 2"), step

@@ -51,6 +51,8 @@ def test_example_quick_writes_only_to_its_output_dir(name, tmp_path):
     assert done.stdout.startswith(f"{name}: importing PyTorch")  # says what the silent first seconds are
     assert "marglik" in done.stdout.lower() or "evidence" in done.stdout.lower()
     assert "GPU available" not in done.stdout + done.stderr  # Lightning's banners stay quiet
+    if name == "toy_regression":  # the main job says what its table's columns are
+        assert all(f"{column} = " in done.stdout for column in ("marglik", "sigma", "test_nll", "gap_rmse")), done.stdout
     for file in files:
         assert (tmp_path / file).stat().st_size > 100, file
     assert _tree_digest(ROOT / "examples" / "results") == committed  # the committed results are untouched
@@ -80,3 +82,33 @@ def test_online_prior_precision_reaches_grid_optimum():
     optimum = out["grid_optimum"]["log_prior_precision"]
     for init, final in out["final_log_prior_precision"].items():
         assert abs(final - optimum) <= 0.3, (init, final, optimum)
+
+
+def test_the_docs_first_selection_config_does_not_trip_the_librarys_ef_check(monkeypatch):
+    """``marglik-select configs/digits_selection.yaml`` (docs/selection.md's first command) must not warn that
+    the library's own empirical-Fisher evidence is unreliable. Its widest MLP, the first candidate to fit its
+    training digits exactly, trained for 20 of the config's 60 epochs with the config's every other setting:
+    with the EF (online diag-EF, ranked by kron-EF) that tripped the callback's and ``select_models``' checks."""
+    import warnings
+
+    import torch
+    import yaml
+
+    from lightning_marglik.selection import select_from_config
+    from lightning_marglik.selection.driver import quiet_lightning
+
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))  # digits_models, as PYTHONPATH=examples does
+    torch.set_default_dtype(torch.float32)  # as the command runs (the fixture restores float64)
+    config = yaml.safe_load((ROOT / "configs" / "digits_selection.yaml").read_text())
+    config.update(output_dir=None, candidates={"mlp256x1": config["candidates"]["mlp256x1"]})
+    config["trainer"]["max_epochs"] = 20
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as marglik-select runs (--threads=1): small models, a shared machine
+    try:
+        with warnings.catch_warnings(record=True) as caught, quiet_lightning():
+            warnings.simplefilter("always")
+            (result,) = select_from_config(config, verbose=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert result.epochs == 20
+    assert [str(w.message) for w in caught if "unreliable" in str(w.message)] == []

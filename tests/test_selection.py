@@ -183,7 +183,7 @@ def test_command_line_overrides(tmp_path, capsys):
         run_command_line([path, "--callback.stepz=5"])
     with pytest.raises(SystemExit):
         run_command_line([path, "--trainer.max_epoch=5"])
-    assert "not pl.Trainer arguments: ['max_epoch']" in capsys.readouterr().err
+    assert "not pl.Trainer arguments: 'max_epoch' (did you mean 'max_epochs'?)" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         run_command_line([path, "--rank_by=kron"])
     assert "rank_by" in capsys.readouterr().err

@@ -3,9 +3,10 @@ subclasses that transform their weight in ``forward``, and user layer rules that
 
 Float64 against the dense brute-force reference (tests/reference.py) and against equivalent networks:
 
-* after ``torch.nn.utils.prune.identity`` (parameter ``weight_orig``) and the old
-  ``torch.nn.utils.weight_norm`` (``weight_g``, ``weight_v``) the layer takes the exact path and
-  diag/kron/full equal the reference; an all-ones mask gives the un-pruned network's evidence;
+* after the old ``torch.nn.utils.weight_norm`` (``weight_g``, ``weight_v``) the layer takes the exact
+  path and diag/kron/full equal the reference; an all-ones pruning mask (``torch.nn.utils.prune``,
+  parameter ``weight_orig``) gives the un-pruned network's evidence under every structure (pruned
+  layers against the reference: ``tests/test_trust_round4.py``);
 * a subclass of a registered layer whose ``forward`` transforms the weight (a masked Linear, a
   weight-standardised Conv2d, timm's ``StdConv2d``) takes the exact path and equals the reference;
   a subclass that keeps its base's ``forward`` keeps the hook path;
@@ -15,6 +16,7 @@ Float64 against the dense brute-force reference (tests/reference.py) and against
 from __future__ import annotations
 
 import warnings
+from typing import Optional
 
 import pytest
 import torch
@@ -52,12 +54,10 @@ def mlp() -> nn.Sequential:
     return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).double()
 
 
-def reparametrized(kind: str) -> nn.Sequential:
-    model = mlp()
+def reparametrized(kind: str, model: Optional[nn.Sequential] = None) -> nn.Sequential:
+    model = mlp() if model is None else model
     if kind == "prune_identity":
         torch.nn.utils.prune.identity(model[0], "weight")
-    elif kind == "prune_l1":  # a mask with zeros: the pruned weights get no curvature, only the prior
-        torch.nn.utils.prune.l1_unstructured(model[0], "weight", amount=0.4)
     else:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # the old API is deprecated, and still used
@@ -78,9 +78,8 @@ DATA = {
 
 @pytest.mark.parametrize("approx", ["ggn", "ef"])
 @pytest.mark.parametrize("structure", ["diag", "kron", "full"])
-@pytest.mark.parametrize("kind", ["prune_identity", "prune_l1", "weight_norm"])
-def test_pruned_and_weight_normed_layers_take_the_exact_path_and_equal_the_reference(kind, structure, approx):
-    model = reparametrized(kind)
+def test_old_style_weight_normed_layers_take_the_exact_path_and_equal_the_reference(structure, approx):
+    model = reparametrized("weight_norm")
     x, y = DATA["regression"]
     prior, lik = hyperparameters(model, "regression")
     assert any(name.startswith("0.weight_") for name in prior.param_names)
@@ -93,10 +92,10 @@ def test_pruned_and_weight_normed_layers_take_the_exact_path_and_equal_the_refer
 @pytest.mark.parametrize("structure", ["kron", "ekfac"])
 def test_a_reparametrized_layer_never_gets_zero_curvature(structure):
     """The issue's symptom: kron/ekfac gave ``weight_orig`` zero curvature (only its prior) without a word.
-    A network of one pruned layer has exact diagonal blocks only, under kron and ekfac alike."""
+    A network of one old-style weight-normed layer has exact diagonal blocks only, under kron and ekfac alike
+    (a pruned one keeps its Kronecker factors: tests/test_trust_round4.py)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 2)).double()
-    torch.nn.utils.prune.identity(model[0], "weight")
+    model = reparametrized("weight_norm", nn.Sequential(nn.Linear(3, 2)).double())
     x, y = DATA["classification"]
     prior, lik = hyperparameters(model, "classification")
     ev = fit_quietly(model, batches(x, y, 8), lik, prior, structure, "ggn")
@@ -114,7 +113,7 @@ def _matched_prior(model, reference_prior, lik):
 
 
 @pytest.mark.parametrize("approx", ["ggn", "ef"])
-@pytest.mark.parametrize("structure", ["diag", "full"])
+@pytest.mark.parametrize("structure", ["diag", "kron", "ekfac", "full"])
 @pytest.mark.parametrize("kind", ["regression", "classification"])
 def test_an_all_ones_pruning_mask_gives_the_unpruned_evidence(kind, structure, approx):
     x, y = DATA[kind]

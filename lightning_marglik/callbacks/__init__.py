@@ -220,11 +220,15 @@ class MargLikBoundCallback(MargLikBoundCallbackCore, Callback):
 class MargLikCheckpoint(CheckpointCore, ModelCheckpoint):
     """Keep the best-evidence model(s) instead of validation-based checkpointing.
 
-    Acts only at the end of training epochs in which ``MargLikCallback`` estimated the evidence:
-    never on a stale value, never during burn-in, independent of validation loops. An estimate
-    that is not finite, or weights (or buffers) that are not, are never saved, neither as a best
-    model nor as ``last.ckpt``: until a finite estimate exists, ``best_model_path`` is empty. A
-    checkpoint holds the weights and (as module buffers) the hyperparameters.
+    Keeps the best models only at the end of training epochs in which ``MargLikCallback`` estimated
+    the evidence: never on a stale value, never during burn-in, independent of validation loops.
+    With ``save_last``, ``last.ckpt`` is written after *every* training epoch, before the first
+    estimate too, so that a killed job resumes from its last epoch (``trainer.fit(...,
+    ckpt_path=".../last.ckpt")``: weights, hyperparameters, optimizer and the callbacks' state, the
+    run then identical to one never interrupted). An estimate that is not finite, or weights (or
+    buffers) that are not, are never saved, neither as a best model nor as ``last.ckpt``: until a
+    finite estimate exists, ``best_model_path`` is empty. A checkpoint holds the weights and (as
+    module buffers) the hyperparameters.
 
     Like Lightning's ``ModelCheckpoint``, the top-k ranking persists across fits of the same
     instance (e.g. to keep the best-evidence model of several candidates in one directory).
@@ -234,8 +238,12 @@ class MargLikCheckpoint(CheckpointCore, ModelCheckpoint):
             written raises a ``MargLikConfigurationError`` when training starts.
         filename: File name pattern, e.g. ``"{epoch}-{marglik:.3f}"``.
         save_top_k: How many of the best-evidence models to keep.
-        save_last: Also keep ``last.ckpt`` of the latest estimation epoch with a finite estimate.
+        save_last: Also write ``last.ckpt`` after every training epoch with finite weights (``True``
+            or ``False``; not Lightning's ``"link"``, which would point to the latest best file).
         verbose: Print a line per save.
+
+    Raises:
+        ValueError: If ``save_last`` is not ``None``, ``True`` or ``False``.
 
     Example:
         >>> checkpoint = MargLikCheckpoint(save_top_k=1, save_last=True)

@@ -83,6 +83,7 @@ class MargLikBoundCallbackCore(EstimatorCore):
         self._epoch_values = []
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)  # before the bound's own penalty
         if not self.schedule.is_due(trainer, batch_idx):
             return
         assert self._optimizer is not None

@@ -41,6 +41,7 @@ from ..validators import choice, flag, integer, number, optional
 from . import checks
 from .data import count_data, evidence_batches, isolate_rng, named_loader_method
 from .package import MONITOR, LightningModule, LightningPackage, MargLikConfigurationError, Trainer, check_package, find_hyperparameters
+from .prior_in_loss import PriorInLossCheck
 from .progress import progress
 from .schedule import EpochSchedule, Schedule, SettledSchedule
 from .training_statistics import TrainingStatistics
@@ -116,6 +117,7 @@ class EstimatorCore:
         self.final_marglik = math.nan
         self.history: List[Dict[str, float]] = []
         self._warned_runaway: Set[str] = set()  # the tensors a run-away warning named in this fit
+        self._prior_in_loss = PriorInLossCheck(type(self).__name__)  # decided on this fit's first training batch
         self._optimizer_state: dict = {}
         # the hyperparameters the Adam state belongs to (_learnable_signature)
         self._optimizer_signature: Optional[List[Tuple[str, List[int], List[str]]]] = None
@@ -162,8 +164,10 @@ class EstimatorCore:
         self._end_fit()  # Lightning calls no callback teardown after an exception
 
     def _end_fit(self) -> None:
-        """Undo what the fit changed outside the callback: the CPU's denormal mode."""
+        """Undo what the fit changed outside the callback: the CPU's denormal mode, and the prior's record of
+        its penalty (it records none outside the fit)."""
         self._flush.stop()
+        self._prior_in_loss.stop()
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Check everything the evidence needs, before the first step (the training data exist from here)."""
@@ -184,6 +188,17 @@ class EstimatorCore:
         if batch_idx == 0 or not self._modes_followed:
             self._follow_training_modes(pl_module)
             self._modes_followed = True
+        self._prior_in_loss.batch_start(self._hyperparameters()[0])
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        self._prior_in_loss.before_backward(loss)
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        message = self._prior_in_loss.batch_end()
+        if message:
+            rank_zero_warn(message)
 
     def _follow_training_modes(self, pl_module: LightningModule) -> None:
         """Decide the scale-invariant tensors again if training runs modules in other modes than the
@@ -640,6 +655,7 @@ class MargLikCallbackCore(EstimatorCore):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if self.schedule.needs_loss and isinstance(loss, torch.Tensor):  # None: a step the module skipped
             self._epoch_loss += float(loss.detach())

@@ -16,7 +16,7 @@ import torch
 from fsspec.core import url_to_fs
 
 from ..distributed import run_on_all_ranks
-from ..validators import integer, number
+from ..validators import flag, integer, number, optional
 from .core import EstimatorCore
 from .package import MONITOR, LightningModule, LightningPackage, MargLikConfigurationError, Trainer, check_package
 
@@ -57,6 +57,8 @@ class CheckpointCore(_FollowsEstimates):
         save_last: Optional[bool] = None,
         verbose: bool = False,
     ) -> None:
+        # not Lightning's save_last="link": last.ckpt must hold the epoch now ending, not the latest best file
+        save_last = optional(flag, save_last, "save_last", what="write last.ckpt after every epoch with finite weights")
         super().__init__(  # type: ignore[call-arg]
             dirpath=dirpath,
             filename=filename,
@@ -92,18 +94,27 @@ class CheckpointCore(_FollowsEstimates):
             ) from err
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if not self._marglik.schedule.is_fresh(trainer):
+        """The best-evidence files after an epoch with a fresh, finite estimate; ``last.ckpt``
+        (``save_last``) after every epoch, estimate or not, as Lightning's ``ModelCheckpoint`` once did:
+        a job killed before the first estimate resumes from its last epoch. Never non-finite weights."""
+        fresh = self._marglik.schedule.is_fresh(trainer)
+        if not (fresh or self.save_last) or self._should_skip_saving_checkpoint(trainer):
             return
-        finite = math.isfinite(self._marglik.last_marglik) and _all_finite(pl_module)
-        # saving runs collectives: every rank must take the same decision
-        if trainer.strategy.reduce_boolean_decision(finite, all=True):
-            super().on_train_epoch_end(trainer, pl_module)
-        elif self.verbose:
+        # saving runs collectives: every rank must take the same decisions (the schedule and estimate are identical)
+        weights = trainer.strategy.reduce_boolean_decision(_all_finite(pl_module), all=True)
+        candidates = self._monitor_candidates(trainer)
+        if fresh and weights and math.isfinite(self._marglik.last_marglik):
+            self._save_topk_checkpoint(trainer, candidates)
+        elif fresh and self.verbose:
             log.info(f"MargLikCheckpoint: epoch {trainer.current_epoch} not saved (non-finite evidence or weights).")
+        if self.save_last and weights:
+            self._save_last_checkpoint(trainer, candidates)
+        elif self.save_last and self.verbose:
+            log.info(f"MargLikCheckpoint: last.ckpt not updated after epoch {trainer.current_epoch} (non-finite weights).")
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """``last.ckpt`` comes from estimation epochs only: not Lightning's save of the final weights,
-        which may be non-finite or never estimated."""
+        """No save at the end of training: ``last.ckpt`` holds the last epoch with finite weights (a resume
+        from it trains on from there), not Lightning's save of the final weights, which may be non-finite."""
 
 
 def _all_finite(module: torch.nn.Module) -> bool:

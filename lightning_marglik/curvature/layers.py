@@ -10,9 +10,20 @@ by module type and looked up along the class's MRO. A subclass takes its base's 
 keeps the base's ``forward`` (or the rule sets ``applies_to_subclasses``): a subclass that
 transforms its weight in ``forward`` (weight standardisation, a mask) computes another function of
 it, and its parameters take the exact path. So do the parameters of a layer with a trainable
-parameter its rule does not compute (``LayerRule.roles``): ``weight_orig`` after
-``torch.nn.utils.prune``, ``weight_g``/``weight_v`` of the old ``torch.nn.utils.weight_norm``, from
-which the weight is computed. The rules:
+parameter its rule does not compute (``LayerRule.roles``): ``weight_g``/``weight_v`` of the old
+``torch.nn.utils.weight_norm``, from which the weight is computed.
+
+A layer pruned by ``torch.nn.utils.prune`` keeps its rule (a built-in one): its forward pre-hook
+sets ``weight = weight_orig * weight_mask``, so the Jacobian w.r.t. ``weight_orig`` is the
+Jacobian w.r.t. ``weight`` times the mask ``M``, elementwise. Its exact diagonal is the un-pruned
+one times ``M^2`` (any mask), and its curvature block is ``D_M C D_M`` (``D_M = diag(vec M)``) for
+the un-pruned block ``C``. Where ``M`` is an outer product ``r c^T`` in the Kronecker layout (a
+mask of ones, whole output units or input features pruned: ``prune.ln_structured``), ``D_M =
+D_r (x) D_c`` and the Kronecker block ``kron(G, A)`` becomes ``kron(D_r G D_r, D_c A D_c)``:
+the factors are kept, exactly (:func:`kron_masks`); an all-ones mask gives the un-pruned block.
+Any other mask (``prune.l1_unstructured``) leaves ``D_M kron(G, A) D_M``, which is no Kronecker
+product: such a layer gets exact diagonal blocks under ``kron`` and ``ekfac``, as a layer without
+factors does. The rules:
 
 * ``nn.Linear``, ``nn.Conv1d``, ``nn.Conv2d`` (any groups, stride, padding, dilation),
   ``nn.Embedding`` and Hugging Face's ``transformers.pytorch_utils.Conv1D`` (a Linear whose weight
@@ -44,7 +55,7 @@ from typing import Dict, Iterable, List, Optional, Tuple, Type
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
-from torch.nn.utils import parametrize
+from torch.nn.utils import parametrize, prune
 
 from ..modules import FixupBias, FixupScale
 
@@ -54,12 +65,18 @@ __all__ = [
     "LayerRule",
     "check_rule",
     "hook_reason",
+    "computed_role",
     "is_kron_layer",
+    "kron_masks",
     "layer_diagonal",
     "layer_kron",
     "layer_rule",
     "register_layer_rule",
 ]
+
+
+# a pruned tensor's scales of the output-side and input-side Kronecker factor (kron_masks)
+FactorMasks = Tuple[Optional[Tensor], Optional[Tensor]]
 
 
 @dataclass(frozen=True)
@@ -217,7 +234,8 @@ def layer_rule(module: nn.Module) -> Optional[LayerRule]:
         if rule is None:
             continue
         if base is cls_ or rule.applies_to_subclasses or cls_.forward is base.forward:
-            return rule
+            pruned = _pruned(module)
+            return _PrunedRule(rule, module, pruned) if pruned and type(rule) in _BUILT_IN else rule
         return _Refused(
             f"{cls_.__name__} overrides the forward of {base.__name__}, whose hook rule it would inherit, and may "
             f"compute another function of its weights (register_layer_rule({cls_.__name__}, rule) takes it on the "
@@ -242,10 +260,101 @@ def hook_reason(module: nn.Module, roles: Iterable[str] = ()) -> Optional[str]:
     if reason is None and foreign:
         return (
             f"its parameter(s) {', '.join(map(repr, foreign))} are not among those its layer rule computes "
-            f"({', '.join(map(repr, rule.roles))}), e.g. the tensors torch.nn.utils.prune or the old "
-            "torch.nn.utils.weight_norm compute the weight from"
+            f"({', '.join(map(repr, rule.roles))}), e.g. the tensors the old torch.nn.utils.weight_norm computes "
+            "the weight from, or those torch.nn.utils.prune multiplies by a mask in a layer of a registered rule"
         )
     return reason
+
+
+def _pruned(module: nn.Module) -> Dict[str, str]:
+    """The tensors ``torch.nn.utils.prune`` computes in ``module``'s forward, each to the parameter it
+    multiplies by ``<name>_mask``: e.g. ``{"weight": "weight_orig"}``."""
+    return {
+        hook._tensor_name: f"{hook._tensor_name}_orig"
+        for hook in module._forward_pre_hooks.values()
+        if isinstance(hook, prune.BasePruningMethod)  # a PruningContainer (pruned again) is one too
+    }
+
+
+def computed_role(module: nn.Module, role: str) -> str:
+    """The role a layer rule computes for ``module``'s parameter ``role``: ``"weight"`` for the
+    ``"weight_orig"`` that ``torch.nn.utils.prune`` multiplies by ``weight_mask``; else ``role``."""
+    return {orig: name for name, orig in _pruned(module).items()}.get(role, role)
+
+
+def _outer_factors(mask: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
+    """``(r, c)`` with ``mask == outer(r, c)`` exactly, or ``None`` if ``mask`` (2-D) is no outer product."""
+    if not bool(mask.any()):
+        return mask.new_zeros(mask.shape[0]), mask.new_zeros(mask.shape[1])
+    i, j = divmod(int(mask.abs().argmax()), mask.shape[1])
+    r, c = mask[:, j], mask[i] / mask[i, j]
+    return (r, c) if torch.equal(torch.outer(r, c), mask) else None
+
+
+def _factor_masks(base: LayerRule, module: nn.Module, pruned: Dict[str, str]) -> Optional[Dict[str, FactorMasks]]:
+    """What :func:`kron_masks` returns for a pruned layer of the Kronecker rule ``base``; ``None`` where its
+    weight's mask is no outer product in the ``(out, in)`` layout of its factors, or its input factor is
+    diagonal (an Embedding's token counts)."""
+    out: Dict[str, FactorMasks] = {}
+    for name in pruned:
+        mask = getattr(module, f"{name}_mask").detach()
+        if name != "weight":  # a bias: its block is G alone
+            out[name] = (mask.reshape(-1), None)
+            continue
+        shape = base.kron_shape(module)
+        matrix = mask.T if shape.transposed else mask.reshape(shape.out, -1)  # the (out, in) layout of kron(G, A)
+        factors = None if shape.diagonal_input else _outer_factors(matrix)
+        if factors is None:
+            return None
+        out[name] = factors
+    return out
+
+
+def kron_masks(module: nn.Module) -> Dict[str, FactorMasks]:
+    """How ``torch.nn.utils.prune``'s masks scale a Kronecker layer's factors, by role.
+
+    ``(r, c)`` for a weight whose mask is ``outer(r, c)`` in its ``(out, in)`` layout: its block
+    ``kron(G, A)`` becomes ``kron(D_r G D_r, D_c A D_c)``; ``(m, None)`` for a pruned bias, whose
+    block ``G`` becomes ``D_m G D_m``. Tensors that are not pruned, and layers without pruning or
+    without Kronecker factors (:func:`is_kron_layer`), have no entry.
+    """
+    rule = layer_rule(module)
+    return dict(rule.masks or {}) if isinstance(rule, _PrunedRule) else {}
+
+
+class _PrunedRule(LayerRule):
+    """A built-in rule on a layer ``torch.nn.utils.prune`` reparametrises: the base rule's rows and
+    (un-masked) Kronecker sums, its diagonal times the masks squared, and Kronecker factors only where
+    :func:`kron_masks` can scale them."""
+
+    def __init__(self, base: LayerRule, module: nn.Module, pruned: Dict[str, str]) -> None:
+        self.base, self.pruned = base, pruned
+        self.shared_input = base.shared_input
+        self.roles = tuple(pruned.get(role, role) for role in base.roles)
+        self.masks = _factor_masks(base, module, pruned) if base.kron else None
+        self.kron = self.masks is not None
+
+    def reason(self, module: nn.Module) -> Optional[str]:
+        return self.base.reason(module)
+
+    def diagonal(self, module: nn.Module, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
+        diagonal = self.base.diagonal(module, a, g)
+        for name in self.pruned:  # the Jacobian w.r.t. <name>_orig is the one w.r.t. <name> times the mask
+            if name in diagonal:
+                diagonal[name] = diagonal[name] * getattr(module, f"{name}_mask").detach().pow(2)
+        return diagonal
+
+    def kron_shape(self, module: nn.Module) -> KronShape:
+        return self.base.kron_shape(module)
+
+    def kron_sums(self, module: nn.Module, a: Tensor, g: Tensor) -> KronSums:
+        return self.base.kron_sums(module, a, g)
+
+    def input_rows(self, module: nn.Module, a: Tensor) -> Tensor:  # EKFAC's second moments (un-masked rows)
+        return self.base.input_rows(module, a)  # type: ignore[attr-defined]
+
+    def grad_rows(self, module: nn.Module, g: Tensor) -> Tensor:
+        return self.base.grad_rows(module, g)  # type: ignore[attr-defined]
 
 
 def check_rule(name: str, module: nn.Module, a: Tensor, g: Tensor) -> None:
@@ -646,4 +755,4 @@ register_layer_rule(
     parametrize.ParametrizationList,
     _Refused("a parametrized weight (torch.nn.utils.parametrize): exact diagonal of the tensors it is computed from"),
 )
-_BUILT_IN = {type(rule) for rule in _RULES.values()} | {_TransposedLinearRule}
+_BUILT_IN = {type(rule) for rule in _RULES.values()} | {_TransposedLinearRule, _PrunedRule}

@@ -21,7 +21,7 @@ from typing import Dict, List, NamedTuple, Sequence, Tuple
 from torch import nn
 
 from ..hyperparameters import GaussianPrior
-from .layers import hook_reason
+from .layers import computed_role, hook_reason
 from .options import CurvatureOptions
 from .statistics import LayerPlan, Structure
 from .structures import structure_class
@@ -178,7 +178,8 @@ def make_plan(
         if name in reasons:
             exact.append(index)
         else:
-            layers.setdefault(name, LayerPlan(name, module, {})).roles[role] = index
+            # by the role the rule computes: a pruned layer's weight_orig is its weight, times the mask
+            layers.setdefault(name, LayerPlan(name, module, {})).roles[computed_role(module, role)] = index
     slow = dict(reasons)
     hooked = list(layers.values())
     return Plan(hooked, exact, slow, structure.from_plan(hooked, exact, prior, options))

@@ -10,7 +10,14 @@ from typing import Any, List, Mapping, Optional
 import pytorch_lightning as pl
 
 from ..callbacks import MargLikCallback
-from .driver import DEFAULT_RANK_BY, check_fold_batchnorm, check_rank_by, check_trainer_arguments, select_models
+from .driver import (
+    DEFAULT_RANK_BY,
+    check_callback_arguments,
+    check_fold_batchnorm,
+    check_rank_by,
+    check_trainer_arguments,
+    select_models,
+)
 from .results import CandidateResult
 
 __all__ = ["check_config", "instantiate", "missing_module_fix", "resolve_class", "select_from_config"]
@@ -110,7 +117,7 @@ def check_config(config: Mapping[str, Any]) -> None:
     for name, spec in config["candidates"].items():
         resolve_class(_class_path(spec, f"candidates.{name}"), pl.LightningModule)
     check_trainer_arguments(config.get("trainer") or {})
-    MargLikCallback(**(config.get("callback") or {}))  # raises ValueError naming a bad argument
+    check_callback_arguments(config.get("callback") or {})
     check_rank_by(config.get("rank_by", DEFAULT_RANK_BY))
     check_fold_batchnorm(config.get("fold_batchnorm", True))
 

@@ -24,15 +24,15 @@ from ..curvature.structures import structures_with
 from ..curvature.structures.full import FullStructure
 from ..diagnostics import EF_RATIO_THRESHOLD, ef_ratio_of, ef_unreliable_message
 from ..folding import Folded
-from ..validators import choice, flag
+from ..validators import choice, flag, keywords
 from .comparability import mixed_normalization_message, normalization_layers
 from .metrics import MetricsCheck, evaluate_metrics
 from .results import RESULTS_JSON, CandidateResult, load_results, run_lock, save_results
 
 __all__ = [
     "AUTO_FALLBACK", "AUTO_FULL", "AUTO_FULL_MAX_DIRECTIONS", "AUTO_FULL_MAX_MEMORY", "AUTO_SAFE", "DEFAULT_RANK_BY",
-    "PREDICTIVES",
-    "check_fold_batchnorm", "check_rank_by", "check_trainer_arguments", "full_ggn_refusal", "quiet_lightning", "rank_by_choices",
+    "PREDICTIVES", "check_callback_arguments", "check_candidates", "check_fold_batchnorm", "check_rank_by",
+    "check_trainer_arguments", "full_ggn_refusal", "quiet_lightning", "rank_by_choices",
     "resolve_auto", "select_models",
 ]
 
@@ -268,7 +268,9 @@ def select_models(
         The results, best evidence first.
 
     Raises:
-        ValueError: On no candidates, no training data, an unknown ``predictive`` or ``rank_by``, a
+        ValueError: On no candidates, a candidate that is not a factory (e.g. a module instance) or whose
+            factory returns no LightningModule, ``callback`` arguments ``MargLikCallback`` does not
+            take or refuses, no training data, an unknown ``predictive`` or ``rank_by``, a
             ``fold_batchnorm`` that is not a bool, ``trainer``
             arguments that do not fit ``pl.Trainer``, a candidate ``rank_by`` cannot score (before
             it is trained; with ``"auto"``, one its fallback ``"kron-ef"`` cannot score, e.g. with
@@ -277,12 +279,11 @@ def select_models(
         RuntimeError: If ``output_dir`` is in use by another run, or the test metrics fail
             after training (the trained result is saved first).
     """
-    if not candidates:
-        raise ValueError("`candidates` is empty: give at least one name -> factory.")
+    check_candidates(candidates)
+    callback = check_callback_arguments(callback or {})
     if (train_dataloader is None) == (datamodule is None):
         raise ValueError("Give exactly one of `train_dataloader` and `datamodule`.")
-    if predictive not in PREDICTIVES:
-        raise ValueError(f"`predictive` must be one of {PREDICTIVES}, got {predictive!r}.")
+    predictive = choice(predictive, PREDICTIVES, "predictive")
     rank_by, rank_options = check_rank_by(rank_by)
     fold = check_fold_batchnorm(fold_batchnorm) and rank_by != "online"  # the online evidence is the callback's own
     auto = rank_by == "auto"
@@ -294,7 +295,7 @@ def select_models(
     # "auto" is stored as asked (a re-run resolves it again over its candidates), with the limits that decide it
     limits = {"auto_limits": {"max_directions": AUTO_FULL_MAX_DIRECTIONS, "max_memory": AUTO_FULL_MAX_MEMORY}}
     wanted = {
-        name: _jsonable({"candidate": (settings or {}).get(name), "trainer": trainer, "callback": callback or {},
+        name: _jsonable({"candidate": (settings or {}).get(name), "trainer": trainer, "callback": callback,
                          "seed": seed, "predictive": predictive, "rank_by": rank_by, "fold_batchnorm": fold,
                          **(limits if auto else {})})
         for name in candidates
@@ -321,7 +322,7 @@ def select_models(
                 continue
             candidate_start = time.perf_counter()
             pl.seed_everything(seed, verbose=False)
-            module = factory()
+            module = _build(name, factory)
             prior, _ = find_hyperparameters(module)
             if check_options is not None:  # before training: e.g. a diagonal prior with "kron-ef", "full-ggn" too large
                 try:
@@ -334,7 +335,7 @@ def select_models(
                     raise ValueError(
                         f"{fallback}rank_by={shown!r} cannot score candidate {name!r}: {err}{hint}"
                     ) from err
-            cb = MargLikCallback(**(callback or {}))
+            cb = MargLikCallback(**callback)
             check = MetricsCheck(test_dataloader, metrics, predictive) if test_dataloader is not None else None
             kwargs = dict(logger=False, enable_checkpointing=False, enable_model_summary=False, accelerator="cpu")
             kwargs.update(trainer)
@@ -406,9 +407,9 @@ def select_models(
                       f"{_shown_auto(results[-1])} params={prior.n_params} time={seconds:.1f}s {shown} | "
                       f"elapsed {_clock(time.perf_counter() - start)}, about {left} left", flush=True)
         if auto:
-            choice, why = _resolve(results)
+            chosen, why = _resolve(results)
             if verbose:
-                print(f"rank_by='auto' ranks all {len(results)} candidates by {choice!r}: {why}.", flush=True)
+                print(f"rank_by='auto' ranks all {len(results)} candidates by {chosen!r}: {why}.", flush=True)
         if output_dir:
             save_results(_ranked(results + others), output_dir, higher_is_better=directions)
     # the EF's check where the ranking evidence was asked to be the EF's ("auto" heeds it: it ranks by kron-ef
@@ -419,6 +420,65 @@ def select_models(
         if message:
             warnings.warn(message, stacklevel=2)
     return _ranked(results)
+
+
+def check_candidates(candidates: Any) -> None:
+    """Refuse, before anything is trained, candidates that are not factories of a fresh module.
+
+    ``select_models`` seeds, then builds each candidate (so that every candidate starts from the
+    same random state) and trains it once: a candidate is a LightningModule class or a function
+    that returns a new module. An instance (callable too, as every ``nn.Module``) would be called
+    as its own forward.
+
+    Example:
+        >>> check_candidates({"mlp": torch.nn.Linear(2, 2)})
+        Traceback (most recent call last):
+        ...
+        ValueError: select_models: candidate 'mlp' is a Linear instance, not a factory: give a class or a function that returns a fresh module, e.g. {'mlp': Linear} or {'mlp': lambda: Linear(...)}; each candidate is built after seeding and trained once.
+
+    Raises:
+        ValueError: On no candidates, or a candidate that is a module instance or not callable.
+    """
+    if not isinstance(candidates, Mapping) or not candidates:
+        raise ValueError(f"`candidates` must be a non-empty mapping name -> factory, got {candidates!r}.")
+    for name, factory in candidates.items():
+        if isinstance(factory, torch.nn.Module) or not callable(factory):
+            kind = type(factory).__name__
+            raise ValueError(
+                f"select_models: candidate {name!r} is a {kind} instance, not a factory: give a class or a function "
+                f"that returns a fresh module, e.g. {{{name!r}: {kind}}} or {{{name!r}: lambda: {kind}(...)}}; each "
+                "candidate is built after seeding and trained once."
+            )
+
+
+def check_callback_arguments(callback: Mapping[str, Any]) -> Dict[str, Any]:
+    """Check ``select_models``' ``callback`` (the keyword arguments of ``MargLikCallback``) before training.
+
+    Returns:
+        The arguments as a dict.
+
+    Raises:
+        ValueError: On a key ``MargLikCallback`` does not take (with "did you mean" for a near miss)
+            or a value it refuses (the message names it).
+    """
+    if not isinstance(callback, Mapping):
+        raise ValueError(f"`callback` must be a mapping of MargLikCallback arguments, got {callback!r}.")
+    keywords(callback, list(inspect.signature(MargLikCallback).parameters), "callback", "MargLikCallback")
+    MargLikCallback(**callback)  # its own checks of every value
+    return dict(callback)
+
+
+def _build(name: str, factory: Callable[[], pl.LightningModule]) -> pl.LightningModule:
+    """Candidate ``name``'s fresh module from its factory.
+
+    Raises:
+        ValueError: If the factory returns something other than a ``pytorch_lightning.LightningModule``.
+    """
+    module = factory()
+    if not isinstance(module, pl.LightningModule):
+        raise ValueError(f"select_models: candidate {name!r}'s factory returned a {type(module).__name__}, not a "
+                         "pytorch_lightning.LightningModule (with a GaussianPrior and a likelihood).")
+    return module
 
 
 def check_rank_by(rank_by: Any) -> Tuple[str, Optional[CurvatureOptions]]:
@@ -475,9 +535,7 @@ def check_trainer_arguments(trainer: Mapping[str, Any]) -> Dict[str, Any]:
     from jsonargparse import ArgumentError
 
     parameters = inspect.signature(pl.Trainer).parameters
-    unknown = set(trainer) - set(parameters)
-    if unknown:
-        raise ValueError(f"`trainer` has keys that are not pl.Trainer arguments: {sorted(unknown)}.")
+    keywords(trainer, list(parameters), "trainer", "pl.Trainer")
     checked = {}
     for key, value in trainer.items():
         try:
@@ -551,11 +609,11 @@ def _has_auto_evidences(result: CandidateResult) -> bool:
 
 def _resolve(results: Sequence[CandidateResult]) -> Tuple[str, str]:
     """``rank_by="auto"`` resolved over ``results`` (:func:`resolve_auto`), written into each."""
-    choice, why = resolve_auto({r.name: r.full_ggn_refused for r in results},
+    chosen, why = resolve_auto({r.name: r.full_ggn_refused for r in results},
                                {r.name: r.ef_curvature_ratio for r in results})
     for r in results:
-        r.marglik, r.rank_by, r.rank_by_reason = r.evidences[choice], choice, why
-    return choice, why
+        r.marglik, r.rank_by, r.rank_by_reason = r.evidences[chosen], chosen, why
+    return chosen, why
 
 
 def _given(rank_by: str) -> str:

@@ -93,12 +93,14 @@ class EKFACStructure(KronStructure):
         self.bases = []
         for j in range(len(self.layers)):
             g, a = self._factors(j)
-            basis: Dict[str, object] = {"bias": _basis(g)}
+            g_bias = self._factors(j, "bias")[0]
+            basis: Dict[str, object] = {"bias": _basis(g_bias)}
+            whole = basis["bias"] if g_bias is g else _basis(g)  # the weight's output factor: un-pruned, the bias's
             if self.shapes[j].diagonal_input:
-                basis["g"] = [basis["bias"]]
+                basis["g"] = [whole]
             else:
                 blocks = self._group_blocks(j, g)
-                basis["g"] = [basis["bias"]] if len(blocks) == 1 else [_basis(gk) for gk in blocks]
+                basis["g"] = [whole] if len(blocks) == 1 else [_basis(gk) for gk in blocks]
                 basis["a"] = [_basis(ak) for ak in a]
             self.bases.append(basis)
 
@@ -122,13 +124,21 @@ class EKFACStructure(KronStructure):
                 self.add(f"{j}.s", _embedding_diagonal(module, idx, g_rows @ u_g).unsqueeze(0))
             return
         a_rows, g_rows = rule.input_rows(module, a), rule.grad_rows(module, g)  # (B, R, in), (K, B, R, out)
-        if shape.groups == 1:  # one rotation of the gradients serves the weight and the bias (the K B R out^2 part)
-            g_rotated = [g_rows @ basis["bias"].to(g_rows.dtype)]
-            bias_rotated = g_rotated[0].sum(2)
+        # a pruned tensor's per-example gradients: its masks scale the rows (the gradient of weight_orig is
+        # D_r (sum_r g a^T) D_c, of bias_orig D_m sum_r g)
+        out_mask, in_mask = self.masks[j].get("weight", (None, None))
+        bias_mask = self.masks[j].get("bias", (None, None))[0]
+        g_weight = g_rows if out_mask is None else g_rows * out_mask.to(g_rows)
+        g_bias = g_rows if bias_mask is None else g_rows * bias_mask.to(g_rows)
+        a_rows = a_rows if in_mask is None else a_rows * in_mask.to(a_rows).repeat(shape.groups)
+        if shape.groups == 1:
+            g_rotated = [g_weight @ basis["g"][0].to(g_rows.dtype)]
         else:
-            g_rotated = [gk @ u_g.to(gk.dtype) for gk, u_g in zip(g_rows.chunk(shape.groups, dim=3), basis["g"])]
-            bias_rotated = g_rows.sum(2) @ basis["bias"].to(g_rows.dtype) if "bias" in layer.roles else None
+            g_rotated = [gk @ u_g.to(gk.dtype) for gk, u_g in zip(g_weight.chunk(shape.groups, dim=3), basis["g"])]
         if "bias" in layer.roles:
+            # one rotation of the gradients serves the weight and the bias where they share it (the K B R out^2 part)
+            shared = shape.groups == 1 and g_bias is g_weight and basis["g"][0] is basis["bias"]
+            bias_rotated = g_rotated[0].sum(2) if shared else g_bias.sum(2) @ basis["bias"].to(g_rows.dtype)
             self.add(f"{j}.s_bias", bias_rotated.pow(2).sum((0, 1)))  # (K, B, out) summed over K and B
         if "weight" not in layer.roles:
             return

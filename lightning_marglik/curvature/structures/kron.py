@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tupl
 import torch
 from torch import Tensor
 
-from ..layers import KronShape, is_kron_layer, layer_kron, layer_rule
+from ..layers import FactorMasks, KronShape, is_kron_layer, kron_masks, layer_kron, layer_rule
 from ..options import CurvatureOptions
 from ..statistics import BatchCurvature, InverseFn, LayerPlan, Structure
 from .derivatives import LogDetDerivatives, separable_terms
@@ -97,6 +97,9 @@ def _add_zero_terms(out: LogDetDerivatives, index: int, zeros: int, log_delta: T
 class KronStructure(Structure):
     """Kronecker blocks of hooked Linear, Conv1d, Conv2d and Embedding layers.
 
+    A layer pruned by ``torch.nn.utils.prune`` sums the same factors as the un-pruned layer; the
+    blocks of its pruned tensors take them scaled by the masks (:func:`..layers.kron_masks`).
+
     Args:
         indices: Prior indices of the covered tensors (the layers' trainable weights and biases).
         sizes: Sizes of all prior tensors.
@@ -111,6 +114,7 @@ class KronStructure(Structure):
         super().__init__(indices, sizes)
         self.layers = layers
         self.shapes = [layer_rule(layer.module).kron_shape(layer.module) for layer in layers]
+        self.masks: List[Dict[str, FactorMasks]] = [kron_masks(layer.module) for layer in layers]  # as planned
         for j, shape in enumerate(self.shapes):
             d = shape.inp
             a = torch.zeros((d,) if shape.diagonal_input else (shape.groups, d, d), dtype=torch.float64)
@@ -150,10 +154,18 @@ class KronStructure(Structure):
         for j in range(len(self.layers)):
             self.state(f"{j}.g").mul_(factor)
 
-    def _factors(self, j: int) -> Tuple[Tensor, Tensor]:
-        """``G`` and the input factor ``A`` (mean over rows) of layer ``j``."""
+    def _factors(self, j: int, role: str = "weight") -> Tuple[Tensor, Tensor]:
+        """``G`` and the input factor ``A`` (mean over rows) of layer ``j``, as the block of its ``role`` takes
+        them: a pruned tensor's scaled by its masks ``D_r G D_r``, ``D_c A D_c``; else ``G`` is the summed state
+        itself (the same tensor for the weight and the bias, whose eigen-decomposition they then share)."""
         rows = max(int(self.state(f"{j}.rows")), 1)
-        return self.state(f"{j}.g"), self.state(f"{j}.a") / rows
+        g, a = self.state(f"{j}.g"), self.state(f"{j}.a") / rows
+        out_mask, in_mask = self.masks[j].get(role, (None, None))
+        if out_mask is not None:
+            g = g * torch.outer(out_mask, out_mask).to(g)
+        if in_mask is not None:
+            a = a * torch.outer(in_mask, in_mask).to(a)
+        return g, a
 
     def _group_blocks(self, j: int, g: Tensor) -> List[Tensor]:
         """The output-side factor of every conv group: diagonal sub-blocks of ``G``."""
@@ -166,6 +178,7 @@ class KronStructure(Structure):
         self._bias: List[Optional[Tuple[Tensor, int]]] = []
         for j, layer in enumerate(self.layers):
             g, a = self._factors(j)
+            g_bias = self._factors(j, "bias")[0]
             blocks = self._group_blocks(j, g)
             q_full = _eigvalsh(g)
             if self.shapes[j].diagonal_input:
@@ -175,8 +188,9 @@ class KronStructure(Structure):
             else:
                 pairs = [(_eigvalsh(gk), _eigvalsh(ak)) for gk, ak in zip(blocks, a)]
             self._weight.append([_nonzero_products(q, w) for q, w in pairs] if "weight" in layer.roles else [])
-            nonzero = q_full[q_full != 0]
-            self._bias.append((nonzero, q_full.numel() - nonzero.numel()) if "bias" in layer.roles else None)
+            q_bias = q_full if g_bias is g else _eigvalsh(g_bias)
+            nonzero = q_bias[q_bias != 0]
+            self._bias.append((nonzero, q_bias.numel() - nonzero.numel()) if "bias" in layer.roles else None)
 
     def log_det(self, scale: Tensor, log_delta: List[Tensor]) -> Tensor:
         total = scale.new_zeros(())
@@ -207,8 +221,10 @@ class KronStructure(Structure):
         """Layer ``j``'s eigenbases and eigenvalue products by role, as :meth:`covariance` takes them."""
         layer, shape = self.layers[j], self.shapes[j]
         g, a = self._factors(j)
+        g_bias = self._factors(j, "bias")[0]
         q, u = _eigh(g)
-        bases: Dict[str, Bases] = {"bias": (u[None], None, q.reshape(1, -1, 1))}
+        q_bias, u_bias = (q, u) if g_bias is g else _eigh(g_bias)
+        bases: Dict[str, Bases] = {"bias": (u_bias[None], None, q_bias.reshape(1, -1, 1))}
         if "weight" not in layer.roles:
             return bases
         if shape.diagonal_input:  # kron(A, G) with A diagonal: the basis I (x) U_G
@@ -267,7 +283,7 @@ class KronStructure(Structure):
                         variance = 1 / (scale * torch.outer(q, w) + d_w)
                         cov += torch.einsum("bcij,ij,bdij->bcd", rotated, variance, rotated)
             if "bias" in layer.roles:
-                q, vec = _eigh(g)
+                q, vec = _eigh(self._factors(j, "bias")[0])
                 rotated = jacobians[layer.roles["bias"]] @ vec
                 cov += torch.einsum("bci,i,bdi->bcd", rotated, 1 / (scale * q + delta[layer.roles["bias"]]), rotated)
         return cov
