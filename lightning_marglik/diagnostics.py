@@ -65,7 +65,8 @@ EF_RATIO_THRESHOLD = 0.3
 
 # What to do instead, by where the EF evidence was computed.
 _FIXES = {
-    "select_models": "rank by a GGN approximation instead (e.g. rank_by=\"kron-ggn\")",
+    "select_models": "rank by a GGN approximation instead (e.g. rank_by=\"kron-ggn\"; the default rank_by=\"auto\" "
+                     "does so by itself)",
     "callback": "estimate with approx=\"ggn\" instead (e.g. MargLikCallback(structure=\"kron\", approx=\"ggn\"))",
 }
 

@@ -159,3 +159,33 @@ def test_bootstrap_interval_contains_rho_and_is_degenerate_for_a_perfect_noise_f
 def test_family_mean_ranks_rank_highest_evidence_first(study):
     ranks = study.family_mean_ranks([-0.3, -0.5, -0.2, -0.9], ["CNN", "MLP", "ResNet", "MLP"])
     assert ranks == {"MLP": 3.5, "CNN": 2.0, "ResNet": 1.0}
+
+
+def test_default_ranking_resolves_auto_per_seed_by_the_ef_check(study):
+    """Seed 0: no candidate below the threshold, so kron-EF; seed 1: 'b' is, so kron-GGN for every candidate."""
+    ef, ggn = np.array([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]), -np.array([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]])
+    ratios = np.array([[0.5, 0.5], [0.31, 0.05], [0.9, np.nan]])  # NaN: not measured, not flagged
+    ranked, choices = study.default_ranking(ef, ggn, ratios, ["a", "b", "c"], [5000, 5000, 5000], 40000)
+    assert choices == ["kron-ef", "kron-ggn"]
+    assert ranked.tolist() == [[1.0, -1.0], [2.0, -2.0], [3.0, -3.0]]
+    with pytest.raises(ValueError, match="resolves to 'full-ggn'"):  # small enough for the full GGN: not measured
+        study.default_ranking(ef, ggn, ratios, ["a", "b", "c"], [50, 50, 50], 400)
+
+
+def test_the_rescaled_ef_records_the_check_of_an_own_forward_pass_and_divides_the_curvature(study):
+    from lightning_marglik import CategoricalLikelihood
+    from lightning_marglik.diagnostics import ef_curvature_ratio
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 3))
+    x = torch.randn(60, 1, 4, 4)
+    with torch.no_grad():  # labels the network predicts confidently: r well below 1, as for a fitted network
+        net[-1].weight.mul_(5)
+        loader = DataLoader(TensorDataset(x, net(x).argmax(1)), batch_size=20)
+    state = {"net": {k: v.clone() for k, v in net.state_dict().items()}, "log_precision": torch.zeros(4)}
+    plain, rescaled = (study.posthoc_evidence(net, state, loader, label, "layerwise", 0)
+                       for label in ("kron-EF", "kron-EF/r"))
+    ratio = ef_curvature_ratio(net, loader, CategoricalLikelihood())
+    assert plain["ef_ratio"] == pytest.approx(ratio, rel=1e-10)
+    assert rescaled["ef_ratio"] == pytest.approx(ratio, rel=1e-10)
+    assert ratio < 1 and rescaled["marglik"] < plain["marglik"]  # more curvature: a larger Occam penalty

@@ -57,13 +57,13 @@ def test_auto_is_the_default_and_ranks_a_small_regression_as_full_ggn_does(tmp_p
     for a, f in zip(auto, full):
         assert a.marglik == pytest.approx(f.marglik, rel=1e-9, abs=1e-12)  # the same evidence
         assert a.rank_by == "full-ggn" and f.rank_by == "full-ggn"
-        assert set(a.evidences) == {"kron-ef", "full-ggn"} and a.full_ggn_refused is None
+        assert set(a.evidences) == {"kron-ef", "kron-ggn", "full-ggn"} and a.full_ggn_refused is None
         assert a.evidences["full-ggn"] == a.marglik != a.evidences["kron-ef"]  # not kron-EF's value
         assert a.settings["rank_by"] == "auto" and f.settings["rank_by"] == "full-ggn"
         assert a.settings["auto_limits"]["max_directions"] == AUTO_FULL_MAX_DIRECTIONS
         assert f.evidences == {} and "auto_limits" not in f.settings
     assert "rank_by='auto' ranks all 2 candidates by 'full-ggn': the exact full GGN is within auto's limits" in printed
-    assert "[1/2] h2: marglik=" in printed and "(full-ggn so far; kron-ef=" in printed
+    assert "[1/2] h2: marglik=" in printed and "(full-ggn so far; kron-ef=" in printed and "; kron-ggn=" in printed
     # the files record the resolved choice and both evidences
     saved = {row["name"]: row for row in json.loads((tmp_path / "results.json").read_text())}
     assert {row["rank_by"] for row in saved.values()} == {"full-ggn"}
@@ -90,7 +90,8 @@ def test_auto_falls_back_to_kron_ef_for_all_when_one_candidate_is_over_the_limit
             "'h16': min(N C, P)") in printed
     lines = [line for line in printed.splitlines() if line.startswith("[")]
     assert "h2: marglik=" in lines[0] and "(full-ggn so far; kron-ef=" in lines[0]  # before h16 was trained
-    assert "h16: marglik=" in lines[1] and "(kron-ef so far; full-ggn too large)" in lines[1]
+    assert "h16: marglik=" in lines[1] and "(kron-ef so far; kron-ggn=" in lines[1]
+    assert "; full-ggn too large)" in lines[1]
     assert auto["h2"].settings["auto_limits"]["max_directions"] == 10
 
 
@@ -146,9 +147,9 @@ def test_other_limits_are_other_settings(tmp_path, monkeypatch, capsys):
     assert result.rank_by == "kron-ef" and result.full_ggn_refused is not None
 
 
-def test_auto_resolved_to_full_ggn_gives_no_ef_warning(monkeypatch):
+def test_auto_never_ranks_by_a_flagged_ef_evidence_and_so_gives_no_ef_warning(monkeypatch):
     """The interpolating classifier of tests/test_ef_check_wiring.py (N C = 64 x 4, P = 16): its EF
-    evidence is unreliable, which matters only where "auto" ranks by kron-EF."""
+    evidence is unreliable, which "auto" heeds: the full GGN where affordable, else kron-GGN (issue 33)."""
     def fitted(**kwargs):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -161,7 +162,7 @@ def test_auto_resolved_to_full_ggn_gives_no_ef_warning(monkeypatch):
     assert result.rank_by == "full-ggn" and result.ef_curvature_ratio < EF_RATIO_THRESHOLD and messages == []
     monkeypatch.setattr(driver, "AUTO_FULL_MAX_DIRECTIONS", 8)
     result, messages = fitted()
-    assert result.rank_by == "kron-ef" and len(messages) == 1 and "'fitted'" in messages[0]
+    assert result.rank_by == "kron-ggn" and messages == [] and "flags candidate 'fitted'" in result.rank_by_reason
 
 
 def test_auto_is_accepted_everywhere_rank_by_is_and_near_misses_are_refused(tmp_path, capsys):

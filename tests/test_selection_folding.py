@@ -49,10 +49,11 @@ def test_a_batchnorm_network_is_ranked_by_the_evidence_of_its_folded_copy(rank_b
     module = made[0]
     assert result.folded == {"net.0": "net.1"} and result.settings["fold_batchnorm"] is True
     assert isinstance(module.net[1], torch.nn.BatchNorm1d) and "1.weight" in module.prior.param_names  # untouched
-    if rank_by == "auto":  # tiny: the exact full GGN of the folded network, kron-ef beside it
+    if rank_by == "auto":  # tiny: the exact full GGN of the folded network, kron-ef and kron-ggn beside it
         assert result.rank_by == "full-ggn"
         assert result.evidences["full-ggn"] == pytest.approx(by_hand(module, True, "full", "ggn"), rel=1e-5)
         assert result.evidences["kron-ef"] == pytest.approx(by_hand(module, True), rel=1e-5)
+        assert result.evidences["kron-ggn"] == pytest.approx(by_hand(module, True, "kron", "ggn"), rel=1e-5)
     else:
         assert result.marglik == pytest.approx(by_hand(module, True), rel=1e-5)
     assert abs(by_hand(module, True) - by_hand(module, False)) > 1e-3  # folding is not a no-op here

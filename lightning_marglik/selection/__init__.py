@@ -30,10 +30,12 @@ candidate a ``LightningModule`` subclass; anything else is refused before it is 
 The candidates are ranked by ``rank_by`` (YAML key, ``--rank_by``): by default ``auto``, one
 evidence for all of them re-estimated at the final weights, the exact full GGN (``full-ggn``) where
 every candidate affords it (:func:`resolve_auto`: small regression networks), else the Kronecker
-empirical Fisher (``kron-ef``: image classifiers); each result's ``rank_by`` names the choice.
-That evidence is of each network with its BatchNorms folded into the layers before them
-(``fold_batchnorm``, YAML key and ``--fold_batchnorm``, default true; each result's ``folded``
-names them).
+empirical Fisher (``kron-ef``: image classifiers), or the Kronecker GGN (``kron-ggn``) if the
+empirical Fisher's check flags a candidate (one that fits its training set); each result's
+``rank_by`` names the choice and ``rank_by_reason`` why. That evidence is of each network with its
+BatchNorms folded into the layers before them (``fold_batchnorm``, YAML key and
+``--fold_batchnorm``, default true; each result's ``folded`` names them). Candidates with and
+without normalization layers are ranked together with a warning naming them (:mod:`.comparability`).
 
 Results are written after every candidate; a re-run with the same settings reuses the
 candidates that finished (``--rerun`` trains them all again). The results of candidates a run
@@ -45,7 +47,8 @@ anything is built. Test metrics read batches as the evidence does (``marglik_bat
 the positions the likelihood counts (classes last in ``(B, ..., C)``, ``ignore_index`` left out);
 the first test batch goes through them when training starts, so that a mismatch costs no training.
 
-The package, by job: :mod:`.driver` (:func:`select_models`), :mod:`.metrics` (the test metrics),
+The package, by job: :mod:`.driver` (:func:`select_models`), :mod:`.comparability` (which candidates
+their evidence does not compare), :mod:`.metrics` (the test metrics),
 :mod:`.results` (the files and their lock), :mod:`.plot` (``evidence.png``), :mod:`.config` (a
 YAML configuration checked and run) and :mod:`.cli` (``marglik-select``).
 """

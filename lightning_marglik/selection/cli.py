@@ -119,8 +119,9 @@ def build_parser() -> Any:
                         help="The evidence that ranks the candidates: STRUCTURE-APPROX re-estimated at the final "
                              "weights (hyperparameters re-optimised); 'auto' (the default): full-ggn for all "
                              "candidates if the exact full GGN is affordable for every one (min(N C, P) <= "
-                             f"{AUTO_FULL_MAX_DIRECTIONS}), else kron-ef; or 'online' (the callback's final "
-                             f"estimate); one of {', '.join(rank_by_choices())}.")
+                             f"{AUTO_FULL_MAX_DIRECTIONS}), else kron-ef, or kron-ggn if the empirical Fisher's "
+                             "check flags a candidate (one that fits its training set); or 'online' (the "
+                             f"callback's final estimate); one of {', '.join(rank_by_choices())}.")
     parser.add_argument("--fold_batchnorm", "--fold-batchnorm", type=bool, default=True,
                         help="Rank each candidate by the evidence of its network with the BatchNorms folded into "
                              "the layers before them (the test-time function without normalization layers; no "

@@ -22,15 +22,17 @@ from ..curvature import APPROXIMATIONS, CurvatureOptions, check_model, eval_mode
 from ..curvature.batches import call_model
 from ..curvature.structures import structures_with
 from ..curvature.structures.full import FullStructure
-from ..diagnostics import ef_ratio_of, ef_unreliable_message
+from ..diagnostics import EF_RATIO_THRESHOLD, ef_ratio_of, ef_unreliable_message
 from ..folding import Folded
 from ..validators import choice, flag, keywords
+from .comparability import mixed_normalization_message, normalization_layers
 from .metrics import MetricsCheck, evaluate_metrics
 from .results import RESULTS_JSON, CandidateResult, load_results, run_lock, save_results
 
 __all__ = [
-    "AUTO_FALLBACK", "AUTO_FULL", "AUTO_FULL_MAX_DIRECTIONS", "AUTO_FULL_MAX_MEMORY", "DEFAULT_RANK_BY", "PREDICTIVES",
-    "check_callback_arguments", "check_candidates", "check_fold_batchnorm", "check_rank_by", "check_trainer_arguments", "full_ggn_refusal", "quiet_lightning", "rank_by_choices",
+    "AUTO_FALLBACK", "AUTO_FULL", "AUTO_FULL_MAX_DIRECTIONS", "AUTO_FULL_MAX_MEMORY", "AUTO_SAFE", "DEFAULT_RANK_BY",
+    "PREDICTIVES", "check_callback_arguments", "check_candidates", "check_fold_batchnorm", "check_rank_by",
+    "check_trainer_arguments", "full_ggn_refusal", "quiet_lightning", "rank_by_choices",
     "resolve_auto", "select_models",
 ]
 
@@ -38,9 +40,12 @@ PREDICTIVES = ("map", "probit")
 DEFAULT_RANK_BY = "auto"
 #: What ``rank_by="auto"`` resolves to, one choice for all candidates: the exact full GGN where every
 #: candidate affords it (small regression networks: ``examples/results/toy_depth.md``, where the
-#: block-diagonal evidences pick another depth), else the Kronecker empirical Fisher, which ranked
-#: MLPs and CNNs best in the ranking study (``examples/results/ranking_study.md``).
-AUTO_FULL, AUTO_FALLBACK = "full-ggn", "kron-ef"
+#: block-diagonal evidences pick another depth); else the Kronecker empirical Fisher, which ranked
+#: MLPs and CNNs best in the ranking study (``examples/results/ranking_study.md``), unless the EF
+#: check flags a candidate (its curvature ratio below ``EF_RATIO_THRESHOLD``: it fits its training set
+#: and its EF evidence is inflated, ``benchmarks/results/ef_interpolation.md``); then the Kronecker GGN
+#: for all (``benchmarks/results/default_ranking.md``).
+AUTO_FULL, AUTO_FALLBACK, AUTO_SAFE = "full-ggn", "kron-ef", "kron-ggn"
 #: ``rank_by="auto"``'s limits on the exact full GGN of one candidate, read when it is resolved (a test or
 #: a user may change them here). ``R = min(N C, P)`` is the size of the matrix ``full`` factorises: the
 #: ``R x R`` determinant-lemma matrix (and one ``R x R`` row Gram per tensor) when ``N C < P``, else the
@@ -105,13 +110,20 @@ def full_ggn_refusal(n_rows: int, n_params: int, n_tensors: int) -> Optional[str
     return None
 
 
-def resolve_auto(refusals: Mapping[str, Optional[str]]) -> Tuple[str, str]:
+def resolve_auto(
+    refusals: Mapping[str, Optional[str]], ef_ratios: Optional[Mapping[str, Optional[float]]] = None,
+) -> Tuple[str, str]:
     """What ``rank_by="auto"`` ranks candidates by, one evidence for all of them: :data:`AUTO_FULL`
-    (``"full-ggn"``) if the exact full GGN of every candidate is within the limits, else
-    :data:`AUTO_FALLBACK` (``"kron-ef"``).
+    (``"full-ggn"``) if the exact full GGN of every candidate is within the limits; else
+    :data:`AUTO_FALLBACK` (``"kron-ef"``) unless the empirical Fisher's check flags a candidate
+    (its :func:`~lightning_marglik.diagnostics.ef_curvature_ratio` below
+    :data:`~lightning_marglik.diagnostics.EF_RATIO_THRESHOLD`: it fits its training set, and its EF
+    evidence over-rates it), then :data:`AUTO_SAFE` (``"kron-ggn"``).
 
     Args:
         refusals: Every candidate's name to its :func:`full_ggn_refusal`.
+        ef_ratios: Candidate names to their EF curvature ratio at the final weights (``None``: not
+            measured, e.g. a likelihood without the traces; such a candidate is not flagged).
 
     Returns:
         The ``rank_by`` choice and why, in words.
@@ -121,6 +133,8 @@ def resolve_auto(refusals: Mapping[str, Optional[str]]) -> Tuple[str, str]:
         'full-ggn'
         >>> resolve_auto({"1 layer": None, "wide": full_ggn_refusal(5000, 20000, 4)})[0]
         'kron-ef'
+        >>> resolve_auto({"mlp": "too large", "cnn": "too large"}, {"mlp": 0.08, "cnn": 0.32})[0]  # 'mlp' flagged
+        'kron-ggn'
     """
     refused = {name: why for name, why in refusals.items() if why is not None}
     if not refused:
@@ -128,7 +142,18 @@ def resolve_auto(refusals: Mapping[str, Optional[str]]) -> Tuple[str, str]:
                            f"{AUTO_FULL_MAX_DIRECTIONS:,}, about {AUTO_FULL_MAX_MEMORY / 2**20:,.0f} MiB at most)")
     name, why = next(iter(refused.items()))
     others = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
-    return AUTO_FALLBACK, f"the exact full GGN is too large for candidate {name!r}{others}: {why}"
+    too_large = f"the exact full GGN is too large for candidate {name!r}{others}: {why}"
+    flagged = {name: ratio for name, ratio in (ef_ratios or {}).items()
+               if ratio is not None and ratio < EF_RATIO_THRESHOLD}
+    if not flagged:
+        return AUTO_FALLBACK, too_large
+    listed = ", ".join(f"{name!r} ({ratio:.3g})" for name, ratio in flagged.items())
+    one = len(flagged) == 1
+    return AUTO_SAFE, (
+        f"{too_large}; and the empirical Fisher's check flags candidate{'' if one else 's'} {listed} (tr EF / tr GGN "
+        f"below {EF_RATIO_THRESHOLD:g}): {'it fits its' if one else 'they fit their'} training set, so "
+        f"{'its' if one else 'their'} {AUTO_FALLBACK} evidence would over-rate {'it' if one else 'them'}"
+    )
 
 
 @contextlib.contextmanager
@@ -188,17 +213,21 @@ def select_models(
     the exact full GGN (``"full-ggn"``) where it is affordable for every candidate
     (``min(N C, P) <= AUTO_FULL_MAX_DIRECTIONS`` and within ``AUTO_FULL_MAX_MEMORY``; small
     regression networks, where ``kron`` and ``diag`` are biased against depth,
-    ``examples/results/toy_depth.md``), else the Kronecker empirical Fisher (``"kron-ef"``, e.g. for
+    ``examples/results/toy_depth.md``); else the Kronecker empirical Fisher (``"kron-ef"``, e.g. for
     image classifiers), which ranked MLPs and CNNs best in the ranking study
     (``examples/results/ranking_study.md``, whose figures the documentation's results page
-    carries). A candidate's BatchNorms are folded into the layers before them for that evidence
-    (``fold_batchnorm``): the test-time function ranked as a network without normalization, the
-    best-ranking evidence of the study at the cost of one forward pass. Do not compare networks
-    with and without normalization layers by their evidence all the same: every approximation,
-    folded or not, ranked the BatchNorm ResNets there last. Compare candidates at the same
-    fraction of training. For small regression networks of different depths train with
-    ``callback={"structure": "full"}`` too. The evidence prefers the smaller of two
-    near-equal models and judges under-trained candidates by where they are.
+    carries), unless the EF's own check flags a candidate (it fits its training set, and its EF
+    evidence over-rates it: ``benchmarks/results/ef_interpolation.md``); then the Kronecker GGN
+    (``"kron-ggn"``) for all. So the default never ranks by an evidence its check flags; a
+    ``rank_by`` given explicitly is used as given, with the check's warning. A candidate's
+    BatchNorms are folded into the layers before them for that evidence (``fold_batchnorm``): the
+    test-time function ranked as a network without normalization, the best-ranking evidence of the
+    study at the cost of one forward pass. Do not compare networks with and without normalization
+    layers by their evidence all the same: every approximation, folded or not, ranked the BatchNorm
+    ResNets there last; such a run warns, naming them (:mod:`.comparability`). Compare candidates at
+    the same fraction of training. For small regression networks of different depths train with
+    ``callback={"structure": "full"}`` too. The evidence prefers the smaller of two near-equal
+    models and judges under-trained candidates by where they are.
 
     Args:
         candidates: Name to a factory returning a fresh LightningModule (with prior and likelihood).
@@ -223,12 +252,13 @@ def select_models(
             case-insensitively): ``"<structure>-<approx>"`` (e.g. ``"kron-ef"``) re-estimated at
             the final weights, one more evidence pass per candidate with its hyperparameters
             re-optimised by Newton (:meth:`MargLikCallback.evidence_with`); ``"auto"`` (the
-            default), ``"full-ggn"`` or ``"kron-ef"`` for all candidates as above: it computes
-            ``kron-ef`` for every candidate and ``full-ggn`` for those within its limits, and
-            ranks by ``full-ggn`` only if that is all of them (printed with ``verbose``; every
-            result's ``rank_by`` names the choice, its ``evidences`` hold both); or ``"online"``,
-            the callback's final estimate. Either way ``online_marglik`` of a result holds the
-            callback's.
+            default), ``"full-ggn"``, ``"kron-ef"`` or ``"kron-ggn"`` for all candidates as above:
+            it computes ``kron-ef`` and ``kron-ggn`` for every candidate and ``full-ggn`` for those
+            within its limits, and ranks by ``full-ggn`` only if that is all of them, by
+            ``kron-ggn`` if the EF check flags any of them (printed with ``verbose``; every
+            result's ``rank_by`` names the choice and ``rank_by_reason`` why, its ``evidences``
+            hold them all); or ``"online"``, the callback's final estimate. Either way
+            ``online_marglik`` of a result holds the callback's.
         fold_batchnorm: Re-estimate the evidence of each trained candidate with its BatchNorms folded
             into the layers before them (:meth:`MargLikCallback.fold_batchnorm`; its ``folded``
             names them; no effect on a network without BatchNorm, nor on ``rank_by="online"``). A
@@ -283,8 +313,8 @@ def select_models(
                 results.append(stored[name])
                 if auto:
                     _resolve(results)
-                else:
-                    stored[name].rank_by = rank_by  # same settings: the same rank_by (None in older files)
+                else:  # same settings: the same rank_by (None in older files)
+                    stored[name].rank_by, stored[name].rank_by_reason = rank_by, _given(rank_by)
                 if verbose:
                     print(f"[{index}/{len(candidates)}] {name}: marglik={stored[name].marglik:.4f}"
                           f"{_shown_auto(stored[name])} (finished in an earlier run with the same settings: reused)",
@@ -325,9 +355,10 @@ def select_models(
             else:
                 marglik = cb.evidence_with(fit_trainer, module, rank_options.structure, rank_options.approx, folded)
             seconds = time.perf_counter() - fit_start
-            ranked_by = "ef" if auto else cb.options.approx if rank_options is None else rank_options.approx
-            # the EF's curvature check at the final weights, from the last estimate's own sums (no pass)
-            ef_ratio = ef_ratio_of(cb.evidence) if ranked_by == "ef" and cb.evidence is not None else None
+            ranked_by = cb.options.approx if rank_options is None else rank_options.approx
+            # the EF's curvature check at the final weights, from the last estimate's own sums (no pass): where the
+            # ranking evidence is the EF's, and with "auto", which decides by it
+            ef_ratio = ef_ratio_of(cb.evidence) if (auto or ranked_by == "ef") and cb.evidence is not None else None
             scores: Dict[str, float] = {}
             failure: Optional[Exception] = None
             if check is not None and check.metrics:
@@ -350,9 +381,11 @@ def select_models(
                 metrics_error=None if failure is None else f"{type(failure).__name__}: {failure}",
                 ef_curvature_ratio=ef_ratio,
                 rank_by=rank_by,
+                rank_by_reason=None if auto else _given(rank_by),
                 evidences=evidences,
                 full_ggn_refused=refused,
                 folded=dict(folded.folded) if folded is not None else {},
+                normalization=normalization_layers(module),
             ))
             if auto:  # over the candidates so far; the last candidate's decides for all
                 _resolve(results)
@@ -379,11 +412,13 @@ def select_models(
                 print(f"rank_by='auto' ranks all {len(results)} candidates by {chosen!r}: {why}.", flush=True)
         if output_dir:
             save_results(_ranked(results + others), output_dir, higher_is_better=directions)
-    # the EF's check where the ranking evidence is the EF's ("auto" resolved to "full-ggn" is not)
-    message = ef_unreliable_message({r.name: r.ef_curvature_ratio for r in results
-                                     if r.ef_curvature_ratio is not None and r.rank_by != AUTO_FULL})
-    if message:
-        warnings.warn(message, stacklevel=2)
+    # the EF's check where the ranking evidence was asked to be the EF's ("auto" heeds it: it ranks by kron-ef
+    # only where no candidate is flagged)
+    ef_message = "" if auto else ef_unreliable_message({r.name: r.ef_curvature_ratio for r in results
+                                                         if r.ef_curvature_ratio is not None})
+    for message in (ef_message, mixed_normalization_message({r.name: r.normalization for r in results})):
+        if message:
+            warnings.warn(message, stacklevel=2)
     return _ranked(results)
 
 
@@ -538,9 +573,9 @@ def _folded(cb: MargLikCallback, trainer: pl.Trainer, module: pl.LightningModule
 def _auto_evidences(
     cb: MargLikCallback, trainer: pl.Trainer, module: pl.LightningModule, folded: Optional[Folded]
 ) -> Tuple[Dict[str, float], Optional[str]]:
-    """``rank_by="auto"``'s evidences of a trained candidate (or its ``folded`` copy): ``kron-ef``, and
-    ``full-ggn`` unless :func:`full_ggn_refusal` (or the full evidence pass itself) refuses it, with that
-    reason."""
+    """``rank_by="auto"``'s evidences of a trained candidate (or its ``folded`` copy): ``kron-ef`` and
+    ``kron-ggn``, and ``full-ggn`` unless :func:`full_ggn_refusal` (or the full evidence pass itself)
+    refuses it, with that reason."""
     prior = cb.prior if folded is None else folded.prior
     assert prior is not None
 
@@ -548,7 +583,7 @@ def _auto_evidences(
         options = check_rank_by(rank_by)[1]
         return cb.evidence_with(trainer, module, options.structure, options.approx, folded)
 
-    evidences = {AUTO_FALLBACK: evidence(AUTO_FALLBACK)}
+    evidences = {choice: evidence(choice) for choice in (AUTO_FALLBACK, AUTO_SAFE)}
     refused = full_ggn_refusal(int(prior.n_data) * _outputs_per_datum(cb, trainer, module), prior.n_params,
                                len(prior.param_sizes))
     if refused is None:
@@ -568,15 +603,22 @@ def _outputs_per_datum(cb: MargLikCallback, trainer: pl.Trainer, module: pl.Ligh
 
 def _has_auto_evidences(result: CandidateResult) -> bool:
     """Whether a stored result holds what ``rank_by="auto"`` may rank it by, whichever way it resolves."""
-    return AUTO_FALLBACK in result.evidences and (result.full_ggn_refused is not None or AUTO_FULL in result.evidences)
+    return ({AUTO_FALLBACK, AUTO_SAFE} <= set(result.evidences)
+            and (result.full_ggn_refused is not None or AUTO_FULL in result.evidences))
 
 
 def _resolve(results: Sequence[CandidateResult]) -> Tuple[str, str]:
     """``rank_by="auto"`` resolved over ``results`` (:func:`resolve_auto`), written into each."""
-    choice, why = resolve_auto({r.name: r.full_ggn_refused for r in results})
+    chosen, why = resolve_auto({r.name: r.full_ggn_refused for r in results},
+                               {r.name: r.ef_curvature_ratio for r in results})
     for r in results:
-        r.marglik, r.rank_by = r.evidences[choice], choice
-    return choice, why
+        r.marglik, r.rank_by, r.rank_by_reason = r.evidences[chosen], chosen, why
+    return chosen, why
+
+
+def _given(rank_by: str) -> str:
+    """A result's ``rank_by_reason`` where ``rank_by`` was not ``"auto"``."""
+    return f"rank_by={rank_by!r} was asked for"
 
 
 def _shown_auto(result: CandidateResult) -> str:

@@ -11,7 +11,7 @@ import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
 from .plot import plot_evidence
 
@@ -36,11 +36,14 @@ class CandidateResult:
     training (the result is kept for its evidence and trained again by the next run).
 
     ``rank_by`` names the evidence ``marglik`` is: the one asked for, or what ``rank_by="auto"``
-    resolved to for all the run's candidates (``"full-ggn"`` or ``"kron-ef"``). With ``"auto"``,
-    ``evidences`` holds both of them by name (``"full-ggn"`` only where this candidate's exact full
-    GGN is within ``auto``'s limits; ``full_ggn_refused`` says why not otherwise), so that a re-run
-    that resolves the other way reuses the result. ``folded`` names the layers whose BatchNorm was
-    folded into them for that evidence (layer -> norm; empty: none, or ``fold_batchnorm=False``).
+    resolved to for all the run's candidates (``"full-ggn"``, ``"kron-ef"`` or ``"kron-ggn"``), and
+    ``rank_by_reason`` says why. With ``"auto"``, ``evidences`` holds each of them by name
+    (``"full-ggn"`` only where this candidate's exact full GGN is within ``auto``'s limits;
+    ``full_ggn_refused`` says why not otherwise), so that a re-run that resolves another way reuses
+    the result. ``folded`` names the layers whose BatchNorm was folded into them for that evidence
+    (layer -> norm; empty: none, or ``fold_batchnorm=False``). ``normalization`` names the
+    normalization layer types of the network (empty: none; ``None`` in files of older versions):
+    candidates with and without them are not compared by their evidence (:mod:`.comparability`).
     """
 
     name: str
@@ -53,13 +56,15 @@ class CandidateResult:
     settings: Dict[str, Any] = field(default_factory=dict)
     metrics_error: Optional[str] = None
     online_marglik: Optional[float] = None  # the callback's final evidence (= marglik with rank_by="online")
-    # tr EF / tr GGN at the final weights when the ranking evidence, or with rank_by="auto" its kron-ef
-    # evidence, is the empirical Fisher's (diagnostics)
+    # tr EF / tr GGN at the final weights when the ranking evidence is the empirical Fisher's, and with
+    # rank_by="auto" always: the check that decides between kron-ef and kron-ggn (diagnostics)
     ef_curvature_ratio: Optional[float] = None
     rank_by: Optional[str] = None  # the evidence marglik is ("auto" resolved); None in files of older versions
+    rank_by_reason: Optional[str] = None  # why that evidence ranks the candidates
     evidences: Dict[str, float] = field(default_factory=dict)  # rank_by="auto": each evidence it may resolve to
     full_ggn_refused: Optional[str] = None  # rank_by="auto": why the exact full GGN is over its limits here
     folded: Dict[str, str] = field(default_factory=dict)  # layer -> the BatchNorm folded into it for marglik
+    normalization: Optional[List[str]] = None  # the network's normalization layer types (comparability)
 
 
 def load_results(output_dir: str) -> Dict[str, CandidateResult]:
@@ -90,7 +95,8 @@ def _result_from_row(row: Any) -> CandidateResult:
     required = {"name": str, "marglik": (int, float), "n_params": int, "train_seconds": (int, float), "epochs": int}
     types = {**required, "hyperparameters": dict, "metrics": dict, "settings": dict, "metrics_error": (str, type(None)),
              "online_marglik": (int, float, type(None)), "ef_curvature_ratio": (int, float, type(None)),
-             "rank_by": (str, type(None)), "evidences": dict, "full_ggn_refused": (str, type(None)), "folded": dict}
+             "rank_by": (str, type(None)), "rank_by_reason": (str, type(None)), "evidences": dict,
+             "full_ggn_refused": (str, type(None)), "folded": dict, "normalization": (list, type(None))}
     if not isinstance(row, dict) or not all(k in row for k in required):
         raise TypeError(f"a result must be an object with {', '.join(required)}, got {row!r:.200}")
     for key, expected in types.items():
@@ -118,7 +124,8 @@ def save_results(
         higher_is_better: Direction of each metric, for the plot's axis label.
     """
     os.makedirs(output_dir, exist_ok=True)
-    nested = ("metrics", "hyperparameters", "settings", "metrics_error", "evidences", "full_ggn_refused")
+    nested = ("metrics", "hyperparameters", "settings", "metrics_error", "evidences", "full_ggn_refused",
+              "rank_by_reason")
     rows = [{**{k: v for k, v in asdict(r).items() if k not in nested},
              **{f"marglik_{name}": value for name, value in r.evidences.items()}, **r.metrics} for r in results]
     _write_atomic(os.path.join(output_dir, RESULTS_JSON), lambda f: json.dump([asdict(r) for r in results], f, indent=2))

@@ -1,0 +1,61 @@
+"""Which candidates ``select_models`` cannot compare by their evidence: networks with normalization
+layers against networks without.
+
+A weight whose output goes into a normalization (BatchNorm, GroupNorm, LayerNorm, RMSNorm, InstanceNorm)
+is scale-invariant in training: the data do not resist its shrinking, and the Laplace evidence of the
+trained network does not measure a posterior volume for it (Antorán et al., ICML 2022). Measured in
+``examples/results/ranking_study.md``: the BatchNorm ResNets tested as well as the best CNNs and every
+approximation ranked them last (rho 0.29 over MLPs, CNNs and BatchNorm ResNets with the default ranking,
+their BatchNorms folded); ``docs/selection.md``, "When to trust Step 2". GroupNorm, LayerNorm and RMSNorm
+were not measured; they count as normalization all the same: the same scale invariance, and unlike a
+BatchNorm's running statistics theirs depend on the input, so no folding removes them.
+
+Example:
+    >>> from torch import nn
+    >>> normalization_layers(nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.GroupNorm(2, 4)))
+    ['BatchNorm2d', 'GroupNorm']
+    >>> mixed_normalization_message({"cnn": [], "mlp": []})
+    ''
+    >>> mixed_normalization_message({"cnn": [], "resnet": ["BatchNorm2d"]}).startswith("select_models cannot")
+    True
+"""
+from __future__ import annotations
+
+from typing import List, Mapping, Optional, Sequence
+
+from torch import nn
+
+from ..curvature.scale_invariance import NORMS
+
+__all__ = ["mixed_normalization_message", "normalization_layers"]
+
+
+def normalization_layers(module: nn.Module) -> List[str]:
+    """The class names of the normalization layers in ``module``, sorted, each once (empty: none)."""
+    return sorted({type(m).__name__ for m in module.modules() if isinstance(m, NORMS)})
+
+
+def mixed_normalization_message(normalizations: Mapping[str, Optional[Sequence[str]]]) -> str:
+    """The warning for candidates with and without normalization layers side by side; ``""`` if they
+    are all of one kind.
+
+    Args:
+        normalizations: Candidate name to its :func:`normalization_layers` (``None``: not known, e.g. a
+            result stored by an older version; left out).
+
+    Returns:
+        One message naming the candidates of both kinds and why their evidences do not compare, or ``""``.
+    """
+    normalized = {name: layers for name, layers in normalizations.items() if layers}
+    free = [name for name, layers in normalizations.items() if layers is not None and not layers]
+    if not normalized or not free:
+        return ""
+    with_norms = ", ".join(f"{name!r} ({', '.join(layers)})" for name, layers in normalized.items())
+    return (
+        f"select_models cannot compare candidates with normalization layers ({with_norms}) and without "
+        f"({', '.join(map(repr, free))}) by their evidence; the ranking below mixes them all the same. The weights "
+        "that feed a normalization are scale-invariant in training, so the Laplace evidence does not measure their "
+        "posterior volume: in the project's ranking study the BatchNorm ResNets tested as well as the best CNNs and "
+        "every approximation ranked them last, BatchNorms folded or not (docs/selection.md, 'When to trust Step 2'). "
+        "Rank each kind on its own, or compare across kinds on held-out data."
+    )
