@@ -94,6 +94,7 @@ LEARNED: Dict[str, Dict[str, Any]] = {
     "settle=None, F=5, biases learned": {"settle": None, "frequency": 5, "biases": "learn"},
     "settle=None, F=5, unbounded": {"settle": None, "frequency": 5, "max_step": None},
     "settle=None, F=10, unbounded": {"settle": None, "frequency": 10, "max_step": None},
+    "settle=None, F=5, unbounded, MC": {"settle": None, "frequency": 5, "max_step": None, "mc_samples": 1},
     "Algorithm 1": ALGORITHM_1,
 }
 PEER_ARM = "laplace-torch"
