@@ -559,7 +559,7 @@ def assess(module: pl.LightningModule, data: Data, spec: RunSpec, evidence_loade
     ood = ood_inputs(spec.ood, data.image_size)
     with torch.no_grad(), eval_mode(module):
         out.update(_softmax_scores(module(data.x_test).softmax(1), data.y_test, module(ood).softmax(1)))
-    if evidence_loader is not None:
+    if evidence_loader is not None and all(torch.isfinite(p).all() for p in module.parameters()):  # not diverged
         n_data = int(module.prior.n_data)
         evidence = LaplaceEvidence.fit(module, evidence_loader, module.likelihood, module.prior, "kron", "ggn")
         if n_data:  # the MAP loss's N as it was (0: never counted, the module passes its own)

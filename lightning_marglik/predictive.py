@@ -45,7 +45,17 @@ def linearized_outputs(evidence: LaplaceEvidence, model: nn.Module, x: Tensor) -
 
     Returns:
         The output mean and covariance.
+
+    Raises:
+        ValueError: If the evidence is not finite (weights or curvature with NaN or inf, e.g. after a
+            diverged run): there is no posterior to predict with.
     """
+    if not torch.isfinite(evidence.log_marglik().detach()):
+        raise ValueError(
+            "The evidence is not finite at these weights (NaN or inf in the weights or the curvature, e.g. a run "
+            "that diverged): the linearized predictive has no posterior to use. Check the weights, or fit the "
+            "evidence again at finite ones."
+        )
     prior = evidence.prior
     names, _ = locate(model, prior)  # any graph: the Jacobian comes from torch.func
     params = prior.params

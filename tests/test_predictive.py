@@ -103,3 +103,19 @@ def test_predictive_rejects_wrong_likelihood_and_options():
         predict_classification(evc, model, xc, method="mc", samples=0)
     with pytest.raises(TypeError, match="GaussianLikelihood"):
         predict_regression(evc, model, xc)
+
+
+@pytest.mark.parametrize("structure", ["full", "kron", "diag"])
+def test_predictive_of_a_non_finite_evidence_is_refused_with_its_cause(structure):
+    """A diverged run (NaN weights) gives a NaN evidence; predicting with it names that, under every structure
+    (kron's eigen-solve of a NaN factor failed with LAPACK's 'failed to converge' before)."""
+    model = mlp_deep(2).double()
+    x, y = make_data(model, 10, "classification", 2)
+    with torch.no_grad():
+        next(model.parameters())[0, 0] = float("nan")
+    ev = LaplaceEvidence.fit(model, loader(x, y), CategoricalLikelihood(), GaussianPrior(model), structure)
+    for predict in (lambda: predict_classification(ev, model, x), lambda: predict_regression(ev, model, x)):
+        with pytest.raises((ValueError, TypeError), match="not finite|GaussianLikelihood"):
+            predict()
+    with pytest.raises(ValueError, match="evidence is not finite at these weights.*diverged"):
+        predict_classification(ev, model, x)
