@@ -106,7 +106,7 @@ def fit_kron(net: nn.Module, inputs, y: Tensor) -> Tuple[MargLikCallback, Module
     """Two epochs with the kron callback; returns it, the module and the exact-path warnings' text."""
     module = Module(net, int((y != IGNORE).sum()))
     start = module.prior.log_precision.detach().clone()
-    callback = MargLikCallback(structure="kron", steps=5, settle=None)
+    callback = MargLikCallback(structure="kron", steps=5, settle=None, frequency=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer([callback], max_epochs=2).fit(module, DataLoader(batches(inputs, y), batch_size=None))

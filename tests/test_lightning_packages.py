@@ -142,7 +142,7 @@ def _cli_config(package: SimpleNamespace, tmp_path: Path) -> Path:
             "max_epochs": 2, "logger": False, "enable_progress_bar": False, "accelerator": "cpu",
             "default_root_dir": str(tmp_path),
             "callbacks": [
-                {"class_path": f"{prefix}.MargLikCallback", "init_args": {"structure": "diag", "steps": 3, "settle": None}},
+                {"class_path": f"{prefix}.MargLikCallback", "init_args": {"structure": "diag", "steps": 3, "settle": None, "frequency": 1}},
                 {"class_path": f"{prefix}.MargLikCheckpoint", "init_args": {"dirpath": str(tmp_path / "ckpt")}},
             ],
         },

@@ -26,10 +26,10 @@ class _NeverImproves(_zoo.MargLikEarlyStopping):
 @pytest.fixture(scope="module")
 def tiny_run():
     torch.set_num_threads(1)
-    # max_step=None: the fixed point below holds for an unbounded, converged solve only; settle=None: an
+    # max_step=None: the fixed point below holds for an unbounded, converged solve only; frequency=1: an
     # estimate after every epoch
     spec = _zoo.RunSpec("mlp", "digits", seed=0, epochs=3, n_train=120, n_test=60, batch_size=40,
-                        callback={"max_step": None, "settle": None}, checkpoint=True, stopping=1)
+                        callback={"max_step": None, "settle": None, "frequency": 1}, checkpoint=True, stopping=1)
     patch = pytest.MonkeyPatch()
     patch.setattr(_zoo, "MargLikEarlyStopping", _NeverImproves)
     try:

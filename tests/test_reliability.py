@@ -55,7 +55,7 @@ def _fit(callbacks, max_epochs, model=None, data=None, ckpt_path=None, **kwargs)
 
 
 def _quick(**kwargs) -> MargLikCallback:
-    options = dict(structure="diag", approx="ef", steps=5, settle=None)  # Algorithm 1: an estimate every epoch
+    options = dict(structure="diag", approx="ef", steps=5, settle=None, frequency=1)  # an estimate every epoch
     options.update(kwargs)
     return MargLikCallback(**options)
 

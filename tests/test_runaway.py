@@ -65,8 +65,8 @@ def _fit(callback: MargLikCallback, epochs: int) -> list:
 
 
 def test_the_callback_names_each_run_away_tensor_once_per_fit():
-    decoupled = _fit(MargLikCallback(frequency=1, steps=5, settle=None), epochs=3)
+    decoupled = _fit(MargLikCallback(frequency=1, steps=5, settle=None, max_step=1.0), epochs=3)
     assert len(decoupled) == 1  # three estimates, one warning
     assert "counts them as pruned: 0.bias" in decoupled[0]
-    learned = _fit(MargLikCallback(frequency=1, steps=5, settle=None, biases="learn"), epochs=2)
+    learned = _fit(MargLikCallback(frequency=1, steps=5, settle=None, max_step=1.0, biases="learn"), epochs=2)
     assert len(learned) == 1 and "being switched off: 0.bias" in learned[0]

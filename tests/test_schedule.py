@@ -116,8 +116,8 @@ def test_epochs_whose_steps_were_all_skipped_never_settle():
     assert callback.schedule.settled_epoch == -1
 
 
-def test_by_default_training_before_the_loss_settles_is_training_without_the_callback():
-    """The default schedule's promise: until the loss settles the network trains at the declared
+def test_with_settle_training_before_the_loss_settles_is_training_without_the_callback():
+    """The settle schedule's promise: until the loss settles the network trains at the declared
     precision, so a run that never settles ends with the very weights of a run without the callback
     (the set-up check's batch draws no random state from a shuffled loader), and its one estimate
     (after the last epoch) learns the hyperparameters for what comes next."""
@@ -133,7 +133,7 @@ def test_by_default_training_before_the_loss_settles_is_training_without_the_cal
         make_trainer(callbacks, 4).fit(model, DataLoader(regression_data(), batch_size=16, shuffle=True))
         return model
 
-    callback = MargLikCallback()
+    callback = MargLikCallback(settle=0.05, frequency=1)
     with_callback, without = fit([callback]), fit([])
     assert callback.settle == 0.05 and callback.schedule.settled_epoch in (-1, 4)  # not before the last epoch
     assert [row["epoch"] for row in callback.history] == [4]
@@ -141,7 +141,7 @@ def test_by_default_training_before_the_loss_settles_is_training_without_the_cal
         assert torch.equal(with_callback.net.state_dict()[name], value), name
     assert not torch.equal(with_callback.prior.log_precision, without.prior.log_precision)  # learned at the end
     # nor do estimates that change nothing (steps=0) shift the shuffled batch order: their passes draw no random state
-    observer = MargLikCallback(settle=None, steps=0)
+    observer = MargLikCallback(settle=None, frequency=1, steps=0)
     watched = fit([observer])
     assert [row["epoch"] for row in observer.history] == [1, 2, 3, 4]
     for name, value in without.net.state_dict().items():

@@ -258,12 +258,13 @@ class KillAt(pl.Callback):
 
 
 def _job(dirpath, kill_at=None, ckpt_path=None, seed=0):
-    """The README's recipe (settle default, best and last checkpoints, early stopping) on 12 epochs."""
+    """The README's recipe (best and last checkpoints, early stopping) on 12 epochs, with the settle rule (its first
+    estimate comes late, so a kill can come before it)."""
     from lightning_marglik import MargLikCheckpoint, MargLikEarlyStopping
 
     torch.manual_seed(seed)  # a resumed job starts from other random weights: the checkpoint must overwrite them
     model = Regressor()
-    callback = MargLikCallback(frequency=2, steps=20)
+    callback = MargLikCallback(frequency=2, steps=20, settle=0.05, max_step=1.0)
     checkpoint = MargLikCheckpoint(dirpath=dirpath, save_top_k=1, save_last=True)
     stopping = MargLikEarlyStopping(patience=20)
     callbacks = [callback, checkpoint, stopping] + ([KillAt(kill_at)] if kill_at is not None else [])
@@ -306,7 +307,7 @@ def test_last_ckpt_is_written_every_epoch_before_the_first_estimate(tmp_path):
     from lightning_marglik import MargLikCheckpoint
 
     checkpoint = MargLikCheckpoint(dirpath=tmp_path, save_top_k=1, save_last=True)
-    callback = MargLikCallback(frequency=2, steps=5)
+    callback = MargLikCallback(frequency=2, steps=5, settle=0.05)
     with pytest.raises(Killed):
         trainer([callback, checkpoint, KillAt(2)], 12).fit(Regressor(), loader(regression_data()))
     assert callback.history == [] and checkpoint.best_model_path == ""  # no estimate yet, so no best model

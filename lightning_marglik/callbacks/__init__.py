@@ -1,7 +1,7 @@
 """Algorithm 1 of Immer et al. (2021) as Lightning callbacks.
 
-``MargLikCallback`` estimates the evidence once the training loss has settled, after every
-``frequency``-th epoch past ``burnin``, and takes hyperparameter steps; ``MargLikCheckpoint`` and
+``MargLikCallback`` estimates the evidence after every ``frequency``-th epoch past ``burnin`` (or, with
+``settle``, once the training loss has settled), and takes hyperparameter steps; ``MargLikCheckpoint`` and
 ``MargLikEarlyStopping`` act on those estimates only (never on a stale or non-finite value, never
 during burn-in).
 
@@ -45,9 +45,9 @@ PACKAGE = LightningPackage(
 class MargLikCallback(MargLikCallbackCore, Callback):
     """Learn prior precisions, noise and temperature by the Laplace evidence during training.
 
-    Once the training loss has settled (``settle``), after epoch ``e`` (counted from 1) with
-    ``e > burnin`` and ``e % frequency == 0``, and after the last epoch of ``max_epochs``, the
-    callback computes the evidence over the examples one training epoch draws at the current weights, steps the log hyperparameters (``solver``:
+    After epoch ``e`` (counted from 1) with ``e > burnin`` and ``e % frequency == 0`` (by default
+    every 10th epoch, from the start: Algorithm 1 of Immer et al. 2021), and after the last epoch of
+    ``max_epochs``, the callback computes the evidence over the examples one training epoch draws at the current weights, steps the log hyperparameters (``solver``:
     Newton steps until converged, within ``steps`` evaluations, or ``steps`` Adam steps), writes
     them into the ``GaussianPrior`` and ``Likelihood`` registered on the LightningModule, and logs
     ``marglik`` (log evidence per datum, after the update) with every hyperparameter. If training
@@ -93,7 +93,10 @@ class MargLikCallback(MargLikCallbackCore, Callback):
         structure: Curvature structure, ``"kron"``, ``"ekfac"`` (eigenvalue-corrected Kronecker:
             two passes over the evidence data, one process only), ``"diag"`` or ``"full"``.
         approx: ``"ggn"`` or ``"ef"``.
-        frequency: Estimate every ``frequency`` epochs (``F``).
+        frequency: Estimate every ``frequency`` epochs (``F``). Default 10, the paper's setting for
+            large problems: with the exact Kronecker GGN, whose pass costs 3-9 training epochs, a run then
+            costs at most about twice a run without the callback
+            (``benchmarks/results/vs_cross_validation.md``); 1 learns from every epoch at that cost per epoch.
         burnin: Epochs before the first estimate (``B``).
         steps: Adam steps per estimate (``K``), or the Newton solver's evaluation budget.
         lr: Adam learning rate on the log hyperparameters (``gamma``; ``solver="adam"`` only).
@@ -132,8 +135,9 @@ class MargLikCallback(MargLikCallbackCore, Callback):
             estimate at a fraction of the products' cost; it needs a sized training dataloader.
         max_step: Largest change of any learned ``log delta_g`` per estimate (a trust region: a
             factor ``e^max_step``), for Newton and Adam alike (``LaplaceEvidence.optimize``), as the
-            paper's ``K`` Adam steps bound an estimate's move; default 1 (``benchmarks/results/remedies.md``);
-            ``None``: unbounded (each estimate solved to convergence).
+            paper's ``K`` Adam steps bound an estimate's move. Default ``None``: unbounded, each estimate
+            solved to convergence (with every 10th epoch a bound of 1 kept the precisions from where the
+            evidence puts them: ``benchmarks/results/vs_cross_validation.md``).
         biases: Treatment of the biases and normalization parameters (every tensor with at most
             one dimension or named ``*.bias``: :func:`lightning_marglik.hyperparameters.no_decay_names`),
             declared when training starts: ``"decoupled"`` (the evidence learns their precision, their
@@ -147,11 +151,11 @@ class MargLikCallback(MargLikCallbackCore, Callback):
             having fallen (relatively) more than ``settle`` below its first epoch's, changed by at most
             ``settle`` over two epochs (:func:`~lightning_marglik.schedule_rules.loss_has_settled`), then
             every ``frequency``-th epoch (:class:`~lightning_marglik.callbacks.schedule.SettledSchedule`);
-            the last epoch always estimates. Default 0.05: until then the network trains with the
-            prior's declared precision, so the callback cannot cost accuracy against it while the
-            weights are far from a MAP (``benchmarks/results/never_worse.md``); a run whose loss never
-            settles gets one estimate, at its end. ``None``: Algorithm 1 from epoch ``burnin + 1``
-            (the paper's schedule).
+            the last epoch always estimates; until then the network trains with the prior's declared
+            precision. A run whose loss never settles gets one estimate, at its end; under a decaying
+            learning rate the loss keeps falling and it settles late, which threw away the learned prior's
+            gains (``benchmarks/results/vs_cross_validation.md``). Default ``None``: Algorithm 1 from
+            epoch ``burnin + 1`` (the paper's schedule).
         flush_denormals: Flush denormal floats to zero on the CPU for the whole fit (``on_fit_start`` to
             ``teardown``, or an exception), then restore the process's own setting. The weights and Adam
             moments of groups whose precision the evidence raises decay into the denormal range, where

@@ -384,7 +384,7 @@ class MargLikCallbackCore(EstimatorCore):
         self,
         structure: str = "kron",
         approx: str = "ggn",
-        frequency: int = 1,
+        frequency: int = 10,
         burnin: int = 0,
         steps: int = 100,
         lr: float = 0.1,
@@ -396,9 +396,9 @@ class MargLikCallbackCore(EstimatorCore):
         scale_invariant: str = "decoupled",
         statistics: str = "pass",
         statistics_fraction: float = 1.0,
-        max_step: Optional[float] = 1.0,
+        max_step: Optional[float] = None,
         biases: Optional[str] = None,
-        settle: Optional[float] = 0.05,
+        settle: Optional[float] = None,
         flush_denormals: bool = True,
     ) -> None:
         options = CurvatureOptions(structure, approx, mc_samples, backend=backend)
