@@ -7,11 +7,12 @@ issue, and the CNN, Fixup ResNet and BatchNorm ResNet of ``benchmarks/_zoo.py``.
 runs in one process, one after the other (``--networks`` splits the networks over processes):
 
 * ``no callback``: the prior fixed at delta = 1 (the run every ratio divides by);
-* ``defaults``: ``MargLikCallback()``, which flushes denormal floats to zero for the fit;
-* ``defaults, unflushed``: ``MargLikCallback(flush_denormals=False)``, the callback as it was before;
-* ``defaults F=5``: ``MargLikCallback(frequency=5)``;
+* ``defaults``: ``MargLikCallback()`` (an estimate every 10th epoch), which flushes denormal floats to zero for the
+  fit, and the same with ``flush_denormals=False``;
+* ``settle, F=1``: the defaults before issue 32 (``settle=0.05, frequency=1, max_step=1``, the run issue 34
+  measured), flushed and unflushed, and ``settle, F=5`` (``frequency=5``);
 * ``Algorithm 1``: ``MargLikCallback(settle=None, biases="learn", max_step=None, solver="adam", steps=10,
-  lr=0.1)``, an estimate after every epoch;
+  lr=0.1, frequency=1)``, an estimate after every epoch;
 * ``laplace-torch``: ``marglik_training`` with the same settings (kron GGN, its default ASDL backend, F=1, K=10
   Adam steps at 0.1, layerwise prior from 1) on the same network, data and optimizer, against
   ``laplace-torch, no estimate`` (the same call with its first estimate after the last epoch: its training loop
@@ -50,13 +51,16 @@ NAME = "whole_run"
 PENALTY = "penalty"  # the results' key of adam_penalty()
 NETWORKS = ("mlp256", "cnn", "fixup_resnet", "bn_resnet")
 EPOCHS, EDGE = 40, 5  # epochs per run; the early and late epochs compared
-ALGORITHM_1 = {"settle": None, "biases": "learn", "max_step": None, "solver": "adam", "steps": 10, "lr": 0.1}
+ALGORITHM_1 = {"settle": None, "biases": "learn", "max_step": None, "solver": "adam", "steps": 10, "lr": 0.1, "frequency": 1}
 PEER = {"hessian_structure": "kron", "n_hypersteps": 10, "lr_hyp": 0.1}
+SETTLE = {"settle": 0.05, "max_step": 1.0}  # the defaults before issue 32, issue 34's "as shipped"
 ARMS: Dict[str, Dict[str, Any]] = {
     "no callback": {},
     "defaults": {"callback": {}},
     "defaults, unflushed": {"callback": {"flush_denormals": False}},
-    "defaults F=5": {"callback": {"frequency": 5}},
+    "settle, F=1": {"callback": {**SETTLE, "frequency": 1}},
+    "settle, F=1, unflushed": {"callback": {**SETTLE, "frequency": 1, "flush_denormals": False}},
+    "settle, F=5": {"callback": {**SETTLE, "frequency": 5}},
     "Algorithm 1": {"callback": ALGORITHM_1},
     "laplace-torch": {"peer": {**PEER, "marglik_frequency": 1}},
     "laplace-torch, no estimate": {"peer": {**PEER, "marglik_frequency": 10 ** 6}},
@@ -102,7 +106,7 @@ def measure(network: str, quick: bool) -> Dict[str, Any]:
     peer, peer_plain = table["laplace-torch"], table["laplace-torch, no estimate"]
     if peer["error"] is None and peer_plain["error"] is None:
         peer["ratio"] = peer["cpu"] / peer_plain["cpu"]
-        for arm in ("defaults", "Algorithm 1"):
+        for arm in ("defaults", "settle, F=1", "Algorithm 1"):
             table[arm]["vs_peer"] = table[arm]["cpu"] / peer["cpu"]
     return {"table": table, "per_epoch": {arm: run.get("epochs_cpu", []) for arm, run in runs.items()},
             "library": library_state(), "date": now(), "load": load_avg(), "epochs": EPOCHS,
@@ -201,6 +205,19 @@ def markdown(data: Dict[str, Any], command: str) -> str:
                 f"{s.get('estimates', '-')} | {_cell(s.get('pass'))} | {_cell(s.get('vs_peer'))} | "
                 f"{_cell(s['acc'], 4)} | {shown or ('none' if 'denormals' in s else '-')} |")
     lines += ["", "Measured: " + "; ".join(f"{n} {d['date']} (load {d['load']:.1f})" for n, d in networks.items()) + "."]
+    lines += ["", "## Targets (issue 34)", "", "| network | late / early <= 1.3 (flushed arms) | defaults' ratio <= bound | "
+              "defaults <= 0.6 x laplace-torch | Algorithm 1 (its settings) <= 0.6 x laplace-torch |", "|---|---|---|---|---|"]
+    for network, d in networks.items():
+        t = d["table"]
+        flushed = {a: v["late_over_early"] for a, v in t.items() if "late_over_early" in v and "unflushed" not in a}
+        worst = max(flushed, key=flushed.get) if flushed else None
+        late = f"{'met' if flushed[worst] <= 1.3 else 'MISSED'} (worst {flushed[worst]:.2f}, {worst})" if worst else "-"
+        d_row = t["defaults"]
+        bound = (f"{'met' if d_row['ratio'] <= d_row['bound'] else 'MISSED'} ({d_row['ratio']:.2f} <= {d_row['bound']:.2f})"
+                 if "bound" in d_row else "-")
+        peers = [f"{'met' if t[a]['vs_peer'] <= 0.6 else 'MISSED'} ({t[a]['vs_peer']:.2f})" if "vs_peer" in t[a]
+                 else "- (the peer did not run)" for a in ("defaults", "Algorithm 1")]
+        lines.append(f"| {network} | {late} | {bound} | {peers[0]} | {peers[1]} |")
     if PENALTY in data:
         lines += penalty_markdown(data[PENALTY])
     return "\n".join(lines) + "\n"
