@@ -112,3 +112,29 @@ def test_cache_names_ignore_fields_at_their_defaults():
     assert spec.key() == replace(spec, prior="layerwise", trace=True).key()  # defaults: the same run, the same name
     assert spec.key() != replace(spec, prior="scalar").key() != replace(spec, epochs=4).key()
     assert spec.key().startswith("mlp_digits_s0_")
+
+
+def test_augmented_arms_are_scored_against_cross_validation_under_the_same_augmentation():
+    def run(arm, seed):
+        aug, split = arm.startswith("aug "), " cv " in f" {arm} "
+        nll = (2.0 if aug else 1.0) + (0.1 * seed)
+        out = {"cpu_seconds": 1.0, "param_names": ["w"], "log_delta": [0.0], "final": {
+            m: nll for m in study.METRICS}}
+        if split:  # validation NLL lowest at delta = 10 with augmentation, at 0.1 without
+            delta = float(arm.split("delta=")[1])
+            out["validation"] = {"nll": abs(math.log10(delta) - (1 if aug else -1))}
+        return out
+
+    runs = {arm: [run(arm, s) for s in range(2)] for arm in study.arms_of("mnist", "mlp")}
+    plain, augmented = study.analyse_cell(runs), study.analyse_cell(runs, aug=True)
+    assert plain["table"]["cross-validation"]["chosen"] == [0.1, 0.1]
+    assert augmented["table"]["cross-validation"]["chosen"] == [10.0, 10.0]
+    assert augmented["table"]["delta=1"]["nll"] == pytest.approx(2.05)  # the augmented delta = 1 runs
+    assert set(augmented["table"]) >= {f"{arm} (final)" for arm in study.AUGMENTED}
+    assert not any(arm.startswith("aug") for arm in plain["table"])
+    text = study.markdown({("mnist", "mlp"): plain, ("mnist", "mlp" + study.AUGMENTED_SUFFIX): augmented},
+                          ["HEAD abc"], [0, 1], "cmd", [])
+    assert "## mnist / mlp, augmented" in text
+    # a targets table per group: the augmented arms (equal to their cross-validation, ties met) in their own
+    assert "| arm | mnist / mlp | cells meeting all |" in text
+    assert "| arm | mnist / mlp, augmented | cells meeting all |\n|---|---|---|\n| aug defaults, plain evidence (final) | all met | 1 / 1 |" in text
