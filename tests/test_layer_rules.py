@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from lightning_marglik import CategoricalLikelihood, LayerRule, register_layer_rule
-from lightning_marglik.curvature.layers import _RULES, hook_reason, layer_rule
+from lightning_marglik.curvature.layers import _RULES, contributing_rows, hook_reason, layer_rule
 from tests.real_networks import batches
 from tests.reference import graph_problem, hyper, reference_env, rel_err  # noqa: F401 (reference_env: autouse)
 from tests.test_real_networks_reference import check_against_reference, check_same_evidence, fit, hyperparameters
@@ -357,3 +357,18 @@ def test_in_place_operations_after_hooked_layers_change_nothing(structure):
         check_against_reference(ev, graph_problem(twin, x, y, "classification").reference(structure, "ggn"), prior, lik)
     plain_prior, plain_lik = hyperparameters(plain, "classification")
     check_same_evidence(ev, fit(plain, batches(x, y, 8), plain_lik, plain_prior, structure))
+
+
+def test_contributing_rows_are_the_rows_with_a_non_zero_gradient_in_some_column_and_feature():
+    g = torch.zeros(3, 4, 5, 6)  # (factor columns K, examples B, rows R, features)
+    g[2, 0, 1, 5] = 1e-40  # a denormal in the last column and feature still counts
+    g[0, 3, 4, 0] = -2.0
+    g[1, 2, 2, 3] = -0.0  # a negative zero does not
+    g[:, 1, 3] = float("nan")  # nor is a NaN row left out (the evidence then refuses it, naming it)
+    expected = torch.zeros(4, 5, dtype=torch.bool)
+    expected[0, 1] = expected[3, 4] = expected[1, 3] = True
+    assert torch.equal(contributing_rows(g), expected)
+    conv_rows = torch.randn(3, 4, 6, 5).transpose(2, 3)  # a conv layer's rows are a transposed view
+    conv_rows[:, 2, 1] = 0.0
+    assert torch.equal(contributing_rows(conv_rows), torch.ones(4, 5, dtype=torch.bool).index_put_(
+        (torch.tensor([2]), torch.tensor([1])), torch.tensor(False)))
