@@ -667,7 +667,26 @@ def report(results: Dict[str, Dict], optim: Optional[Dict], quick: bool) -> str:
 
 
 FINDINGS = """
-## Missed targets: causes (profiles in the detail tables above; measured 2026-11-30)
+## Missed targets: causes (profiles in the detail tables above)
+
+Measured 2026-12-03 on commit 1acdf3b, beside two other single-threaded jobs (load 3 on 2 cores):
+
+- **CNN kron-ggn exact (10.30 > 6.0; 6.50 on 2026-11-30).** Since then the pass learnt to leave rows without a loss
+  term out of the input factor (`layers.contributing_rows`, for sequence outputs with ignored positions), and its
+  form until 1acdf3b, `|g|.amax` over the transposed conv rows, took 5.1 s of a 12.4 s pass (11.94 epochs on 79ffdf9); with
+  `any()` it takes 2.3 s of 11.0 s. The rest of the gap to 2026-11-30: copies of the non-contiguous conv rows
+  (`reshape` 0.84 s against 0.06 s) and the per-column stacking in `hooks.Recorder.backprop` (1.7 s own time). Left
+  for a later issue: test the rows once per batch on the loss side (which examples/positions carry a loss term)
+  instead of on every layer's `(k, B, R, out)` gradient, and keep the conv rows in their contiguous layout. The
+  peer's KFLR pass on this CNN is 9.60 epochs: ours is 1.07x of it here (0.56x on the MLP).
+- **Transformer, every row (‡).** Since 22aca20 (2026-11-30, after that day's measurement) a layer whose rows do
+  not lead with the batch dimension takes the exact per-example path: the positional `Embedding` of `arange(T)`
+  broadcast over the batch, whose rows the hooks cannot tell apart by example (their per-example sums were wrong
+  for it).
+  That correctness fix is what doubles the transformer's rows (kron-ggn exact 14.45 against 7.74, diag-ef 2.26
+  against 1.37).
+
+Measured 2026-11-30:
 
 - **ResNet kron-ggn MC (2.44 > 2.0).** Half of the pass is `torch.bmm` in `layers._gram`: the
   input factors `A = sum_r a_r a_r^T` of the five 3x3 convolutions, summed over all 14 x 14 output
@@ -732,7 +751,8 @@ kron-ggn exact ratios (7.02, 5.55) are about 25% low (9.1 and 7.2 against the me
   0.1–0.2 s on one thread).
 - Norm layers (BatchNorm on running statistics, LayerNorm) and Embeddings take the layer hooks too
   (exact diagonal for the norms' affine parameters, Kronecker with a diagonal token-count factor
-  for embeddings), so the ResNet and the transformer run without any per-example (torch.func) path.
+  for embeddings), so the ResNet runs without any per-example (torch.func) path; the transformer's positional
+  Embedding of `arange(T)`, shared by the batch, takes it (‡).
 - BackPACK computes the batch gradient in the same backward pass and builds its quantities in its
   own per-module Python extensions; its exact second-order extensions propagate the `C`-column
   square root of the loss Hessian through every layer that way. Our hook backend needs only
