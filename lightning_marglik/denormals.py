@@ -3,8 +3,9 @@
 When the evidence raises a group's prior precision, the MAP loss decays that group's weights, and
 with them Adam's moment estimates, towards zero; below the smallest normal float (1.2e-38 in float32)
 an x86 CPU computes with *denormal* numbers many times more slowly. Every operation that touches them
-slows down, in training as in the evidence pass: a 40-epoch MLP run cost 3.7 times as much CPU in
-its last epochs as in its first (``benchmarks/results/whole_run.md``). Flushing them to zero (the
+slows down, in training as in the evidence pass: one machine measured a 40-epoch MLP run at 3.7 times the
+CPU unflushed (issue 34); on this project's AMD EPYC the penalty is smaller (an Adam step 1.6x at 10 % denormal
+moments) and whole runs cost the same either way (``benchmarks/results/whole_run.md``). Flushing them to zero (the
 CPU's FTZ and DAZ modes, ``torch.set_flush_denormal``) changes a value only where it is smaller than
 the smallest normal float, and so any result by less than the float resolution of each operation.
 
@@ -29,6 +30,8 @@ from types import TracebackType
 from typing import Optional, Type
 
 import torch
+
+from lightning_marglik.validators import flag
 
 __all__ = ["DenormalFlush", "flushing_denormals"]
 
@@ -56,6 +59,9 @@ class DenormalFlush:
     Args:
         enabled: False makes it do nothing (the option that turns the flush off).
 
+    Raises:
+        ValueError: On an ``enabled`` that is not a bool (``"no"`` or ``0`` would read as a condition).
+
     Example:
         >>> flush = DenormalFlush()
         >>> flush.start()
@@ -67,7 +73,7 @@ class DenormalFlush:
     """
 
     def __init__(self, enabled: bool = True) -> None:
-        self.enabled = enabled
+        self.enabled = flag(enabled, "enabled", "of DenormalFlush")
         self._restore: Optional[bool] = None  # the setting found at start, while this flush holds the thread
 
     @property

@@ -93,6 +93,8 @@ def test_flush_denormals_must_be_a_bool():
             MargLikCallback(flush_denormals=bad)
         with pytest.raises(ValueError, match="`flush_denormals` must be True or False"):
             LaplaceEvidence.fit(nn.Linear(1, 1), loader(regression_data()), None, None, flush_denormals=bad)
+        with pytest.raises(ValueError, match="`enabled` must be True or False \\(of DenormalFlush\\)"):
+            DenormalFlush(bad)  # a plain loop's own flush: "false" would otherwise read as True
 
 
 class FailsInEpoch(Regressor):
