@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -79,6 +79,7 @@ class LaplaceEvidence:
         self.structure = stats.options.structure
         self.approx = stats.options.approx
         self.n_data = stats.n_data
+        self.estimator = stats.estimator  # which GGN estimator the pass ran, and why
         require_data(self.n_data, likelihood)
         self.slow = dict(stats.slow)
         stats.prepare()
@@ -100,7 +101,7 @@ class LaplaceEvidence:
         prior: GaussianPrior,
         structure: str = "kron",
         approx: str = "ggn",
-        mc_samples: int = 0,
+        mc_samples: Union[int, str] = "auto",
         generator: Optional[torch.Generator] = None,
         batch_fn: Optional[BatchFn] = None,
         max_memory: int = CurvatureOptions.max_memory,
@@ -117,7 +118,10 @@ class LaplaceEvidence:
             prior: ``GaussianPrior`` over the network's trainable parameters.
             structure: ``"full"``, ``"kron"``, ``"ekfac"`` (reads ``dataloader`` twice) or ``"diag"``.
             approx: ``"ggn"`` (generalized Gauss-Newton) or ``"ef"`` (empirical Fisher).
-            mc_samples: Monte-Carlo samples per example for the GGN; 0 for the exact GGN.
+            mc_samples: Monte-Carlo samples per example for the GGN; 0 for the exact GGN; ``"auto"``
+                (default): exact while it takes at most 10 backward passes per batch (10 classes), one
+                sample beyond, so that the pass's cost does not grow with the number of outputs
+                (:mod:`.curvature.estimator`; which ran and why: :attr:`estimator`).
             generator: Random generator for the Monte-Carlo samples.
             batch_fn: Maps a batch to ``(inputs, targets)``; inputs a tensor, tuple or dict.
             max_memory: Bytes the ``full`` structure may allocate for its ``P x P`` matrices.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -97,6 +97,11 @@ class Likelihood(nn.Module):
         """Factor ``L`` ``(n, C, k)`` of each term's curvature in ``f`` (unit noise and temperature)."""
         raise NotImplementedError
 
+    def term_columns(self, n_outputs: int, approx: str, mc_samples: int) -> int:
+        """Columns ``k`` of :meth:`term_hessian_sqrt` for terms of ``n_outputs`` values (each costs the
+        evidence pass one backward pass): the exact GGN ``C`` or ``C - 1``, Monte-Carlo ``mc_samples``, EF 1."""
+        raise NotImplementedError
+
     def term_statistics(self, output: Tensor, target: Tensor, mask: Tensor) -> Dict[str, Tensor]:
         """Sum-reduced sufficient statistics of the kept terms (integer counts as int64 tensors)."""
         raise NotImplementedError
@@ -137,6 +142,14 @@ class Likelihood(nn.Module):
         stats = self.term_statistics(flat[mask], flat_target[mask], mask)
         stats["n_data"] = mask.sum()
         return stats
+
+    def factor_columns(self, output_shape: Sequence[int], approx: str, mc_samples: int) -> int:
+        """Columns ``K`` of :meth:`hessian_sqrt` for outputs of ``output_shape``: the backward passes the
+        evidence pass takes per batch (``k`` per term, times the positions of ``(B, T, C)`` outputs unless sampled)."""
+        k = self.term_columns(output_shape[-1], approx, mc_samples)
+        if len(output_shape) == 2 or (approx == "ggn" and mc_samples):
+            return k
+        return k * math.prod(output_shape[1:-1])
 
     def hessian_sqrt(
         self, output: Tensor, target: Tensor, approx: str, mc_samples: int, generator: Optional[torch.Generator]
@@ -254,6 +267,9 @@ class GaussianLikelihood(Likelihood):
             return noise / math.sqrt(mc_samples)
         return torch.eye(c, dtype=output.dtype, device=output.device).expand(n, c, c)
 
+    def term_columns(self, n_outputs: int, approx: str, mc_samples: int) -> int:
+        return 1 if approx == "ef" else mc_samples or n_outputs
+
     def curvature_scale(self, approx: str, values: Dict[str, Tensor]) -> Tensor:
         power = 4 if approx == "ef" else 2  # the score carries 1/sigma^2, its outer product 1/sigma^4
         return torch.exp(-power * values["log_sigma"] - values["log_temperature"])
@@ -353,6 +369,9 @@ class CategoricalLikelihood(Likelihood):
             2
         ) * v.unsqueeze(1) / (v * v).sum(1).reshape(-1, 1, 1)
         return sqrt_p.unsqueeze(2) * reflection[:, :, :-1]
+
+    def term_columns(self, n_outputs: int, approx: str, mc_samples: int) -> int:
+        return 1 if approx == "ef" else mc_samples or n_outputs - 1
 
     def curvature_scale(self, approx: str, values: Dict[str, Tensor]) -> Tensor:
         return torch.exp(-values["log_temperature"])

@@ -11,7 +11,9 @@ The set-up check's, the first training batch's and the estimates' evidence passe
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import time
 from typing import Any, Callable, ClassVar, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 import torch
@@ -20,6 +22,7 @@ from torch.utils.data import DataLoader
 
 from ..curvature import CurvatureOptions, check_model, collect_statistics
 from ..curvature.batches import move, split_batch
+from ..curvature.estimator import resolve_mc_samples
 from ..curvature.scale_invariance import training_modes
 from ..denormals import DenormalFlush
 from ..diagnostics import ef_ratio_of, ef_unreliable_message
@@ -39,6 +42,7 @@ from ..hyperparameters import (
 from ..runaway import runaway_message, runaway_precisions
 from ..validators import choice, flag, integer, number, optional
 from . import checks
+from .cost import cost_warning, training_step_seconds
 from .data import count_data, evidence_batches, isolate_rng, named_loader_method
 from .package import MONITOR, LightningModule, LightningPackage, MargLikConfigurationError, Trainer, check_package, find_hyperparameters
 from .prior_in_loss import PriorInLossCheck
@@ -85,8 +89,10 @@ class EstimatorCore:
         dataloader: Union[DataLoader, str, None] = None, flush_denormals: bool = True,
     ) -> None:
         super().__init__()
-        self.options = options
+        # as asked; ``options`` is what runs: mc_samples="auto" is resolved from the outputs at each fit's set-up
+        self.requested_options = self.options = options
         self.structure, self.approx, self.mc_samples = options.structure, options.approx, options.mc_samples
+        self.estimator = ""  # which GGN estimator the estimates run, and why (decided at set-up)
         self.schedule = schedule
         self.burnin = schedule.burnin
         self.lr = number(lr, "lr")
@@ -100,6 +106,7 @@ class EstimatorCore:
         self.prior: Optional[GaussianPrior] = None
         self.likelihood: Optional[Likelihood] = None
         self._setup_plan: Any = None  # the set-up batch's evidence-pass statistics (their structures' layout)
+        self._setup_seconds = 0.0  # wall time of the set-up batch's evidence pass (the cost warning measures by it)
         # the set-up batch's inputs, the modes the scale-invariance analysis assumed (None: Lightning's training
         # modes) and its warning, given at the first training batch once the modes training uses are known
         self._scale_inputs: Any = None
@@ -250,10 +257,14 @@ class EstimatorCore:
         # decided in Lightning's training modes; the first training batch re-checks them (_follow_training_modes)
         self._scale_inputs, self._scale_modes, self._modes_followed = inputs, None, False
         self._scale_note = checks.treat_scale_invariant(pl_module, prior, inputs, self.scale_invariant)
+        mc_samples, self.estimator = resolve_mc_samples(self.requested_options.mc_samples, self.approx, likelihood, output.shape)
+        self.options = dataclasses.replace(self.requested_options, mc_samples=mc_samples)
+        started = time.perf_counter()
         try:  # the evidence pass itself on this batch, exact per-example path included (e.g. what vmap refuses)
             self._setup_plan = self._collect(pl_module, [batch], self.options, torch.Generator().manual_seed(self.seed))
         except (ValueError, RuntimeError) as err:
             raise MargLikConfigurationError(f"MargLikCallback, one evidence batch through the evidence pass: {err}") from err
+        self._setup_seconds = time.perf_counter() - started
         return output
 
     # --- estimates ---------------------------------------------------------------------------
@@ -388,7 +399,7 @@ class MargLikCallbackCore(EstimatorCore):
         burnin: int = 0,
         steps: int = 100,
         lr: float = 0.1,
-        mc_samples: int = 0,
+        mc_samples: Union[int, str] = "auto",
         dataloader: Union[DataLoader, str, None] = None,
         seed: int = 0,
         solver: str = "newton",
@@ -428,7 +439,13 @@ class MargLikCallbackCore(EstimatorCore):
 
     def _check_setup(self, trainer: Trainer, pl_module: LightningModule) -> torch.Tensor:
         output = super()._check_setup(trainer, pl_module)
-        prior, _ = self._hyperparameters()
+        prior, likelihood = self._hyperparameters()
+        message = cost_warning(
+            self.requested_options, self.options, likelihood, prior, output.shape, self.frequency,
+            self._setup_seconds, lambda: training_step_seconds(pl_module, self._scale_inputs, prior.params),
+        )
+        if message:
+            rank_zero_warn(message)
         # declared when training starts, as the scale-invariant treatment: resumes get it again
         if self.biases is not None:
             try:
@@ -491,7 +508,7 @@ class MargLikCallbackCore(EstimatorCore):
         strategy = trainer.strategy
         rank, world = trainer.global_rank, trainer.world_size
         # distinct Monte-Carlo draws on every rank, reproducible for a given (seed, epoch, rank)
-        generator = torch.Generator().manual_seed((self.seed + epoch) * world + rank) if self.mc_samples else None
+        generator = torch.Generator().manual_seed((self.seed + epoch) * world + rank) if self.options.mc_samples else None
         evidence = self._evidence(trainer, pl_module, self.options, generator)
         self.evidence = evidence
         self._record_n_data(evidence.n_data)  # the N of map_loss follows the evidence (e.g. a stream's new masks)

@@ -7,6 +7,7 @@ planned on the first batch (:mod:`.plan`); the structures live in :mod:`.structu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Optional, Tuple
@@ -15,12 +16,16 @@ import torch
 from torch import nn
 
 from ..hyperparameters import GaussianPrior, Likelihood
-from .batches import BatchFn, batch_size, move, split_batch
+from .batches import BatchFn, batch_size, move, slice_batch, split_batch
 from .functional import ExactPath
+from .estimator import resolve_mc_samples
 from .hooks import Recorder, graph_uses
 from .options import APPROXIMATIONS, BACKENDS, STRUCTURES, CurvatureOptions
 from .plan import LayerLayout, Plan, candidates, check_model, locate, make_plan
 from .statistics import BatchCurvature, CurvatureStatistics, LayerPlan, Structure
+
+#: Largest size in bytes of one part of a batch's loss-Hessian factor and output gradients (:func:`_part_size`).
+PART_BYTES = 128 * 2**20
 
 __all__ = [
     "APPROXIMATIONS",
@@ -96,7 +101,8 @@ def collect_statistics(
             ``"ekfac"`` reads ``dataloader`` twice.
         approx: ``"ggn"`` or ``"ef"`` (ignored if ``options`` is given).
         mc_samples: Monte-Carlo samples per example for the GGN, 0 for exact (ignored if ``options`` is given).
-        generator: Random generator for the Monte-Carlo samples.
+        generator: Random generator for the Monte-Carlo samples (default: the global one, or seed 0 where
+            ``mc_samples="auto"`` chose to sample).
         batch_fn: Maps a batch to ``(inputs, targets)``; default: batches are such pairs.
         on_batch: Called with the batch index after every batch (progress).
         options: The curvature options as one object.
@@ -137,44 +143,86 @@ def collect_statistics(
         for pass_index, index, batch in _passes(dataloader, passes, start_pass):
             inputs, target = split_batch(batch, batch_fn)
             inputs, target = move(inputs, device, dtype), target.to(device)
-            output = recorder.forward(inputs)
+            output: Optional[torch.Tensor] = recorder.forward(inputs)
+            assert output is not None
             if plan is None:
+                mc_samples, estimator = resolve_mc_samples(options.mc_samples, options.approx, likelihood, output.shape)
+                if mc_samples and generator is None and options.mc_samples == "auto":  # the same draws every call
+                    generator = torch.Generator().manual_seed(0)
+                options = dataclasses.replace(options, mc_samples=mc_samples)
                 leading = (batch_size(inputs),)
                 layouts = {
                     name: LayerLayout(out.requires_grad, recorder.inputs[name].shape[:1] == out.shape[:1] == leading)
                     for name, out in recorder.outputs.items()
                 }
                 plan = make_plan(prior, owners, options, dict(recorder.counts), graph_uses(output, params), layouts)
-                stats = CurvatureStatistics(options, names, [s.to(device) for s in plan.structures], slow=plan.slow)
+                stats = CurvatureStatistics(
+                    options, names, [s.to(device) for s in plan.structures], slow=plan.slow, estimator=estimator
+                )
                 recorder.keep = {layer.name: layer.module for layer in plan.layers}
                 recorder.strict = True
                 _warn_slow(plan, options)
                 exact_path = ExactPath(
                     model, [names[i] for i in plan.exact], [params[i] for i in plan.exact], list(plan.slow)
                 )
+                part = _part_size(output, recorder, likelihood, options, sum(prior.param_sizes[i] for i in plan.exact))
             assert stats is not None
-            if pass_index == 0:
-                stats.add_likelihood(likelihood.statistics(output.detach(), target))
-            factor = likelihood.hessian_sqrt(output, target, options.approx, options.mc_samples, generator)
-            grads = recorder.backprop(output, factor) if plan.layers else {}
-            rows = None
-            if plan.exact and pass_index == 0:
-                with torch.no_grad():  # the rest of the network enters as constants: no graph to keep
-                    rows = exact_path.rows(inputs, factor)
-                rows = rows.detach().to(compute)
-            layers = [
-                (layer, _cast(recorder.inputs[layer.name], compute), grads[layer.name].to(compute))
-                for layer in plan.layers
-            ]
-            batch_curvature = BatchCurvature(layers, rows)
-            for structure_ in stats.structures:
-                if pass_index < structure_.passes:
-                    structure_.accumulate(batch_curvature)
+            size = batch_size(inputs)
+            if part < size:
+                output = None  # its graph is not needed: every part runs its own forward
+            for start in range(0, size, part):
+                if output is None:
+                    sub_inputs, sub_target = slice_batch(inputs, start, start + part), target[start : start + part]
+                    sub_output = recorder.forward(sub_inputs)
+                else:
+                    sub_inputs, sub_target, sub_output = inputs, target, output
+                _accumulate(stats, plan, recorder, exact_path, likelihood, options, generator, pass_index,
+                            sub_inputs, sub_target, sub_output, compute)
             if on_batch is not None and pass_index == 0:
                 on_batch(index)
     if stats is None:
         raise ValueError("The data loader yielded no batches.")
     return stats
+
+
+def _accumulate(
+    stats: CurvatureStatistics, plan: Plan, recorder: Recorder, exact_path: ExactPath, likelihood: Likelihood,
+    options: CurvatureOptions, generator: Optional[torch.Generator], pass_index: int, inputs: Any,
+    target: torch.Tensor, output: torch.Tensor, compute: torch.dtype,
+) -> None:
+    """Add one (part of a) batch, forwarded by ``recorder``, to the statistics of pass ``pass_index``."""
+    if pass_index == 0:
+        stats.add_likelihood(likelihood.statistics(output.detach(), target))
+    factor = likelihood.hessian_sqrt(output, target, options.approx, options.mc_samples, generator)
+    grads = recorder.backprop(output, factor) if plan.layers else {}
+    rows = None
+    if plan.exact and pass_index == 0:
+        with torch.no_grad():  # the rest of the network enters as constants: no graph to keep
+            rows = exact_path.rows(inputs, factor)
+        rows = rows.detach().to(compute)
+    layers = [
+        (layer, _cast(recorder.inputs[layer.name], compute), grads[layer.name].to(compute))
+        for layer in plan.layers
+    ]
+    batch_curvature = BatchCurvature(layers, rows)
+    for structure_ in stats.structures:
+        if pass_index < structure_.passes:
+            structure_.accumulate(batch_curvature)
+
+
+def _part_size(
+    output: torch.Tensor, recorder: Recorder, likelihood: Likelihood, options: CurvatureOptions, exact_size: int
+) -> int:
+    """Examples per part of a batch, so that one part's factor and output gradients (``K`` columns each)
+    take at most :data:`PART_BYTES`: with the exact GGN at ``C = 1000`` a batch of 128 would otherwise hold
+    128 x 999 gradients of every layer's output at once. Parts are sums over examples like batches: the
+    statistics are the same."""
+    size = output.shape[0]
+    columns = likelihood.factor_columns(output.shape, options.approx, int(options.mc_samples))
+    per_column = 8 * output[0].numel() + sum(
+        out[0].numel() * out.element_size() for name, out in recorder.outputs.items() if name in recorder.keep
+    ) + exact_size * output.element_size()
+    return max(1, min(size, PART_BYTES // max(columns * per_column, 1)))
 
 
 def _passes(

@@ -11,6 +11,7 @@ global generator. Everything else is refused with the reason; the default hook b
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -19,6 +20,7 @@ from torch import nn
 
 from ..hyperparameters import CategoricalLikelihood, GaussianLikelihood, GaussianPrior, Likelihood
 from .batches import BatchFn, call_model, move, split_batch
+from .estimator import resolve_mc_samples
 from .options import CurvatureOptions
 from .plan import locate
 from .statistics import CurvatureStatistics, LayerPlan, Structure
@@ -95,7 +97,6 @@ def backpack_statistics(
     loss_fn = extend(nn.MSELoss(reduction="sum") if gaussian else nn.CrossEntropyLoss(reduction="sum"))
     copy_ = extend(copy.deepcopy(net))
     params = dict(copy_.named_parameters())
-    extension, field = _extension(options)
     sizes = prior.param_sizes
     everything = list(range(len(sizes)))
     layers: Dict[str, LayerPlan] = {}
@@ -107,7 +108,7 @@ def backpack_statistics(
     else:
         structure = KronStructure(everything, sizes, list(layers.values()))
     device, dtype = prior.params[0].device, prior.params[0].dtype
-    stats = CurvatureStatistics(options, names, [structure.to(device)])
+    stats: Optional[CurvatureStatistics] = None
     for batch_index, batch in enumerate(dataloader):
         inputs, target = split_batch(batch, batch_fn)
         inputs, target = move(inputs, device, dtype), target.to(device)
@@ -119,6 +120,11 @@ def backpack_statistics(
                                      "computes something else; use backend='hooks'.")
         if output.dim() != 2:
             raise ValueError(f"backend='backpack' needs outputs (batch, outputs), got {tuple(output.shape)}; use backend='hooks'.")
+        if stats is None:  # mc_samples='auto' is decided by the output size
+            mc_samples, estimator = resolve_mc_samples(options.mc_samples, options.approx, likelihood, output.shape)
+            options = dataclasses.replace(options, mc_samples=mc_samples)
+            extension, field = _extension(options)
+            stats = CurvatureStatistics(options, names, [structure.to(device)], estimator=estimator)
         stats.add_likelihood(likelihood.statistics(output.detach(), target))
         checked = likelihood.check_target(output, target)
         with backpack(extension), warnings.catch_warnings():
@@ -141,6 +147,6 @@ def backpack_statistics(
             p.grad = None
         if on_batch is not None:
             on_batch(batch_index)
-    if not stats.likelihood:
+    if stats is None:
         raise ValueError("The data loader yielded no batches.")
     return stats

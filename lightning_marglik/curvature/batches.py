@@ -119,6 +119,21 @@ def batch_dims(inputs: Any, size: int) -> Any:
     return None
 
 
+def slice_batch(inputs: Inputs, start: int, stop: int) -> Inputs:
+    """Examples ``start:stop`` of ``inputs``: every tensor leading with the batch dimension is sliced,
+    values shared by the batch (as :func:`batch_dims` tells them) are passed on as they are."""
+    size = batch_size(inputs)
+
+    def take(value: Any, dims: Any) -> Any:
+        if isinstance(value, tuple):
+            return tuple(take(v, d) for v, d in zip(value, dims))
+        if isinstance(value, dict):
+            return {k: take(v, dims[k]) for k, v in value.items()}
+        return value[start:stop] if dims == 0 else value
+
+    return take(inputs, batch_dims(inputs, size))
+
+
 @dataclass(frozen=True)
 class ModelBatch:
     """Split and moved model inputs, normalized once for the per-example path.

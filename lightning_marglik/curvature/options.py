@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Tuple
+from typing import Any, Tuple, Union
 
 from ..validators import choice, integer
 
@@ -36,7 +36,9 @@ class CurvatureOptions:
             eigenvalues replaced by the exact second moments in their eigenbasis, George et al.
             2018; two passes over the data, see :mod:`.structures.ekfac`), ``"diag"`` or ``"full"``.
         approx: ``"ggn"`` (generalized Gauss-Newton) or ``"ef"`` (empirical Fisher).
-        mc_samples: Monte-Carlo samples per example for the GGN; 0 for the exact GGN.
+        mc_samples: Monte-Carlo samples per example for the GGN; 0 for the exact GGN; ``"auto"``:
+            exact while the exact GGN takes few backward passes per batch, else sampled
+            (:mod:`.estimator`; resolved on an evidence pass's first batch).
         max_memory: Largest size in bytes the ``full`` structure may allocate for its ``P x P``
             matrices (the Gram matrix and its factorisation).
         backend: ``"hooks"`` (ours: any network) or ``"backpack"`` (optional extra; Sequential
@@ -57,7 +59,7 @@ class CurvatureOptions:
 
     structure: str = "kron"
     approx: str = "ggn"
-    mc_samples: int = 0
+    mc_samples: Union[int, str] = 0
     max_memory: int = 4 * 2**30
     backend: str = "hooks"
 
@@ -65,8 +67,11 @@ class CurvatureOptions:
         # canonical spellings ("KRON" -> "kron"): the frozen dataclass takes them through object.__setattr__
         object.__setattr__(self, "structure", choice(self.structure, _structures(), "structure"))
         object.__setattr__(self, "approx", choice(self.approx, APPROXIMATIONS, "approx"))
-        integer(self.mc_samples, "mc_samples", minimum=0, what="0 = exact GGN")
-        if self.mc_samples and self.approx != "ggn":
+        if isinstance(self.mc_samples, str):
+            object.__setattr__(self, "mc_samples", choice(self.mc_samples, ("auto",), "mc_samples"))
+        else:
+            integer(self.mc_samples, "mc_samples", minimum=0, what="0 = exact GGN, or 'auto'")
+        if self.mc_samples and self.mc_samples != "auto" and self.approx != "ggn":
             raise ValueError(f"`mc_samples` applies to approx='ggn' only, got approx={self.approx!r}.")
         object.__setattr__(self, "backend", choice(self.backend, BACKENDS, "backend"))
         integer(self.max_memory, "max_memory", minimum=1, what="a number of bytes")

@@ -246,6 +246,7 @@ class CurvatureStatistics:
         structures: The structures covering the prior's tensors (disjoint).
         likelihood: The likelihood's summed statistics (float64; counts int64), with ``n_data``.
         slow: Modules on the exact per-example path, with the reason.
+        estimator: Which GGN estimator ran and why (:func:`.estimator.resolve_mc_samples`).
     """
 
     options: CurvatureOptions
@@ -253,6 +254,7 @@ class CurvatureStatistics:
     structures: List[Structure]
     likelihood: Dict[str, Tensor] = field(default_factory=dict)
     slow: Dict[str, str] = field(default_factory=dict)
+    estimator: str = ""
 
     @property
     def n_data(self) -> int:

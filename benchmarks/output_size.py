@@ -1,0 +1,328 @@
+"""Any number of outputs at a bounded cost (issue 39): what one estimate costs, in training epochs and
+peak memory, as the number of outputs grows, and how close the sampled GGN's learned precisions are
+to the exact GGN's where that is still affordable.
+
+Parts (each in a fresh process, so that its peak memory is its own; ``--parts`` selects):
+
+* ``crossover``: the exact and the one-sample Monte-Carlo GGN's estimate, in training epochs, for
+  an MLP 256-512-512-C at C in {3, 6, 11, 21, 51}, N = 2,048: where the exact GGN's cost overtakes.
+* ``mlp-C`` for C in {10, 100, 1000, 10000}: MLP 256-512-512-C, N = 8,000, batch 128: one training
+  epoch (Adam on ``map_loss``) and one estimate at the defaults (``mc_samples="auto"``, kron, Newton),
+  process CPU, and the process's peak RSS after training and after the estimate; at C <= 1000 the
+  exact GGN's estimate too (in its own process).
+* ``cnn-100``: a CNN (conv 16, conv 32, linear) on 3x16x16 images, 100 classes, N = 8,000.
+* ``gpt2`` and ``gpt2-lora``: a GPT-2 LM built from a config (vocabulary 8,192, 2 layers, 32 wide), 256
+  sequences of 32 tokens (a quarter padded with -100 from position 24), and the same with a peft LoRA
+  adapter (rank 4 on ``c_attn``).
+* ``quality-C`` for C in {10, 100}: whole runs (30 epochs, ``MargLikCallback`` defaults: an estimate
+  every 10th epoch) with the default estimator and with ``mc_samples=0``, on a teacher network's labels:
+  learned log precisions, final ``marglik`` and test NLL.
+
+Whole-run ratios at the defaults are computed from the measured parts: 40 epochs with 4 estimates,
+``(40 t_epoch + 4 t_estimate) / (40 t_epoch)``.
+
+Run: ``python benchmarks/output_size.py`` (about 25 min on one thread), or ``--parts mlp-1000 gpt2``.
+Results: ``benchmarks/results/output_size.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import warnings
+from typing import Any, Callable, Dict, List, Tuple
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+
+from _common import RESULTS, cpu_name, hand_written, load_avg, now, read_data, timed, write_with_data  # noqa: E402
+
+PARTS = ["crossover", "mlp-10", "mlp-100", "mlp-1000", "mlp-10000", "cnn-100", "gpt2", "gpt2-lora", "quality-10",
+         "quality-100"]
+RESULT = RESULTS / "output_size.md"
+EPOCHS, ESTIMATES = 40, 4  # the whole-run ratio's run: an estimate every 10th epoch
+
+
+def peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# --- models and data --------------------------------------------------------------------------
+
+
+def teacher_data(n: int, classes: int, seed: int = 0):
+    import torch
+    from torch import nn
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 256, generator=g)
+    teacher = nn.Sequential(nn.Linear(256, 64), nn.Tanh(), nn.Linear(64, classes))
+    torch.manual_seed(seed + 100)
+    teacher.apply(lambda m: isinstance(m, nn.Linear) and nn.init.normal_(m.weight, std=1.5 / m.in_features ** 0.5))
+    with torch.no_grad():
+        y = torch.distributions.Categorical(logits=3 * teacher(x)).sample()
+    return x, y
+
+
+def mlp(classes: int):
+    from torch import nn
+
+    return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, classes))
+
+
+def cnn(classes: int):
+    from torch import nn
+
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(16, 32, 3, padding=1),
+                         nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 16, classes))
+
+
+def gpt2(lora: bool):
+    """A GPT-2 LM built from a config, as a module returning logits ``(B, T, V)``, with next-token data."""
+    import torch
+    import transformers
+    from torch import nn
+
+    config = transformers.GPT2Config(vocab_size=8192, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+                                      eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    if lora:
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
+
+    class LM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids=tokens).logits
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 8192, (256, 33), generator=g)
+    labels = tokens[:, 1:].clone()
+    labels[::4, 24:] = -100
+    return LM(), tokens[:, :-1].contiguous(), labels
+
+
+# --- one part ---------------------------------------------------------------------------------
+
+
+def _epoch(net, loader, likelihood, prior, optimizer) -> Callable[[], None]:
+    from lightning_marglik import map_loss
+
+    def run() -> None:
+        for xb, yb in loader:
+            optimizer.zero_grad()
+            map_loss(net(xb), yb, likelihood, prior).backward()
+            optimizer.step()
+
+    return run
+
+
+def cost(net, x, y, batch_size: int, mc_samples: Any, epochs: int = 1) -> Dict[str, Any]:
+    """One training epoch and one estimate, process CPU and peak RSS."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_marglik import CategoricalLikelihood, GaussianPrior, LaplaceEvidence
+
+    loader = DataLoader(TensorDataset(x, y), batch_size=batch_size)
+    likelihood = CategoricalLikelihood()
+    prior = GaussianPrior(net)
+    prior.record_n_data(int((y != -100).sum()))
+    params = [p for p in net.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(params, lr=1e-3)
+    run = _epoch(net, loader, likelihood, prior, optimizer)
+    before = peak_mb()
+    epoch_cpu = min(timed(run)[0] for _ in range(epochs))
+    trained = peak_mb()
+
+    def estimate():
+        evidence = LaplaceEvidence.fit(net, loader, likelihood, prior, mc_samples=mc_samples,
+                                       generator=torch.Generator().manual_seed(0))
+        evidence.set_hyperparameters(evidence.optimize(solver="newton").values)
+        return evidence
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the exact-path notes of tied and positional embeddings
+        estimate_cpu, _, evidence = timed(estimate)
+    return {
+        "epoch_cpu": epoch_cpu, "estimate_cpu": estimate_cpu, "epochs_per_estimate": estimate_cpu / epoch_cpu,
+        "run_ratio": (EPOCHS * epoch_cpu + ESTIMATES * estimate_cpu) / (EPOCHS * epoch_cpu),
+        "peak_before_mb": before, "peak_training_mb": trained, "peak_estimate_mb": peak_mb(),
+        "memory_ratio": peak_mb() / trained, "estimator": evidence.estimator, "n_params": sum(p.numel() for p in params),
+    }
+
+
+def quality(classes: int) -> Dict[str, Any]:
+    """Whole runs with the default estimator and the exact GGN: log precisions, marglik, test NLL."""
+    import pytorch_lightning as pl
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_marglik import CategoricalLikelihood, GaussianPrior, MargLikCallback, map_loss
+    from lightning_marglik.selection import quiet_lightning
+
+    x, y = teacher_data(10_000, classes)
+    train, test = (x[:8000], y[:8000]), (x[8000:], y[8000:])
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(1)
+            self.net = mlp(classes)
+            self.prior = GaussianPrior(self.net)
+            self.likelihood = CategoricalLikelihood()
+
+        def forward(self, inputs):
+            return self.net(inputs)
+
+        def training_step(self, batch, batch_idx):
+            return map_loss(self(batch[0]), batch[1], self.likelihood, self.prior)
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.net.parameters(), lr=1e-3)
+
+    out = {}
+    for arm, mc in (("default", "auto"), ("exact", 0)):
+        module = Module()
+        callback = MargLikCallback(mc_samples=mc)
+        quiet_lightning()
+        trainer = pl.Trainer(max_epochs=30, callbacks=[callback], logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+        g = torch.Generator().manual_seed(2)
+        cpu = timed(lambda: trainer.fit(module, DataLoader(TensorDataset(*train), batch_size=128, shuffle=True,
+                                                            generator=g)))[0]
+        with torch.no_grad():
+            nll = nn.functional.cross_entropy(module(test[0]), test[1]).item()
+        out[arm] = {"log_precision": dict(zip(module.prior.param_names, module.prior.log_precision.tolist())),
+                    "marglik": callback.final_marglik, "test_nll": nll, "estimator": callback.estimator, "cpu": cpu}
+    diffs = [abs(out["default"]["log_precision"][k] - out["exact"]["log_precision"][k]) for k in out["exact"]["log_precision"]]
+    out["max_log_precision_diff"] = max(diffs)
+    out["nll_diff"] = out["default"]["test_nll"] - out["exact"]["test_nll"]
+    return out
+
+
+def run_part(part: str) -> Dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(1)
+    kind, _, size = part.partition("-")
+    if kind == "crossover":
+        rows = {}
+        for classes in (3, 6, 11, 21, 51):
+            x, y = teacher_data(2048, classes)
+            for mc in (0, 1):
+                torch.manual_seed(0)
+                rows[f"{classes}/{mc}"] = cost(mlp(classes), x, y, 128, mc)
+        return rows
+    if kind in ("mlp", "cnn"):
+        classes = int(size)
+        if kind == "mlp":
+            x, y = teacher_data(8000, classes)
+        else:
+            g = torch.Generator().manual_seed(0)
+            x, y = torch.randn(8000, 3, 16, 16, generator=g), torch.randint(0, classes, (8000,), generator=g)
+        torch.manual_seed(0)
+        return cost((mlp if kind == "mlp" else cnn)(classes), x, y, 128, "auto")
+    if kind == "exact":  # exact-mlp-C, run as its own process by main()
+        classes = int(size.rsplit("-", 1)[1])
+        x, y = teacher_data(8000, classes)
+        torch.manual_seed(0)
+        return cost(mlp(classes), x, y, 128, 0)
+    if kind == "gpt2":
+        net, tokens, labels = gpt2(lora=size == "lora")
+        return cost(net, tokens, labels, 32, "auto")
+    if kind == "quality":
+        return quality(int(size))
+    raise ValueError(part)
+
+
+def in_process(part: str) -> Dict[str, Any]:
+    done = subprocess.run([sys.executable, __file__, "--one", part], capture_output=True, text=True)
+    if done.returncode:
+        return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# --- the results file --------------------------------------------------------------------------
+
+
+def _cost_row(name: str, r: Dict[str, Any], exact: Dict[str, Any]) -> str:
+    if "error" in r:
+        return f"| {name} | error: {r['error']} | | | | | |"
+    ex = f"{exact['epochs_per_estimate']:.1f}" if exact and "error" not in exact else ("error" if exact else "–")
+    return (f"| {name} | {r['n_params']:,} | {r['epoch_cpu']:.2f} | {r['epochs_per_estimate']:.2f} | {ex} | "
+            f"{r['run_ratio']:.2f} | {r['peak_training_mb']:.0f} / {r['peak_estimate_mb']:.0f} ({r['memory_ratio']:.2f}) | "
+            f"{r['estimator']} |")
+
+
+def render(data: Dict[str, Any]) -> str:
+    lines = ["# One estimate's cost against the number of outputs (issue 39)", "",
+             "Generated by `python benchmarks/output_size.py`; process CPU, one thread. "
+             f"Library: {data.get('library', '?')}; {data.get('machine', '?')}, measured {data.get('date', '?')} "
+             f"at load {data.get('load', float('nan')):.1f}.", "",
+             "## Cost and memory at the defaults", "",
+             "| network | parameters | epoch CPU s | estimate / epoch (default) | estimate / epoch (exact GGN) | "
+             "whole run / no callback (40 epochs, 4 estimates) | peak MB training / estimate (ratio) | estimator |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    parts = data.get("parts", {})
+    for part in ("mlp-10", "mlp-100", "mlp-1000", "mlp-10000", "cnn-100", "gpt2", "gpt2-lora"):
+        if part in parts:
+            lines.append(_cost_row(part, parts[part], parts.get(f"exact-{part}")))
+    if "crossover" in parts:
+        lines += ["", "## Crossover: the exact against the one-sample GGN (MLP 256-512-512-C, N = 2,048)", "",
+                  "| classes C | exact: columns | exact estimate / epoch | MC(1) estimate / epoch |", "|---:|---:|---:|---:|"]
+        rows = parts["crossover"]
+        for classes in (3, 6, 11, 21, 51):
+            exact, sampled = rows.get(f"{classes}/0", {}), rows.get(f"{classes}/1", {})
+            if exact and sampled:
+                lines.append(f"| {classes} | {classes - 1} | {exact['epochs_per_estimate']:.2f} | "
+                             f"{sampled['epochs_per_estimate']:.2f} |")
+    quality_rows = [p for p in ("quality-10", "quality-100") if p in parts]
+    if quality_rows:
+        lines += ["", "## Quality: whole runs, the default estimator against the exact GGN (30 epochs, N = 8,000)", "",
+                  "| classes | default estimator | max abs diff of learned log δ | marglik default / exact | "
+                  "test NLL default / exact (diff) |", "|---:|---|---:|---:|---:|"]
+        for part in quality_rows:
+            q = parts[part]
+            if "error" in q:
+                lines.append(f"| {part} | error: {q['error']} | | | |")
+                continue
+            lines.append(f"| {part.split('-')[1]} | {q['default']['estimator']} | {q['max_log_precision_diff']:.3f} | "
+                         f"{q['default']['marglik']:.4f} / {q['exact']['marglik']:.4f} | "
+                         f"{q['default']['test_nll']:.4f} / {q['exact']['test_nll']:.4f} ({q['nll_diff']:+.4f}) |")
+    return "\n".join(lines) + "\n\n" + hand_written(RESULT)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS)
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(run_part(args.one)))
+        return
+    from common import library_state
+
+    data = read_data(RESULT)
+    data.setdefault("parts", {})
+    data.update(library=library_state(), machine=cpu_name(), date=now(), load=load_avg())
+    for part in args.parts:
+        names = [part] + ([f"exact-{part}"] if part in ("mlp-10", "mlp-100", "mlp-1000") else [])
+        for name in names:
+            print(f"{name} ...", flush=True)
+            data["parts"][name] = in_process(name)
+            print(f"  {data['parts'][name]}", flush=True)
+            write_with_data(RESULT, render(data), data)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Which GGN estimator an evidence pass runs, chosen from the output size (``mc_samples="auto"``).
+
+The exact GGN takes one backward pass per column of the loss-Hessian factor: ``C - 1`` for ``C``
+classes, ``C`` for ``C`` regression outputs, and ``T`` times that for ``(B, T, C)`` outputs (token
+models), while a training step takes one. Its cost therefore grows with the number of outputs; the
+Monte-Carlo GGN (``mc_samples=k``: ``k`` sampled columns, the GGN in expectation) does not.
+``"auto"`` keeps the exact GGN while it needs at most :data:`EXACT_COLUMNS` columns (10 classes:
+9) and samples :data:`AUTO_MC_SAMPLES` column beyond. ``benchmarks/output_size.py`` measures the
+crossover (an exact estimate's cost in training epochs as the columns grow) and how close one sample's
+learned precisions and test NLL come to the exact GGN's where that is still affordable
+(``benchmarks/results/output_size.md``).
+
+Example:
+    >>> from lightning_marglik import CategoricalLikelihood
+    >>> resolve_mc_samples("auto", "ggn", CategoricalLikelihood(), (32, 10))
+    (0, 'auto: the exact GGN (9 backward passes per batch, at most 10)')
+    >>> resolve_mc_samples("auto", "ggn", CategoricalLikelihood(), (32, 1000))[0]
+    1
+"""
+from __future__ import annotations
+
+from typing import Sequence, Tuple, Union
+
+from ..likelihoods import Likelihood
+
+__all__ = ["AUTO", "AUTO_MC_SAMPLES", "EXACT_COLUMNS", "resolve_mc_samples"]
+
+AUTO = "auto"
+#: Most backward passes per batch (factor columns) ``"auto"`` gives the exact GGN.
+EXACT_COLUMNS = 10
+#: Monte-Carlo samples ``"auto"`` takes beyond :data:`EXACT_COLUMNS`.
+AUTO_MC_SAMPLES = 1
+
+
+def resolve_mc_samples(
+    mc_samples: Union[int, str], approx: str, likelihood: Likelihood, output_shape: Sequence[int]
+) -> Tuple[int, str]:
+    """The Monte-Carlo sample count an evidence pass runs (0: exact), and why.
+
+    Args:
+        mc_samples: The requested count, or ``"auto"``.
+        approx: ``"ggn"`` or ``"ef"`` (the EF has one column whatever the output size).
+        likelihood: Counts the factor's columns (:meth:`~lightning_marglik.likelihoods.Likelihood.factor_columns`).
+        output_shape: Shape of one batch's network outputs ``(B, ..., C)``.
+
+    Returns:
+        ``(mc_samples, reason)``: the count (0 for the exact GGN) and a sentence for the record.
+    """
+    if mc_samples != AUTO:
+        what = "the exact GGN" if not mc_samples else f"the Monte-Carlo GGN ({mc_samples} samples)"
+        return int(mc_samples), f"as set: {what}" if approx == "ggn" else "as set: the empirical Fisher"
+    if approx != "ggn":
+        return 0, "auto: the empirical Fisher (one backward pass per batch)"
+    columns = likelihood.factor_columns(output_shape, approx, 0)
+    if columns <= EXACT_COLUMNS:
+        return 0, f"auto: the exact GGN ({columns} backward passes per batch, at most {EXACT_COLUMNS})"
+    return AUTO_MC_SAMPLES, (
+        f"auto: the Monte-Carlo GGN ({AUTO_MC_SAMPLES} sample) as the exact GGN would take {columns} backward passes "
+        f"per batch (more than {EXACT_COLUMNS}; outputs {tuple(output_shape[1:])})"
+    )
