@@ -1,5 +1,6 @@
 """Networks, data and one traced training run, shared by the issue-23 benchmarks
-(``runaway_mechanism.py``, ``remedies.py``, ``never_worse.py``).
+(``investigations/runaway_mechanism.py``, ``investigations/remedies.py``, ``never_worse.py``),
+and the harness a new study imports (with ``_common.py``): networks, data, cached runs in shards, provenance.
 
 Networks (``build``): the ranking study's MLP, plain CNN and BatchNorm ResNet
 (``examples/ranking_study.py``), a Fixup ResNet of the same shape (Zhang et al. 2019: a scalar bias

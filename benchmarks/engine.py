@@ -672,7 +672,7 @@ FINDINGS = """
 Measured 2026-12-03 on commit 1acdf3b, beside two other single-threaded jobs (load 3 on 2 cores):
 
 - **CNN kron-ggn exact (10.30 > 6.0; 6.50 on 2026-11-30).** Since then the pass learnt to leave rows without a loss
-  term out of the input factor (`layers.contributing_rows`, for sequence outputs with ignored positions), and its
+  term out of the input factor (`rows.contributing_rows`, for sequence outputs with ignored positions), and its
   form until 1acdf3b, `|g|.amax` over the transposed conv rows, took 5.1 s of a 12.4 s pass (11.94 epochs on 79ffdf9); with
   `any()` it takes 2.3 s of 11.0 s. The rest of the gap to 2026-11-30: copies of the non-contiguous conv rows
   (`reshape` 0.84 s against 0.06 s) and the per-column stacking in `hooks.Recorder.backprop` (1.7 s own time). Left
@@ -688,7 +688,7 @@ Measured 2026-12-03 on commit 1acdf3b, beside two other single-threaded jobs (lo
 
 Measured 2026-11-30:
 
-- **ResNet kron-ggn MC (2.44 > 2.0).** Half of the pass is `torch.bmm` in `layers._gram`: the
+- **ResNet kron-ggn MC (2.44 > 2.0).** Half of the pass is `torch.bmm` in `rows.gram`: the
   input factors `A = sum_r a_r a_r^T` of the five 3x3 convolutions, summed over all 14 x 14 output
   positions (1.26 s of a 2.40 s profiled pass). With 16 -> 16 channels a patch has `d = 144`
   features against 16 outputs, so `A` costs `R d^2` per example against `R d C_out` for the
@@ -698,7 +698,7 @@ Measured 2026-11-30:
   changes, not made here): for stride-1 convolutions, `A` from the shifted cross-correlations
   of the input channels (`(2k-1)^2 = 25` shifts of `C_in x C_in` sums over the map instead of
   `k^4 = 81` blocks, with boundary corrections), 3x fewer FLOPs for the same exact expand factor;
-  the one-product form of `_gram` (1.3x in the microbenchmark); or the KFAC-reduce convention
+  the one-product form of `gram` (1.3x in the microbenchmark); or the KFAC-reduce convention
   (a different approximation). The EF/MC diagonal (diag-ef 1.38) meets its target.
 - **CNN kron-ggn exact (6.50 > 6.0).** `hooks.Recorder.backprop` allocates a fresh
   `(k, B, *out)` buffer per hooked layer and batch with `new_zeros` (k = C - 1 = 9): 1.33 s of
@@ -710,7 +710,7 @@ Measured 2026-11-30:
   For `k = 1` (EF, MC) the copy is not needed at all: the single gradient can be used as
   `g.unsqueeze(0)`.
 - **MLP kron-ggn MC (2.58 > 2.5; 1.77 in the previous run, whose epoch took 0.43 s instead of
-  0.18 s).** Profile of one pass (0.47 s): `_gram` 0.20 s (the first layer's 784 x 784 input factor
+  0.18 s).** Profile of one pass (0.47 s): `gram` 0.20 s (the first layer's 784 x 784 input factor
   alone is 2 x 256 x 784^2 FLOPs per batch, about the whole training step's cost), the nine
   `eigvalsh` of the factors 0.07 s, float64 conversions of the per-batch sums 0.045 s, the
   forward 0.07 s, the backward 0.02 s. The first layer's input factor depends on the data only

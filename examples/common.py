@@ -17,7 +17,7 @@ import os
 import sys
 import time
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pytorch_lightning as pl
 import torch
@@ -36,24 +36,17 @@ RESULTS = os.path.join(ROOT, "examples", "results")  # committed: rewritten only
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU}
 
 
-class _MLP(pl.LightningModule):
-    """An MLP with ``depth`` hidden layers of ``width`` units and a ``GaussianPrior`` over it.
+class MapModule(pl.LightningModule):
+    """``net`` trained on ``map_loss`` under ``prior`` and ``likelihood``: the recipe the examples share.
 
-    Subclasses add the likelihood. Adam without weight decay (the prior *is* the weight decay),
-    cosine-annealed from ``lr`` to ``lr_min`` over ``max_epochs`` (no schedule if ``lr_min >= lr``).
+    Adam at ``lr`` over the trainable parameters, without weight decay (the prior *is* the weight decay);
+    a subclass builds the network and may override :meth:`configure_optimizers` (a schedule).
     """
 
-    likelihood: Any
-
-    def __init__(self, n_data: int, in_features: int, out_features: int, width: int, depth: int, activation: str,
-                 prior_precision: float, prior_structure: str, learn_prior: bool, lr: float, lr_min: float) -> None:
+    def __init__(self, net: nn.Module, prior: GaussianPrior, likelihood: Any, n_data: int, lr: float) -> None:
         super().__init__()
-        layers: List[nn.Module] = []
-        for i in range(depth):
-            layers += [nn.Linear(in_features if i == 0 else width, width), ACTIVATIONS[activation]()]
-        self.net = nn.Sequential(*layers, nn.Linear(width if depth else in_features, out_features))
-        self.prior = GaussianPrior(self.net, precision=prior_precision, structure=prior_structure, learn=learn_prior)
-        self.n_data, self.lr, self.lr_min = n_data, lr, lr_min
+        self.net, self.prior, self.likelihood = net, prior, likelihood
+        self.n_data, self.lr = n_data, lr
 
     def forward(self, x: Tensor) -> Tensor:  # the evidence pass calls forward(x)
         return self.net(x)
@@ -63,11 +56,60 @@ class _MLP(pl.LightningModule):
         return map_loss(self(x), y, self.likelihood, self.prior, self.n_data)
 
     def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.Adam(self.net.parameters(), lr=self.lr)
+        return torch.optim.Adam([p for p in self.net.parameters() if p.requires_grad], lr=self.lr)
+
+
+def cosine_schedule(optimizer: torch.optim.Optimizer, max_epochs: int, lr_min: float) -> Any:
+    """``optimizer`` cosine-annealed to ``lr_min`` over ``max_epochs``, as ``configure_optimizers`` returns it."""
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max_epochs, eta_min=lr_min)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "epoch"}}
+
+
+def study_options(doc: str, name: str, quick: str, plot: bool = False) -> argparse.ArgumentParser:
+    """The options of a study example (``--quick``, ``--results``, ``--output-dir``, ``--threads``); it adds its seeds."""
+    options = argparse.ArgumentParser(description=doc.split("\n")[0])
+    options.add_argument("--quick", action="store_true", help=f"smoke test: {quick}")
+    options.add_argument("--results", action="store_true",
+                         help=f"write the table{' and plot' if plot else ''} to examples/results/")
+    options.add_argument("--output-dir", default=os.path.join(OUTPUTS, name))
+    options.add_argument("--threads", type=int, default=1)
+    return options
+
+
+def write_report(name: str, argv: Optional[Sequence[str]], target: str, markdown: Callable[[str], str],
+                 plot: Optional[Callable[[str], None]] = None) -> None:
+    """Write ``<target>/<name>.md`` (``markdown`` of the command that reran it) and the plot, if any."""
+    os.makedirs(target, exist_ok=True)
+    command = f"python examples/{name}.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    with open(os.path.join(target, f"{name}.md"), "w") as f:
+        f.write(markdown(command.strip()))
+    if plot is not None:
+        plot(os.path.join(target, f"{name}.png"))
+
+
+class _MLP(MapModule):
+    """An MLP with ``depth`` hidden layers of ``width`` units and a ``GaussianPrior`` over it.
+
+    Subclasses choose the likelihood. Adam without weight decay (the prior *is* the weight decay),
+    cosine-annealed from ``lr`` to ``lr_min`` over ``max_epochs`` (no schedule if ``lr_min >= lr``).
+    """
+
+    def __init__(self, n_data: int, in_features: int, out_features: int, width: int, depth: int, activation: str,
+                 prior_precision: float, prior_structure: str, learn_prior: bool, lr: float, lr_min: float,
+                 likelihood: nn.Module) -> None:
+        layers: List[nn.Module] = []
+        for i in range(depth):
+            layers += [nn.Linear(in_features if i == 0 else width, width), ACTIVATIONS[activation]()]
+        net = nn.Sequential(*layers, nn.Linear(width if depth else in_features, out_features))
+        prior = GaussianPrior(net, precision=prior_precision, structure=prior_structure, learn=learn_prior)
+        super().__init__(net, prior, likelihood, n_data, lr)
+        self.lr_min = lr_min
+
+    def configure_optimizers(self) -> Any:
+        optimizer = super().configure_optimizers()
         if self.lr_min >= self.lr or not self.trainer.max_epochs or self.trainer.max_epochs < 0:
             return optimizer
-        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=self.trainer.max_epochs, eta_min=self.lr_min)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "epoch"}}
+        return cosine_schedule(optimizer, self.trainer.max_epochs, self.lr_min)
 
 
 class MLPRegressor(_MLP):
@@ -89,8 +131,7 @@ class MLPRegressor(_MLP):
                  learn_prior: bool = True, sigma: float = 1.0, learn_sigma: bool = True, lr: float = 1e-2,
                  lr_min: float = 1e-3) -> None:
         super().__init__(n_data, in_features, out_features, width, depth, activation, prior_precision, prior_structure,
-                         learn_prior, lr, lr_min)
-        self.likelihood = GaussianLikelihood(sigma=sigma, learn_sigma=learn_sigma)
+                         learn_prior, lr, lr_min, GaussianLikelihood(sigma=sigma, learn_sigma=learn_sigma))
 
 
 class MLPClassifier(_MLP):
@@ -103,8 +144,7 @@ class MLPClassifier(_MLP):
                  activation: str = "tanh", prior_precision: float = 1.0, prior_structure: str = "layerwise",
                  learn_prior: bool = True, lr: float = 1e-2, lr_min: float = 1e-3) -> None:
         super().__init__(n_data, in_features, out_features, width, depth, activation, prior_precision, prior_structure,
-                         learn_prior, lr, lr_min)
-        self.likelihood = CategoricalLikelihood()
+                         learn_prior, lr, lr_min, CategoricalLikelihood())
 
 
 class TensorData(pl.LightningDataModule):

@@ -42,7 +42,7 @@ from lightning_marglik.selection import quiet_lightning  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from common import OUTPUTS, RESULTS, library_state, markdown_table  # noqa: E402
+from common import OUTPUTS, RESULTS, library_state, markdown_table, write_report  # noqa: E402
 from transformer_tokens import MAX_LEN, VOCAB, DictDataset, make_sequences  # noqa: E402
 
 NAME = "hf_sequence_classification"
@@ -202,10 +202,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
               f"NLL {r['nll']:.4f}  {r['seconds']:.1f}s")
     print(f"the evidence picks rank {out['chosen']}; best test accuracy at rank {out['best_accuracy']}")
     target = args.output_dir or (RESULTS if args.results else OUTPUTS)
-    os.makedirs(target, exist_ok=True)
-    command = "python examples/hf_sequence_classification.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    with open(os.path.join(target, f"{NAME}.md"), "w") as f:
-        f.write(markdown(out, command.strip(), seconds))
+    write_report(NAME, argv, target, lambda command: markdown(out, command, seconds))
     print(f"total {seconds:.0f}s, wrote {target}/{NAME}.md")
     return out
 

@@ -17,10 +17,8 @@ Usage::
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
-import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
@@ -30,8 +28,9 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_marglik import CategoricalLikelihood, GaussianPrior, MargLikCallback, map_loss
+from lightning_marglik import CategoricalLikelihood, GaussianPrior, MargLikCallback
 from lightning_marglik.selection import quiet_lightning
+from common import MapModule, study_options, write_report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NAME = "lora_rank"
@@ -67,23 +66,10 @@ def adapted(base: nn.Sequential, rank: int) -> nn.Sequential:
     return nn.Sequential(*(LoRALinear(m, rank) if isinstance(m, nn.Linear) else m for m in layers))
 
 
-class Adapter(pl.LightningModule):
+class Adapter(MapModule):
     def __init__(self, net: nn.Module, n_data: int, lr: float = 3e-3) -> None:
-        super().__init__()
-        self.net = net
-        self.prior = GaussianPrior(net)  # covers only the adapters (the frozen base does not require grad)
-        self.likelihood = CategoricalLikelihood()
-        self.n_data, self.lr = n_data, lr
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return map_loss(self(x), y, self.likelihood, self.prior, self.n_data)
-
-    def configure_optimizers(self):
-        return torch.optim.Adam([p for p in self.net.parameters() if p.requires_grad], lr=self.lr)
+        # the prior covers only the adapters (the frozen base does not require grad)
+        super().__init__(net, GaussianPrior(net), CategoricalLikelihood(), n_data, lr)
 
 
 SHIFTS = {"new classes": "digits 5-9 as labels 0-4", "mirrored": "digits 0-4 mirrored left-right"}
@@ -285,12 +271,7 @@ def markdown(out: Dict, command: str, seconds: float) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke test: 100 images per task, 10 epochs, ranks 0, 1, 4")
-    parser.add_argument("--results", action="store_true", help="write the table and plot to examples/results/")
-    parser.add_argument("--output-dir", default=os.path.join(os.path.dirname(HERE), "outputs", NAME))
-    parser.add_argument("--threads", type=int, default=1)
+    parser = study_options(__doc__, NAME, "100 images per task, 10 epochs, ranks 0, 1, 4", plot=True)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -304,11 +285,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
               f"NLL {r['nll']:.4f}  {r['seconds']:.1f}s")
     print("evidence picks rank", out["chosen"], "best test accuracy at rank", out["best_accuracy"])
     target = os.path.join(HERE, "results") if args.results else args.output_dir
-    os.makedirs(target, exist_ok=True)
-    command = "python examples/lora_rank.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    with open(os.path.join(target, f"{NAME}.md"), "w") as f:
-        f.write(markdown(out, command.strip(), seconds))
-    plot(out, os.path.join(target, f"{NAME}.png"))
+    write_report(NAME, argv, target, lambda command: markdown(out, command, seconds), lambda path: plot(out, path))
     print(f"total {seconds:.0f}s, wrote {target}/{NAME}.md")
     return out
 

@@ -24,13 +24,11 @@ Usage::
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import math
 import os
 import re
 import shutil
-import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
@@ -41,9 +39,10 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_marglik import (
-    CategoricalLikelihood, GaussianPrior, LaplaceEvidence, MargLikCallback, MargLikCheckpoint, map_loss,
+    CategoricalLikelihood, GaussianPrior, LaplaceEvidence, MargLikCallback, MargLikCheckpoint,
 )
 from lightning_marglik.selection import quiet_lightning
+from common import MapModule, study_options, write_report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NAME = "resnet_bn"
@@ -84,26 +83,14 @@ class ResNet(nn.Module):
 BN_FED_CONVS = ("stem.0.weight", "*.conv*.weight", "*.shortcut.0.weight")
 
 
-class Classifier(pl.LightningModule):
+class Classifier(MapModule):
     """``self.net`` with a layerwise ``GaussianPrior`` (learned, or fixed at ``precision``), MAP training."""
 
     def __init__(self, n_data: int, precision: float = 1.0, learn: bool = True, lr: float = 3e-3, width: int = 16,
                  fixed: Sequence[str] = ()):
-        super().__init__()
-        self.net = ResNet(width)
-        self.prior = GaussianPrior(self.net, precision=precision, structure="layerwise", learn=learn, fixed=fixed)
-        self.likelihood = CategoricalLikelihood()
-        self.n_data, self.lr = n_data, lr
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return map_loss(self(x), y, self.likelihood, self.prior, self.n_data)
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.net.parameters(), lr=self.lr)  # no weight_decay: the prior is it
+        net = ResNet(width)
+        prior = GaussianPrior(net, precision=precision, structure="layerwise", learn=learn, fixed=fixed)
+        super().__init__(net, prior, CategoricalLikelihood(), n_data, lr)
 
 
 def digits(seed: int = 0, n_train: Optional[int] = None):
@@ -345,11 +332,7 @@ def markdown(out: Dict, command: str, seconds: float) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke test: 128 images, 2 epochs")
-    parser.add_argument("--results", action="store_true", help="write the table and plot to examples/results/")
-    parser.add_argument("--output-dir", default=os.path.join(os.path.dirname(HERE), "outputs", NAME))
-    parser.add_argument("--threads", type=int, default=1)
+    parser = study_options(__doc__, NAME, "128 images, 2 epochs", plot=True)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -361,11 +344,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
         print(f"{r['run']:>10}  marglik {r['marglik']:.4f}  test acc {r['accuracy']:.4f}  NLL {r['nll']:.4f}  "
               f"{r['seconds']:.1f}s")
     target = os.path.join(HERE, "results") if args.results else args.output_dir
-    os.makedirs(target, exist_ok=True)
-    command = "python examples/resnet_bn.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    with open(os.path.join(target, f"{NAME}.md"), "w") as f:
-        f.write(markdown(out, command.strip(), seconds))
-    plot(out, os.path.join(target, f"{NAME}.png"))
+    write_report(NAME, argv, target, lambda command: markdown(out, command, seconds), lambda path: plot(out, path))
     print(f"total {seconds:.0f}s, wrote {target}/{NAME}.md")
     return out
 

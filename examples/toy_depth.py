@@ -43,8 +43,8 @@ from torch import Tensor, nn  # noqa: E402
 from torch.func import functional_call, jacrev  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from lightning_marglik import GaussianLikelihood, GaussianPrior, LaplaceEvidence, MargLikCallback, map_loss  # noqa: E402
-from common import OUTPUTS, RESULTS, library_state  # noqa: E402
+from lightning_marglik import GaussianLikelihood, GaussianPrior, LaplaceEvidence, MargLikCallback  # noqa: E402
+from common import OUTPUTS, RESULTS, MapModule, cosine_schedule, library_state  # noqa: E402
 from lightning_marglik.selection import full_ggn_refusal, quiet_lightning, resolve_auto  # noqa: E402
 
 # label -> (structure, approx) of every evidence evaluated at the trained weights; full and kron_ef: what select_models'
@@ -64,28 +64,18 @@ def toy_data(n: int, gap: float, x_max: float, noise: float, seed: int) -> Tuple
     return x.unsqueeze(1), y.unsqueeze(1)
 
 
-class Regressor(pl.LightningModule):
+class Regressor(MapModule):
     def __init__(self, depth: int, width: int, n_data: int, lr: float, lr_min: float) -> None:
-        super().__init__()
         layers: List[nn.Module] = []
         for i in range(depth):
             layers += [nn.Linear(1 if i == 0 else width, width), nn.Tanh()]
-        self.net = nn.Sequential(*layers, nn.Linear(width if depth else 1, 1))
-        self.prior = GaussianPrior(self.net, precision=1.0, structure="layerwise")
-        self.likelihood = GaussianLikelihood(sigma=1.0)
-        self.n_data, self.lr, self.lr_min = n_data, lr, lr_min
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return map_loss(self(x), y, self.likelihood, self.prior, self.n_data)
+        net = nn.Sequential(*layers, nn.Linear(width if depth else 1, 1))
+        prior = GaussianPrior(net, precision=1.0, structure="layerwise")
+        super().__init__(net, prior, GaussianLikelihood(sigma=1.0), n_data, lr)
+        self.lr_min = lr_min
 
     def configure_optimizers(self):
-        optimizer = torch.optim.Adam(self.net.parameters(), lr=self.lr)
-        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=self.trainer.max_epochs, eta_min=self.lr_min)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "epoch"}}
+        return cosine_schedule(super().configure_optimizers(), self.trainer.max_epochs, self.lr_min)
 
 
 def train(depth: int, x: Tensor, y: Tensor, setting: Dict[str, Any]) -> Tuple[Regressor, float]:

@@ -25,12 +25,10 @@ Usage::
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import math
 import os
 import shutil
-import sys
 import time
 import warnings
 from typing import Dict, List, Optional, Sequence
@@ -45,6 +43,7 @@ from lightning_marglik import (
     CategoricalLikelihood, GaussianPrior, LaplaceEvidence, MargLikCallback, MargLikCheckpoint, map_loss,
 )
 from lightning_marglik.selection import quiet_lightning
+from common import study_options, write_report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NAME = "transformer_tokens"
@@ -319,11 +318,7 @@ def findings(out: Dict) -> List[str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke test: 128 sequences, 2 epochs")
-    parser.add_argument("--results", action="store_true", help="write the table to examples/results/")
-    parser.add_argument("--output-dir", default=os.path.join(os.path.dirname(HERE), "outputs", NAME))
-    parser.add_argument("--threads", type=int, default=1)
+    parser = study_options(__doc__, NAME, "128 sequences, 2 epochs")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -338,10 +333,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
         print(f"{r['run']:>16}  marglik {r['marglik']:.4f}  test acc {r['accuracy']:.4f}  NLL {r['nll']:.4f}  "
               f"train {r['seconds']:.1f}s  evidence pass {r['pass_seconds']:.2f}s")
     target = os.path.join(HERE, "results") if args.results else args.output_dir
-    os.makedirs(target, exist_ok=True)
-    command = "python examples/transformer_tokens.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    with open(os.path.join(target, f"{NAME}.md"), "w") as f:
-        f.write(markdown(out, command.strip(), seconds))
+    write_report(NAME, argv, target, lambda command: markdown(out, command, seconds))
     print(f"total {seconds:.0f}s, wrote {target}/{NAME}.md")
     return out
 

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from lightning_marglik import CategoricalLikelihood, LayerRule, register_layer_rule
-from lightning_marglik.curvature.layers import _RULES, contributing_rows, hook_reason, layer_rule
+from lightning_marglik.curvature.layers import _RULES, hook_reason, layer_rule
+from lightning_marglik.curvature.rows import contributing_rows
 from tests.real_networks import batches
 from tests.reference import graph_problem, hyper, reference_env, rel_err  # noqa: F401 (reference_env: autouse)
 from tests.test_real_networks_reference import check_against_reference, check_same_evidence, fit, hyperparameters

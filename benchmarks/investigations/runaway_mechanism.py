@@ -16,8 +16,8 @@ rise of ``log delta`` into these two parts.
 
 Usage::
 
-    python benchmarks/runaway_mechanism.py           # trains what is not cached, writes benchmarks/results/runaway_mechanism.md
-    python benchmarks/runaway_mechanism.py --quick   # smoke test (seconds), prints only
+    python benchmarks/investigations/runaway_mechanism.py           # trains what is not cached, writes benchmarks/results/runaway_mechanism.md
+    python benchmarks/investigations/runaway_mechanism.py --quick   # smoke test (seconds), prints only
 
 Runs are cached in ``outputs/runaway_mechanism/runs/`` (one JSON each, with the library commit).
 """
@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the shared harness
 
 import _zoo  # noqa: E402
 from _common import RESULTS, hand_written, now, write_with_data  # noqa: E402
@@ -168,7 +168,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     cache = os.path.join(_zoo.output_dir(NAME), "quick" if args.quick else "runs")
     start = time.perf_counter()
     runs = {n: {arm: _zoo.cached(s, cache, args.rerun) for arm, s in specs(n, args.quick).items()} for n in args.networks}
-    command = "python benchmarks/runaway_mechanism.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python benchmarks/investigations/runaway_mechanism.py " + " ".join(sys.argv[1:] if argv is None else argv)
     text = markdown(runs, command.strip(), time.perf_counter() - start)
     if args.quick:
         print(text)

@@ -8,8 +8,8 @@ machine falls on both alike; each ratio is taken against the epoch timed in the 
 
 Usage::
 
-    python benchmarks/engine_commits.py 64eb9dc e24a1ed HEAD    # writes benchmarks/results/engine_commits.md
-    python benchmarks/engine_commits.py 64eb9dc HEAD --rounds 5 --quick   # smaller data, prints only
+    python benchmarks/investigations/engine_commits.py 64eb9dc e24a1ed HEAD    # writes benchmarks/results/engine_commits.md
+    python benchmarks/investigations/engine_commits.py 64eb9dc HEAD --rounds 5 --quick   # smaller data, prints only
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _common import cpu_name, load_avg, now, package_version  # noqa: E402
@@ -107,7 +107,7 @@ def main() -> None:
     lines = [
         "# Evidence pass of library commits, side by side",
         "",
-        f"`python benchmarks/engine_commits.py {' '.join(args.commits)} --rounds {rounds}` on {started}; "
+        f"`python benchmarks/investigations/engine_commits.py {' '.join(args.commits)} --rounds {rounds}` on {started}; "
         f"load average (1 min) at start / end {load_start:.1f} / {load_avg():.1f}; torch {package_version('torch')}; "
         f"one thread; {cpu_name()}. MLP 784-256-256-10, N = {n:,} random inputs, batch 256, layerwise prior. "
         "Median over rounds of process CPU time; each pass as a ratio to a plain SGD epoch timed in the same "

@@ -29,8 +29,8 @@ kept in ``outputs/linearized_convergence/``).
 
 Usage::
 
-    python benchmarks/linearized_convergence.py                        # -> results/linearized_convergence.md
-    python benchmarks/linearized_convergence.py --candidates res8x1 --print-only
+    python benchmarks/investigations/linearized_convergence.py                        # -> results/linearized_convergence.md
+    python benchmarks/investigations/linearized_convergence.py --candidates res8x1 --print-only
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -230,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print("\n".join(f"folded {summary(r)}; test acc {r['test_accuracy']:.4f}, Newton {r['evidence_newton']:.4f}, "
                         f"kron-EF folded {r['kron_ef_folded']:.4f}" for r in folded[-2:]), flush=True)
     if not args.print_only:
-        command = " ".join(["python benchmarks/linearized_convergence.py", *(sys.argv[1:] if argv is None else argv)])
+        command = " ".join(["python benchmarks/investigations/linearized_convergence.py", *(sys.argv[1:] if argv is None else argv)])
         print(write(rows, folded, command, sources))
 
 

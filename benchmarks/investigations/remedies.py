@@ -1,6 +1,6 @@
 """Remedies for run-away prior precisions, compared on the same runs (issue 23, item 2).
 
-Setting (the recipe of ``benchmarks/runaway_mechanism.py`` on half its data, to fit the CPU budget):
+Setting (the recipe of ``benchmarks/investigations/runaway_mechanism.py`` on half its data, to fit the CPU budget):
 MNIST-5k, 500 train / 1000 test, 14x14, Adam batch 32 (lr 3e-3; Fixup 1e-2), 12 epochs; networks of
 ``benchmarks/_zoo.py``: BatchNorm ResNet, Fixup ResNet, plain CNN, MLP; layerwise prior from
 delta = 1. Arms (``arms``):
@@ -29,9 +29,9 @@ between consecutive estimates in the last third of training, and CPU time agains
 
 Usage::
 
-    python benchmarks/remedies.py              # trains what is not cached, writes benchmarks/results/remedies.md
-    python benchmarks/remedies.py --quick      # smoke test, prints only
-    python benchmarks/remedies.py --arms adam burnin --seeds 0 1
+    python benchmarks/investigations/remedies.py              # trains what is not cached, writes benchmarks/results/remedies.md
+    python benchmarks/investigations/remedies.py --quick      # smoke test, prints only
+    python benchmarks/investigations/remedies.py --arms adam burnin --seeds 0 1
 
 Runs are cached in ``outputs/remedies/runs/`` (one JSON per run, with the library commit).
 """
@@ -47,7 +47,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the shared harness
 
 import _zoo  # noqa: E402
 from _common import RESULTS, hand_written, now, write_with_data  # noqa: E402
@@ -212,7 +212,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         reference = by.get("defaults")
         ref_cpu = float(np.mean([r["cpu_seconds"] for r in reference])) if reference else None
         table[network] = {arm: summarize(got, ref_cpu) for arm, got in by.items()}
-    command = "python benchmarks/remedies.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python benchmarks/investigations/remedies.py " + " ".join(sys.argv[1:] if argv is None else argv)
     text = markdown(table, command.strip(), time.perf_counter() - start)
     print(text)
     if not args.quick:

@@ -2,8 +2,8 @@
 
 Run from the repository root (needs ``pip install mlxtend``)::
 
-    python benchmarks/approximation_costs.py      # mlp512x1, cnn32x2; writes benchmarks/results/approximation_costs.md
-    python benchmarks/approximation_costs.py --candidates cnn8x1 --reps 1 --epochs 1   # smoke test
+    python benchmarks/investigations/approximation_costs.py      # mlp512x1, cnn32x2; writes benchmarks/results/approximation_costs.md
+    python benchmarks/investigations/approximation_costs.py --candidates cnn8x1 --reps 1 --epochs 1   # smoke test
 
 Each candidate of ``examples/ranking_study.py`` is trained for ``--epochs`` epochs of Adam on the
 MNIST-5k training split (map_loss, layerwise prior at delta = 1, no callback), then every
@@ -24,7 +24,7 @@ import time
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import ranking_study as study  # noqa: E402
@@ -80,7 +80,7 @@ def main() -> None:
     lines = [
         "# Post-hoc approximations: cost relative to kron-GGN",
         "",
-        f"Date: {datetime.date.today().isoformat()}. Command: `python benchmarks/approximation_costs.py "
+        f"Date: {datetime.date.today().isoformat()}. Command: `python benchmarks/investigations/approximation_costs.py "
         f"{' '.join(sys.argv[1:])}`; library {library_state()}. One CPU thread, process CPU seconds, median of {args.reps} interleaved rounds; "
         f"load average {' '.join(load_before)} before, {' '.join(load_after)} after (2 cores shared with other jobs). "
         f"Weights: {args.epochs} epochs of Adam (lr 1e-3, batch 128) on the 4000 MNIST-5k training images, layerwise "

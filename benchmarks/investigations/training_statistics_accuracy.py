@@ -1,6 +1,6 @@
 """Accuracy of MargLikCallback(statistics="training") against the evidence pass at the same epochs.
 
-    python benchmarks/training_statistics_accuracy.py      # writes results/training_statistics_accuracy.md
+    python benchmarks/investigations/training_statistics_accuracy.py      # writes results/training_statistics_accuracy.md
 
 1. Same weights up to the estimate: ``frequency`` = the number of epochs, so all fits train
    identically until their only estimate; the learned log δ (layerwise, kron-EF and diag-EF,
@@ -14,12 +14,13 @@
 """
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 for path in (ROOT, ROOT / "benchmarks", ROOT / "examples"):
     sys.path.insert(0, str(path))
 
@@ -76,6 +77,7 @@ def fig4() -> list:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # no options: --help only
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     start, load = now(), load_avg()
@@ -84,7 +86,7 @@ def main() -> None:
     text = "\n".join([
         "# statistics='training': hyperparameters against the end-of-epoch evidence pass",
         "",
-        f"`python benchmarks/training_statistics_accuracy.py`, commit {commit}, {start}, load average {load:.1f} "
+        f"`python benchmarks/investigations/training_statistics_accuracy.py`, commit {commit}, {start}, load average {load:.1f} "
         "(see the script's docstring).",
         "",
         "## Same weights up to the estimate (MLP, N=10,000, layerwise δ, Newton)",

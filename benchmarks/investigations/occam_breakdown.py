@@ -21,8 +21,8 @@ than the curvature has, and more so for networks with more tensors.
 Usage::
 
     python examples/ranking_study.py                     # first: trains the study and saves its weights
-    python benchmarks/occam_breakdown.py                 # seed 0 of every candidate -> results/occam_breakdown.md
-    python benchmarks/occam_breakdown.py --cache DIR --candidates res16x1 cnn32x2 --print-only
+    python benchmarks/investigations/occam_breakdown.py                 # seed 0 of every candidate -> results/occam_breakdown.md
+    python benchmarks/investigations/occam_breakdown.py --cache DIR --candidates res16x1 cnn32x2 --print-only
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Sequence
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -219,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"{name} seed {seed}: " + ", ".join(f"{lb} {r[lb]['evidence']:.3f} (gamma {r[lb]['gamma']:.0f})"
                                                        for lb in (f"{s}-{a}" for s, a in STRUCTURES)), flush=True)
     if results and not args.print_only:
-        command = " ".join(["python benchmarks/occam_breakdown.py", *(sys.argv[1:] if argv is None else argv)])
+        command = " ".join(["python benchmarks/investigations/occam_breakdown.py", *(sys.argv[1:] if argv is None else argv)])
         print(write(results, side, command, time.perf_counter() - start))
 
 
