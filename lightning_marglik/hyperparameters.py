@@ -50,6 +50,16 @@ SCALE_INVARIANT_TREATMENTS = TREATMENTS
 SCALE_INVARIANT = "scale-invariant"
 BIAS_NORMALIZATION = "bias/normalization"
 
+def _curvature_elsewhere() -> Tuple[Sequence[str], str]:
+    """The curvature's ``structure`` values, for the prior's message on one of them ("diag" for "diagonal")."""
+    from .curvature.structures import structure_names  # the curvature imports this module
+
+    return structure_names(), (
+        "a curvature structure, MargLikCallback(structure=...) or LaplaceEvidence.fit(structure=...); "
+        "GaussianPrior's `structure` is how many precisions the prior has"
+    )
+
+
 class GaussianPrior(nn.Module):
     """Isotropic Gaussian prior ``N(0, 1/delta_g I)`` over groups of a network's parameters.
 
@@ -108,7 +118,7 @@ class GaussianPrior(nn.Module):
                 f"`hyperprior` must be None or a Hyperprior (e.g. LogNormalHyperprior(scale=2.0)), got {hyperprior!r}."
             )
         self.hyperprior = hyperprior
-        structure = choice(structure, PRIOR_STRUCTURES, "structure")
+        structure = choice(structure, PRIOR_STRUCTURES, "structure", elsewhere=_curvature_elsewhere())
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("GaussianPrior: the model has no parameters that require grad.")
