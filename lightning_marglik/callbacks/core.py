@@ -42,6 +42,7 @@ from ..hyperparameters import (
 from ..runaway import runaway_message, runaway_precisions
 from ..validators import choice, flag, integer, number, optional
 from . import checks
+from .arguments import CALLBACK_KEYWORDS, KnownKeywords
 from .cost import cost_warning, training_step_seconds
 from .data import count_data, evidence_batches, isolate_rng, named_loader_method
 from .package import MONITOR, LightningModule, LightningPackage, MargLikConfigurationError, Trainer, check_package, find_hyperparameters
@@ -53,7 +54,7 @@ from .training_statistics import TrainingStatistics
 __all__ = ["EstimatorCore", "MargLikCallbackCore"]
 
 
-class EstimatorCore:
+class EstimatorCore(KnownKeywords):
     """What the callbacks that estimate the evidence share, combined with a package's ``Callback``.
 
     Args:
@@ -390,6 +391,7 @@ class MargLikCallbackCore(EstimatorCore):
     """
 
     schedule: EpochSchedule
+    _foreign_keywords = CALLBACK_KEYWORDS
 
     def __init__(
         self,

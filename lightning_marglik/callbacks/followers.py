@@ -17,6 +17,7 @@ from fsspec.core import url_to_fs
 
 from ..distributed import run_on_all_ranks
 from ..validators import flag, integer, number, optional
+from .arguments import CHECKPOINT_KEYWORDS, STOPPING_KEYWORDS, KnownKeywords
 from .core import EstimatorCore
 from .package import MONITOR, LightningModule, LightningPackage, MargLikConfigurationError, Trainer, check_package
 
@@ -25,7 +26,7 @@ __all__ = ["CheckpointCore", "EarlyStoppingCore"]
 log = logging.getLogger(__name__)
 
 
-class _FollowsEstimates:
+class _FollowsEstimates(KnownKeywords):
     """Mixin of the callbacks that act on the estimating callback's estimates: finds it at set-up."""
 
     _package: ClassVar[LightningPackage]
@@ -48,6 +49,8 @@ class CheckpointCore(_FollowsEstimates):
 
     Documented on ``lightning_marglik.MargLikCheckpoint``.
     """
+
+    _foreign_keywords = CHECKPOINT_KEYWORDS
 
     def __init__(
         self,
@@ -128,6 +131,8 @@ class EarlyStoppingCore(_FollowsEstimates):
 
     Documented on ``lightning_marglik.MargLikEarlyStopping``.
     """
+
+    _foreign_keywords = STOPPING_KEYWORDS
 
     def __init__(self, patience: int = 3, min_delta: float = 0.0, verbose: bool = False) -> None:
         super().__init__(
