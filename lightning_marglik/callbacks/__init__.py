@@ -241,7 +241,9 @@ class MargLikCheckpoint(CheckpointCore, ModelCheckpoint):
     Args:
         dirpath: Directory of the checkpoints (default: the logger's); one that cannot be
             written raises a ``MargLikConfigurationError`` when training starts.
-        filename: File name pattern, e.g. ``"{epoch}-{marglik:.3f}"``.
+        filename: File name pattern, e.g. ``"{epoch}-{marglik:.3f}"``; default ``"marglik-{epoch}-{step}"``
+            (``marglik-epoch=29-step=660.ckpt``: told apart from a validation ``ModelCheckpoint``'s
+            ``epoch=29-step=660.ckpt`` in the same folder).
         save_top_k: How many of the best-evidence models to keep.
         save_last: Also write ``last.ckpt`` after every training epoch with finite weights (``True``
             or ``False``; not Lightning's ``"link"``, which would point to the latest best file).

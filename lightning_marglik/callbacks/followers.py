@@ -25,6 +25,9 @@ __all__ = ["CheckpointCore", "EarlyStoppingCore"]
 
 log = logging.getLogger(__name__)
 
+# Lightning's default is "{epoch}-{step}": a validation ModelCheckpoint in the same folder would write the same names
+FILENAME = "marglik-{epoch}-{step}"
+
 
 class _FollowsEstimates(KnownKeywords):
     """Mixin of the callbacks that act on the estimating callback's estimates: finds it at set-up."""
@@ -64,7 +67,7 @@ class CheckpointCore(_FollowsEstimates):
         save_last = optional(flag, save_last, "save_last", what="write last.ckpt after every epoch with finite weights")
         super().__init__(  # type: ignore[call-arg]
             dirpath=dirpath,
-            filename=filename,
+            filename=FILENAME if filename is None else filename,
             monitor=MONITOR,
             mode="max",
             save_top_k=save_top_k,
