@@ -160,7 +160,7 @@ class EstimatorCore(KnownKeywords):
             named_loader_method(self.dataloader, trainer, pl_module)  # a wrong name fails now, not after burn-in
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        checks.warn_weight_decay(trainer)
+        checks.check_weight_decay(trainer, self._hyperparameters()[0])  # before training: the optimizers exist
         # from here to teardown (or an exception), set-up check and training included: weights the evidence
         # shrinks turn denormal. Not in setup, which a test or a tool may call alone and leave the mode set
         self._flush.start()
