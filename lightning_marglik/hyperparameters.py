@@ -303,7 +303,15 @@ class GaussianPrior(nn.Module):
 
     @property
     def precision(self) -> Tensor:
+        """The precision ``delta`` per group, as the evidence learned it (:attr:`applied_precision`: as training uses it)."""
         return self.log_precision.exp()
+
+    @property
+    def applied_precision(self) -> Tensor:
+        """The precision per group that :func:`map_loss` applies, a weight decay of ``delta/N``: :attr:`precision`,
+        except for the tensors under the ``"decoupled"`` treatment (:meth:`treat`; ``MargLikCallback``'s default for
+        biases and normalization parameters), which keep the declared ``precision`` whatever the evidence learned."""
+        return self.weight_decay_log_precision().exp()
 
     def group_sizes(self) -> Tensor:
         """Number of scalar parameters ``P_g`` in each group, shape ``(G,)``."""
@@ -399,9 +407,12 @@ class GaussianPrior(nn.Module):
 
     def extra_repr(self) -> str:
         hyper = "" if self.hyperprior is None else f", hyperprior={self.hyperprior!r}"
+        decoupled = self.treated("decoupled")
+        # their printed precision is not their weight decay: say which is applied
+        applied = f", decoupled={decoupled} (weight decay at precision={self.initial_precision:g})" if decoupled else ""
         return (
             f"structure={self.structure!r}, groups={self.log_precision.numel()}, learn={self.learn}, "
-            f"fixed={self.fixed}{hyper}"
+            f"fixed={self.fixed}{applied}{hyper}"
         )
 
 
