@@ -18,9 +18,15 @@ _SCHEDULE = "use frequency= (an estimate after every frequency-th epoch)"
 _PRIOR = ("the prior and the likelihood are modules of your LightningModule (GaussianPrior, GaussianLikelihood or "
           "CategoricalLikelihood), which the callback finds there")
 _EVIDENCE = "the evidence (marglik, log evidence per datum, higher is better)"
+# the options of the other callbacks, given to the wrong one
+_STOPPING = "an option of MargLikEarlyStopping (patience counted in estimates), a callback of its own next to this one"
+_CHECKPOINT = "an option of MargLikCheckpoint (keeps the best-evidence models), a callback of its own next to this one"
+_OTHERS = {"patience": _STOPPING, "min_delta": _STOPPING, "save_top_k": _CHECKPOINT, "save_last": _CHECKPOINT,
+           "dirpath": _CHECKPOINT, "filename": _CHECKPOINT}
 
 # other libraries' names (Lightning's callbacks and Trainer, laplace-torch's marglik_training) -> what to do here
 CALLBACK_KEYWORDS: Mapping[str, str] = {
+    **_OTHERS,
     "every_n_epochs": _SCHEDULE,
     "check_val_every_n_epoch": _SCHEDULE,
     "marglik_frequency": _SCHEDULE,
@@ -43,6 +49,8 @@ BOUND_KEYWORDS: Mapping[str, str] = {
 }
 _SAVES = "MargLikCheckpoint saves after the epochs with an estimate: MargLikCallback(frequency=...) sets how often"
 CHECKPOINT_KEYWORDS: Mapping[str, str] = {
+    "patience": _STOPPING,
+    "min_delta": _STOPPING,
     "monitor": f"MargLikCheckpoint always monitors {_EVIDENCE}; for another metric use Lightning's ModelCheckpoint",
     "mode": f"MargLikCheckpoint always keeps the highest {_EVIDENCE}",
     "every_n_epochs": _SAVES,
@@ -51,6 +59,10 @@ CHECKPOINT_KEYWORDS: Mapping[str, str] = {
     "save_on_train_epoch_end": _SAVES,
 }
 STOPPING_KEYWORDS: Mapping[str, str] = {
+    "save_top_k": _CHECKPOINT,
+    "save_last": _CHECKPOINT,
+    "dirpath": _CHECKPOINT,
+    "filename": _CHECKPOINT,
     "monitor": f"MargLikEarlyStopping always watches {_EVIDENCE}; for another metric use Lightning's EarlyStopping",
     "mode": f"MargLikEarlyStopping always waits for a higher {_EVIDENCE}",
     "check_finite": "MargLikEarlyStopping always stops on a non-finite evidence",
