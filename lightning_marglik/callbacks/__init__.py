@@ -166,7 +166,8 @@ class MargLikCallback(MargLikCallbackCore, Callback):
     Raises:
         ValueError: On an invalid argument (the message names it).
         MargLikConfigurationError: When training starts, on ``biases`` other than ``"learn"`` with a
-            scalar prior.
+            scalar prior, or an optimizer's ``weight_decay`` on tensors the prior covers (the prior is their
+            weight decay: set ``weight_decay=0``).
 
     Example:
         >>> callback = MargLikCallback(structure="diag", approx="ef", frequency=5, steps=100)
@@ -213,6 +214,7 @@ class MargLikBoundCallback(MargLikBoundCallbackCore, Callback):
 
     Raises:
         ValueError: On an invalid argument (the message names it and the fix).
+        MargLikConfigurationError: When training starts, as for :class:`MargLikCallback`.
 
     Example:
         >>> callback = MargLikBoundCallback(bound="parametric", structure="kron", every_k_batches=10, lr=0.05)
