@@ -109,6 +109,7 @@ def run(config: str = CONFIG, overrides: Sequence[str] = (), depths: Sequence[in
             "marglik": callback.final_marglik,
             "sigma": model.likelihood.sigma.item(),
             "prior_precision": [round(v, 3) for v in model.prior.precision.tolist()],
+            "applied_precision": [round(v, 3) for v in model.prior.applied_precision.tolist()],  # map_loss's
             "train_rmse": train_rmse,
             "test_rmse": (test.mean - data.y_test).pow(2).mean().sqrt().item(),
             "test_nll": nll.mean().item(),
@@ -127,7 +128,8 @@ def run(config: str = CONFIG, overrides: Sequence[str] = (), depths: Sequence[in
                                     "gap_rmse", "epochs", "seconds"]))
         print(COLUMNS)
         for r in rows:
-            print(f"  depth {r['depth']} prior precisions (weight, bias per layer): {r['prior_precision']}")
+            print(f"  depth {r['depth']} prior precisions (weight, bias per layer): learned {r['prior_precision']}, "
+                  f"applied by map_loss {r['applied_precision']} (biases: the declared one)")
         print(f"evidence prefers depth {best}")
     if plot:
         make_plot(fits, rows, plot)

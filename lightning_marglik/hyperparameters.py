@@ -50,6 +50,16 @@ SCALE_INVARIANT_TREATMENTS = TREATMENTS
 SCALE_INVARIANT = "scale-invariant"
 BIAS_NORMALIZATION = "bias/normalization"
 
+def _curvature_elsewhere() -> Tuple[Sequence[str], str]:
+    """The curvature's ``structure`` values, for the prior's message on one of them ("diag" for "diagonal")."""
+    from .curvature.structures import structure_names  # the curvature imports this module
+
+    return structure_names(), (
+        "a curvature structure, MargLikCallback(structure=...) or LaplaceEvidence.fit(structure=...); "
+        "GaussianPrior's `structure` is how many precisions the prior has"
+    )
+
+
 class GaussianPrior(nn.Module):
     """Isotropic Gaussian prior ``N(0, 1/delta_g I)`` over groups of a network's parameters.
 
@@ -108,7 +118,7 @@ class GaussianPrior(nn.Module):
                 f"`hyperprior` must be None or a Hyperprior (e.g. LogNormalHyperprior(scale=2.0)), got {hyperprior!r}."
             )
         self.hyperprior = hyperprior
-        structure = choice(structure, PRIOR_STRUCTURES, "structure")
+        structure = choice(structure, PRIOR_STRUCTURES, "structure", elsewhere=_curvature_elsewhere())
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("GaussianPrior: the model has no parameters that require grad.")
@@ -293,7 +303,15 @@ class GaussianPrior(nn.Module):
 
     @property
     def precision(self) -> Tensor:
+        """The precision ``delta`` per group, as the evidence learned it (:attr:`applied_precision`: as training uses it)."""
         return self.log_precision.exp()
+
+    @property
+    def applied_precision(self) -> Tensor:
+        """The precision per group that :func:`map_loss` applies, a weight decay of ``delta/N``: :attr:`precision`,
+        except for the tensors under the ``"decoupled"`` treatment (:meth:`treat`; ``MargLikCallback``'s default for
+        biases and normalization parameters), which keep the declared ``precision`` whatever the evidence learned."""
+        return self.weight_decay_log_precision().exp()
 
     def group_sizes(self) -> Tensor:
         """Number of scalar parameters ``P_g`` in each group, shape ``(G,)``."""
@@ -389,9 +407,12 @@ class GaussianPrior(nn.Module):
 
     def extra_repr(self) -> str:
         hyper = "" if self.hyperprior is None else f", hyperprior={self.hyperprior!r}"
+        decoupled = self.treated("decoupled")
+        # their printed precision is not their weight decay: say which is applied
+        applied = f", decoupled={decoupled} (weight decay at precision={self.initial_precision:g})" if decoupled else ""
         return (
             f"structure={self.structure!r}, groups={self.log_precision.numel()}, learn={self.learn}, "
-            f"fixed={self.fixed}{hyper}"
+            f"fixed={self.fixed}{applied}{hyper}"
         )
 
 

@@ -22,7 +22,7 @@ class Hyperprior:
     With a hyperprior the evidence engine maximizes, and reports, ``log q(D|delta) + sum_g log
     p(rho_g)`` over the groups the evidence learns (MacKay 1992, Tipping 2001). Without one, a
     group whose weights are (near) zero has an evidence that keeps rising as ``delta_g -> inf``
-    (the ARD pruning of ``DESIGN.md``); a hyperprior that falls off fast enough makes the maximum
+    (the ARD pruning of ``benchmarks/results/runaway_mechanism.md``); a hyperprior that falls off fast enough makes the maximum
     finite. Subclasses give the density and its first two derivatives, elementwise, in ``rho``.
     """
 

@@ -3,8 +3,8 @@
 A burn-in of a fixed number of epochs ``B`` has to be guessed per problem. A settle rule waits
 instead until the training loss has flattened: far from a MAP, the prior precision of a group
 that is still moving (e.g. a zero-initialised bias) is estimated from weights that are not yet
-determined by the data, and a converged estimate there starts the ARD feedback loop of
-``DESIGN.md`` ("Learned precisions that run away"). Knows nothing of Lightning.
+determined by the data, and a converged estimate there starts the ARD feedback loop
+(``benchmarks/results/runaway_mechanism.md``, :mod:`lightning_marglik.runaway`). Knows nothing of Lightning.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, Tuple
 
 __all__ = ["SYNONYMS", "choice", "flag", "integer", "keywords", "number", "optional", "suggestion"]
 
@@ -51,7 +51,9 @@ def suggestion(value: Any, choices: Sequence[str]) -> str:
     return f" (did you mean {near!r}?)" if near is not None else ""
 
 
-def choice(value: Any, choices: Sequence[str], name: str, what: str = "") -> str:
+def choice(
+    value: Any, choices: Sequence[str], name: str, what: str = "", elsewhere: Optional[Tuple[Sequence[str], str]] = None,
+) -> str:
     """``value`` as one of ``choices``, matched case-insensitively and without surrounding spaces.
 
     Args:
@@ -59,13 +61,15 @@ def choice(value: Any, choices: Sequence[str], name: str, what: str = "") -> str
         choices: The accepted values, in their canonical spelling.
         name: The option's name, for the message.
         what: Optional words after the list of choices (e.g. what each choice means).
+        elsewhere: The values of another option of the same name, and what they are there (e.g. the
+            prior's ``structure`` for the curvature's): a value of that option is named as one.
 
     Returns:
         The canonical spelling of the matching choice.
 
     Raises:
         ValueError: If ``value`` is not a string matching exactly one choice; near misses get a
-            "did you mean" suggestion.
+            "did you mean" suggestion, values of ``elsewhere`` what they are there.
     """
     if isinstance(value, str):
         matches = [c for c in choices if c.lower() == value.strip().lower()]
@@ -74,6 +78,8 @@ def choice(value: Any, choices: Sequence[str], name: str, what: str = "") -> str
         if value in choices:  # choices that differ only in case: the exact spelling decides
             return value
     extra = f" {what}" if what else ""
+    if elsewhere is not None and isinstance(value, str) and value.strip().lower() in [v.lower() for v in elsewhere[0]]:
+        extra = f" {value!r} is {elsewhere[1]}.{extra}"
     raise ValueError(f"`{name}` must be one of {tuple(choices)}, got {value!r}{suggestion(value, choices)}.{extra}")
 
 

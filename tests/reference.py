@@ -6,7 +6,7 @@ objects' buffers (``prior.log_precision``, ``likelihood.log_sigma``, ...) and th
 Jacobians (``torch.func.jacrev``), explicit loss Hessians and dense
 ``torch.logdet``.
 
-Conventions (DESIGN.md):
+Conventions (those of ``lightning_marglik.hyperparameters``):
 
     log q = loglik/T - 1/2 sum_p delta_p theta_p^2 + 1/2 sum_p log delta_p - 1/2 log|H|
     H     = s C + diag(delta)           (delta expanded to one value per scalar parameter)

@@ -183,11 +183,6 @@ def test_checkpoint_requires_the_callback():
         _fit([MargLikCheckpoint()], max_epochs=1)
 
 
-def test_weight_decay_warns():
-    with pytest.warns(UserWarning, match="weight_decay=0.01.*counted twice"):
-        _fit([MargLikCallback(structure="diag", steps=1)], max_epochs=1, model=Regressor(weight_decay=0.01))
-
-
 @pytest.mark.parametrize(
     "kwargs,match",
     [

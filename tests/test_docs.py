@@ -116,6 +116,9 @@ def test_readme_lightning_example_trains_and_reads_the_result(tmp_path, monkeypa
     assert len(module.prior.param_names) == module.prior.precision.numel() == 4
     assert module.prior.precision.ne(1.0).all() and module.likelihood.sigma.item() != 1.0  # learned
     assert "0.weight: prior precision" in printed and "test_rmse" in printed
+    # what map_loss applies: the learned δ on weights, the declared δ = 1 on biases (biases="decoupled")
+    assert re.search(r"^2\.weight: prior precision (\S+), applied \1$", printed, flags=re.MULTILINE), printed[-2000:]
+    assert re.search(r"^2\.bias: prior precision \S+, applied 1$", printed, flags=re.MULTILINE), printed[-2000:]
     assert re.search(r"^sigma \d\.\d{3} \(true: 0\.1\)$", printed, flags=re.MULTILINE), printed[-2000:]
 
 

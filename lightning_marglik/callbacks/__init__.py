@@ -166,7 +166,8 @@ class MargLikCallback(MargLikCallbackCore, Callback):
     Raises:
         ValueError: On an invalid argument (the message names it).
         MargLikConfigurationError: When training starts, on ``biases`` other than ``"learn"`` with a
-            scalar prior.
+            scalar prior, or an optimizer's ``weight_decay`` on tensors the prior covers (the prior is their
+            weight decay: set ``weight_decay=0``).
 
     Example:
         >>> callback = MargLikCallback(structure="diag", approx="ef", frequency=5, steps=100)
@@ -213,6 +214,7 @@ class MargLikBoundCallback(MargLikBoundCallbackCore, Callback):
 
     Raises:
         ValueError: On an invalid argument (the message names it and the fix).
+        MargLikConfigurationError: When training starts, as for :class:`MargLikCallback`.
 
     Example:
         >>> callback = MargLikBoundCallback(bound="parametric", structure="kron", every_k_batches=10, lr=0.05)
@@ -241,7 +243,9 @@ class MargLikCheckpoint(CheckpointCore, ModelCheckpoint):
     Args:
         dirpath: Directory of the checkpoints (default: the logger's); one that cannot be
             written raises a ``MargLikConfigurationError`` when training starts.
-        filename: File name pattern, e.g. ``"{epoch}-{marglik:.3f}"``.
+        filename: File name pattern, e.g. ``"{epoch}-{marglik:.3f}"``; default ``"marglik-{epoch}-{step}"``
+            (``marglik-epoch=29-step=660.ckpt``: told apart from a validation ``ModelCheckpoint``'s
+            ``epoch=29-step=660.ckpt`` in the same folder).
         save_top_k: How many of the best-evidence models to keep.
         save_last: Also write ``last.ckpt`` after every training epoch with finite weights (``True``
             or ``False``; not Lightning's ``"link"``, which would point to the latest best file).

@@ -19,6 +19,7 @@ import torch
 
 from ..bounds import BoundOptimizer, check_bound_options
 from ..curvature import CurvatureOptions
+from .arguments import BOUND_KEYWORDS
 from .core import EstimatorCore
 from .package import LightningModule, MargLikConfigurationError, Trainer
 from .schedule import BatchSchedule
@@ -33,6 +34,7 @@ class MargLikBoundCallbackCore(EstimatorCore):
     """
 
     schedule: BatchSchedule
+    _foreign_keywords = BOUND_KEYWORDS
 
     def __init__(
         self,

@@ -5,10 +5,10 @@ them at construction, in ``setup`` and in ``on_train_start``, before the first t
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Mapping, Optional, Tuple
 
 import torch
-from lightning_utilities.core.rank_zero import rank_zero_warn  # one rank state for both packages
 from torch import nn
 
 from ..curvature import CurvatureOptions, eval_mode
@@ -29,9 +29,9 @@ __all__ = [
     "check_processes",
     "check_statistics",
     "check_training_statistics",
+    "check_weight_decay",
     "follow_training_modes",
     "treat_scale_invariant",
-    "warn_weight_decay",
 ]
 
 STATISTICS = ("pass", "training")
@@ -126,17 +126,32 @@ def check_model_forward(pl_module: LightningModule, package: LightningPackage) -
         )
 
 
-def warn_weight_decay(trainer: Trainer) -> None:
-    """Warn (once) of an optimizer's weight decay, which counts the prior a second time."""
+def check_weight_decay(trainer: Trainer, prior: GaussianPrior) -> None:
+    """Refuse an optimizer's weight decay on tensors the prior covers (SGD, Adam, AdamW, any optimizer whose
+    param groups have ``weight_decay``), each param group on its own: it counts a second prior the evidence does
+    not know of, and a warning went unseen among Lightning's (AdamW's default 0.01 is weight decay too).
+
+    Raises:
+        MargLikConfigurationError: Naming each optimizer, group, value and tensors, and the fix.
+    """
+    covered = {id(p): name for name, p in zip(prior.param_names, prior.params)}
+    found = []
     for optimizer in trainer.optimizers:
-        for group in optimizer.param_groups:
-            if group.get("weight_decay", 0):
-                rank_zero_warn(
-                    f"{type(optimizer).__name__} has weight_decay={group['weight_decay']}: the GaussianPrior "
-                    "already regularizes the weights (map_loss), so the prior is counted twice; set "
-                    "weight_decay=0."
-                )
-                return
+        kind = type(optimizer).__name__
+        default = inspect.signature(type(optimizer)).parameters.get("weight_decay")
+        for index, group in enumerate(optimizer.param_groups):
+            names = [covered[id(p)] for p in group["params"] if id(p) in covered]
+            decay = group.get("weight_decay", 0)
+            if decay and names:
+                own = f", {kind}'s default" if default is not None and default.default == decay else ""
+                shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+                found.append(f"{kind} param group {index} has weight_decay={decay}{own} ({shown})")
+    if found:
+        raise MargLikConfigurationError(
+            f"{'; '.join(found)}: the GaussianPrior already is these tensors' weight decay (map_loss adds delta/N, "
+            "delta learned by the evidence), so the optimizer's counts a second prior the evidence does not know of. "
+            "Set weight_decay=0 in configure_optimizers (for every param group)."
+        )
 
 
 def check_finite_hyperparameters(prior: GaussianPrior, likelihood: Likelihood, dtype: torch.dtype) -> None:

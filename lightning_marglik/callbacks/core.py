@@ -42,6 +42,7 @@ from ..hyperparameters import (
 from ..runaway import runaway_message, runaway_precisions
 from ..validators import choice, flag, integer, number, optional
 from . import checks
+from .arguments import CALLBACK_KEYWORDS, KnownKeywords
 from .cost import cost_warning, training_step_seconds
 from .data import count_data, evidence_batches, isolate_rng, named_loader_method
 from .package import MONITOR, LightningModule, LightningPackage, MargLikConfigurationError, Trainer, check_package, find_hyperparameters
@@ -53,7 +54,7 @@ from .training_statistics import TrainingStatistics
 __all__ = ["EstimatorCore", "MargLikCallbackCore"]
 
 
-class EstimatorCore:
+class EstimatorCore(KnownKeywords):
     """What the callbacks that estimate the evidence share, combined with a package's ``Callback``.
 
     Args:
@@ -159,7 +160,7 @@ class EstimatorCore:
             named_loader_method(self.dataloader, trainer, pl_module)  # a wrong name fails now, not after burn-in
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        checks.warn_weight_decay(trainer)
+        checks.check_weight_decay(trainer, self._hyperparameters()[0])  # before training: the optimizers exist
         # from here to teardown (or an exception), set-up check and training included: weights the evidence
         # shrinks turn denormal. Not in setup, which a test or a tool may call alone and leave the mode set
         self._flush.start()
@@ -390,6 +391,7 @@ class MargLikCallbackCore(EstimatorCore):
     """
 
     schedule: EpochSchedule
+    _foreign_keywords = CALLBACK_KEYWORDS
 
     def __init__(
         self,

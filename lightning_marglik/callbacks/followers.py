@@ -17,6 +17,7 @@ from fsspec.core import url_to_fs
 
 from ..distributed import run_on_all_ranks
 from ..validators import flag, integer, number, optional
+from .arguments import CHECKPOINT_KEYWORDS, STOPPING_KEYWORDS, KnownKeywords
 from .core import EstimatorCore
 from .package import MONITOR, LightningModule, LightningPackage, MargLikConfigurationError, Trainer, check_package
 
@@ -24,8 +25,11 @@ __all__ = ["CheckpointCore", "EarlyStoppingCore"]
 
 log = logging.getLogger(__name__)
 
+# Lightning's default is "{epoch}-{step}": a validation ModelCheckpoint in the same folder would write the same names
+FILENAME = "marglik-{epoch}-{step}"
 
-class _FollowsEstimates:
+
+class _FollowsEstimates(KnownKeywords):
     """Mixin of the callbacks that act on the estimating callback's estimates: finds it at set-up."""
 
     _package: ClassVar[LightningPackage]
@@ -49,6 +53,8 @@ class CheckpointCore(_FollowsEstimates):
     Documented on ``lightning_marglik.MargLikCheckpoint``.
     """
 
+    _foreign_keywords = CHECKPOINT_KEYWORDS
+
     def __init__(
         self,
         dirpath: Optional[str] = None,
@@ -61,7 +67,7 @@ class CheckpointCore(_FollowsEstimates):
         save_last = optional(flag, save_last, "save_last", what="write last.ckpt after every epoch with finite weights")
         super().__init__(  # type: ignore[call-arg]
             dirpath=dirpath,
-            filename=filename,
+            filename=FILENAME if filename is None else filename,
             monitor=MONITOR,
             mode="max",
             save_top_k=save_top_k,
@@ -128,6 +134,8 @@ class EarlyStoppingCore(_FollowsEstimates):
 
     Documented on ``lightning_marglik.MargLikEarlyStopping``.
     """
+
+    _foreign_keywords = STOPPING_KEYWORDS
 
     def __init__(self, patience: int = 3, min_delta: float = 0.0, verbose: bool = False) -> None:
         super().__init__(

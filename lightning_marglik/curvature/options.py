@@ -4,12 +4,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Tuple, Union
 
+from ..hyperparameters import PRIOR_STRUCTURES
 from ..validators import choice, integer
 
 __all__ = ["APPROXIMATIONS", "BACKENDS", "STRUCTURES", "CurvatureOptions"]
 
 APPROXIMATIONS = ("ggn", "ef")
 BACKENDS = ("hooks", "backpack")
+# `structure` is also the prior's option, and "diag"/"diagonal" are easy to swap: its values are named as the prior's
+PRIOR_ELSEWHERE = (
+    PRIOR_STRUCTURES,
+    "a prior structure, GaussianPrior(structure=...): how many precisions the prior has; this `structure` is the "
+    "curvature's (MargLikCallback, LaplaceEvidence.fit, select_models)",
+)
 
 
 def _structures() -> Tuple[str, ...]:
@@ -65,7 +72,7 @@ class CurvatureOptions:
 
     def __post_init__(self) -> None:
         # canonical spellings ("KRON" -> "kron"): the frozen dataclass takes them through object.__setattr__
-        object.__setattr__(self, "structure", choice(self.structure, _structures(), "structure"))
+        object.__setattr__(self, "structure", choice(self.structure, _structures(), "structure", elsewhere=PRIOR_ELSEWHERE))
         object.__setattr__(self, "approx", choice(self.approx, APPROXIMATIONS, "approx"))
         if isinstance(self.mc_samples, str):
             object.__setattr__(self, "mc_samples", choice(self.mc_samples, ("auto",), "mc_samples"))

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Dict, Tuple, Type
 
 from ...validators import choice
+from ..options import PRIOR_ELSEWHERE
 from ..statistics import Structure
 
 __all__ = [
@@ -80,7 +81,7 @@ def structure_class(name: str) -> Type[Structure]:
     Raises:
         ValueError: Naming the registered structures (and the near miss, e.g. 'kfac' -> 'kron').
     """
-    return _REGISTRY[choice(name, structure_names(), "structure")]
+    return _REGISTRY[choice(name, structure_names(), "structure", elsewhere=PRIOR_ELSEWHERE)]
 
 
 def structures_with(capability: str) -> Tuple[str, ...]:
