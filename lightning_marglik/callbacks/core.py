@@ -44,6 +44,7 @@ from ..validators import choice, flag, integer, number, optional
 from . import checks
 from .cost import cost_warning, training_step_seconds
 from .data import count_data, evidence_batches, isolate_rng, named_loader_method
+from .epoch_loss import EpochLoss
 from .package import MONITOR, LightningModule, LightningPackage, MargLikConfigurationError, Trainer, check_package, find_hyperparameters
 from .prior_in_loss import PriorInLossCheck
 from .progress import progress
@@ -430,7 +431,7 @@ class MargLikCallbackCore(EstimatorCore):
         super()._reset_state()
         self.evidence: Optional[LaplaceEvidence] = None
         self._warned_ef = False  # the empirical Fisher's curvature check warns once per fit
-        self._epoch_loss, self._epoch_batches = 0.0, 0  # the epoch's training loss, for a settle rule
+        self._epoch_loss = EpochLoss()  # the epoch's training loss, for a settle rule
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -471,8 +472,7 @@ class MargLikCallbackCore(EstimatorCore):
         if self.schedule.needs_loss:  # the epoch's mean training loss over every rank (one collective, all ranks)
             strategy = trainer.strategy
             # an epoch without a loss (every step skipped) is NaN: it never counts as settled
-            mean = torch.tensor(self._epoch_loss / self._epoch_batches if self._epoch_batches else math.nan,
-                                device=strategy.root_device)
+            mean = torch.tensor(self._epoch_loss.mean, device=strategy.root_device)
             self.schedule.observe_loss(float(strategy.reduce(mean, reduce_op="mean")))
         if self.schedule.is_due(trainer):
             self._log(pl_module, self.estimate(trainer, pl_module, epoch=trainer.current_epoch + 1))
@@ -657,7 +657,7 @@ class MargLikCallbackCore(EstimatorCore):
     # --- statistics from the training passes (statistics="training") ---------------------------
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._epoch_loss, self._epoch_batches = 0.0, 0
+        self._epoch_loss.epoch_start()
         if self._training is not None:
             self._training.epoch_start()
 
@@ -665,6 +665,11 @@ class MargLikCallbackCore(EstimatorCore):
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         if self._training is not None:
             self._training.batch_start(trainer, batch, batch_idx)
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        super().on_before_backward(trainer, pl_module, loss)
+        if self.schedule.needs_loss:  # a manual training_step returns no loss: the settle rule reads this one
+            self._epoch_loss.before_backward(loss)
 
     def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._training is not None:
@@ -674,10 +679,8 @@ class MargLikCallbackCore(EstimatorCore):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if self.schedule.needs_loss and isinstance(loss, torch.Tensor):  # None: a step the module skipped
-            self._epoch_loss += float(loss.detach())
-            self._epoch_batches += 1
+        if self.schedule.needs_loss:
+            self._epoch_loss.batch_end(outputs)
         if self._training is not None:
             self._training.batch_end(trainer)
 
