@@ -49,3 +49,45 @@ def test_settle_rule_under_manual_optimization_estimates_as_under_automatic_opti
     manual = _estimate_epochs(ManualRegressor())
     assert len(automatic) > 2 and automatic[-1] == 30  # settled before the end: estimates every 2nd epoch
     assert manual == automatic
+
+
+# --- item 2: fit again on a finished trainer keeps the record ---------------------------------------
+
+
+def test_fit_again_on_a_finished_trainer_keeps_the_record_and_says_so():
+    module, callback = Regressor(), MargLikCallback(structure="diag", frequency=2, steps=10)
+    fitted = trainer([callback], 4)
+    fitted.fit(module, loader(regression_data()))
+    final, best, history = callback.final_marglik, callback.best_marglik, list(callback.history)
+    assert math.isfinite(final) and len(history) == 2
+    with pytest.warns(UserWarning, match=r"this fit trained nothing \(the Trainer had reached epoch 4 of max_epochs=4"
+                      r".*the record of the previous fit is kept \(final_marglik=-?\d\.\d{4}, 2 estimates"):
+        fitted.fit(module, loader(regression_data()))
+    assert (callback.final_marglik, callback.best_marglik, callback.history) == (final, best, history)
+    assert callback.state_dict()["history"] == history  # what a checkpoint would save
+
+
+def test_a_new_fit_that_trains_starts_a_fresh_record():
+    module, callback = Regressor(), MargLikCallback(structure="diag", frequency=2, steps=10)
+    trainer([callback], 4).fit(module, loader(regression_data()))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer([callback], 2).fit(module, loader(regression_data()))
+    assert not [w for w in caught if "trained nothing" in str(w.message)]
+    assert [entry["epoch"] for entry in callback.history] == [2]
+
+
+# --- item 6: every estimate's row in metrics.csv carries its epoch and a step counted like the others --
+
+
+def test_metrics_csv_rows_of_every_estimate_carry_epoch_and_consistent_step(tmp_path):
+    callback = MargLikCallback(structure="diag", frequency=2, steps=10)
+    logger = pl.loggers.CSVLogger(tmp_path, name="run")
+    # 4 batches per epoch: estimates after epochs 2 and 4 (steps 7, 15); max_steps=18 stops within epoch 5,
+    # which is not due: the end-of-training estimate
+    trainer([callback], 10, logger=logger, max_steps=18, log_every_n_steps=1).fit(Regressor(), loader(regression_data()))
+    with open(f"{logger.log_dir}/metrics.csv") as file:
+        rows = [row for row in csv.DictReader(file) if row["marglik"]]
+    assert [(row["epoch"], row["step"]) for row in rows] == [("1", "7"), ("3", "15"), ("4", "17")]
+    assert [entry["epoch"] for entry in callback.history] == [2, 4, 5]
+    assert float(rows[-1]["marglik"]) == pytest.approx(callback.final_marglik)

@@ -45,6 +45,8 @@ from . import checks
 from .cost import cost_warning, training_step_seconds
 from .data import count_data, evidence_batches, isolate_rng, named_loader_method
 from .epoch_loss import EpochLoss
+from .final_log import log_after_training
+from .fit_record import FitRecord
 from .package import MONITOR, LightningModule, LightningPackage, MargLikConfigurationError, Trainer, check_package, find_hyperparameters
 from .prior_in_loss import PriorInLossCheck
 from .progress import progress
@@ -114,6 +116,7 @@ class EstimatorCore:
         self._scale_modes: Optional[Dict[str, bool]] = None
         self._scale_note: Optional[str] = None
         self._modes_followed = False  # whether this fit's training batches have been checked for their modes
+        self._fit_record = FitRecord()  # the previous fit's record, through a fit that trains nothing
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -148,6 +151,7 @@ class EstimatorCore:
             return
         # Every fit starts afresh: the Adam state and history of another model must not carry over.
         # Lightning restores a checkpoint (load_state_dict) after setup, so a resumed fit gets its state back.
+        self._fit_record.keep(self)
         self._reset_state()
         self.prior, self.likelihood = find_hyperparameters(pl_module)
         try:
@@ -168,6 +172,9 @@ class EstimatorCore:
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
             self._end_fit()
+            message = self._fit_record.end(self, trainer)
+            if message:
+                rank_zero_warn(message)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._end_fit()  # Lightning calls no callback teardown after an exception
@@ -180,6 +187,7 @@ class EstimatorCore:
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Check everything the evidence needs, before the first step (the training data exist from here)."""
+        self._fit_record.drop()
         prior, likelihood = self._hyperparameters()
 
         def local() -> int:  # one rank's failure (e.g. its shard's first batch) is raised on every rank
@@ -382,6 +390,7 @@ class EstimatorCore:
                 setattr(self, attribute, state_dict[key])
         self.schedule.load_state_dict(state_dict)
         self.history = list(self.history)
+        self._fit_record.drop()
 
 
 class MargLikCallbackCore(EstimatorCore):
@@ -483,11 +492,7 @@ class MargLikCallbackCore(EstimatorCore):
             return
         # trainer.current_epoch counts the completed epochs here
         self.final_marglik = self.estimate(trainer, pl_module, epoch=trainer.current_epoch)
-        values = self.logged_values(self.final_marglik)
-        # self.log is not allowed in on_train_end: write the metrics where callbacks and users read them
-        trainer.callback_metrics.update({key: torch.tensor(value) for key, value in values.items()})
-        for logger in trainer.loggers:
-            logger.log_metrics(values, step=trainer.global_step)
+        log_after_training(trainer, self.logged_values(self.final_marglik), trainer.current_epoch)
 
     def estimate(self, trainer: Trainer, pl_module: LightningModule, epoch: int) -> float:
         """Evidence pass, all-reduce, ``steps`` hyperparameter steps; returns log evidence / N.
