@@ -91,3 +91,31 @@ def test_metrics_csv_rows_of_every_estimate_carry_epoch_and_consistent_step(tmp_
     assert [(row["epoch"], row["step"]) for row in rows] == [("1", "7"), ("3", "15"), ("4", "17")]
     assert [entry["epoch"] for entry in callback.history] == [2, 4, 5]
     assert float(rows[-1]["marglik"]) == pytest.approx(callback.final_marglik)
+
+
+# --- item 4: the N of the loss follows a reloaded training loader -----------------------------------
+
+
+class GrowingData(Regressor):
+    """128 examples for three epochs, then 256 (reload_dataloaders_every_n_epochs=1); records the N each
+    epoch's loss uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.n_by_epoch: dict = {}
+
+    def train_dataloader(self):
+        return loader(regression_data(128 if self.current_epoch < 3 else 256), batch_size=32)
+
+    def training_step(self, batch, batch_idx):
+        self.n_by_epoch.setdefault(self.current_epoch, set()).add(int(self.prior.n_data))
+        x, y = batch
+        return map_loss(self(x), y, self.likelihood, self.prior)
+
+
+def test_n_of_the_loss_follows_a_reloaded_training_loader():
+    module = GrowingData()
+    callback = MargLikCallback(structure="diag", frequency=10, steps=10)
+    trainer([callback], 5, reload_dataloaders_every_n_epochs=1).fit(module)
+    assert module.n_by_epoch == {0: {128}, 1: {128}, 2: {128}, 3: {256}, 4: {256}}
+    assert [entry["epoch"] for entry in callback.history] == [5] and int(module.prior.n_data) == 256

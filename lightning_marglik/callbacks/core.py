@@ -35,7 +35,6 @@ from ..hyperparameters import (
     TREATMENTS,
     GaussianPrior,
     Likelihood,
-    assign_hyperparameters,
     learnable_values,
     no_decay_names,
 )
@@ -50,6 +49,7 @@ from .fit_record import FitRecord
 from .package import MONITOR, LightningModule, LightningPackage, MargLikConfigurationError, Trainer, check_package, find_hyperparameters
 from .prior_in_loss import PriorInLossCheck
 from .progress import progress
+from .resume import follow_changed_learnables
 from .schedule import EpochSchedule, Schedule, SettledSchedule
 from .training_statistics import TrainingStatistics
 
@@ -127,6 +127,8 @@ class EstimatorCore:
         self.best_epoch = -1
         self.final_marglik = math.nan
         self.history: List[Dict[str, float]] = []
+        self._counted_loader: Any = None  # the training loader N was counted on (a reload counts again)
+        self._target_like: Optional[torch.Tensor] = None  # outputs of one evidence batch, for the target checks
         self._warned_runaway: Set[str] = set()  # the tensors a run-away warning named in this fit
         self._prior_in_loss = PriorInLossCheck(type(self).__name__)  # decided on this fit's first training batch
         self._optimizer_state: dict = {}
@@ -188,16 +190,27 @@ class EstimatorCore:
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Check everything the evidence needs, before the first step (the training data exist from here)."""
         self._fit_record.drop()
-        prior, likelihood = self._hyperparameters()
+        self._count_data(trainer, pl_module, lambda: self._check_setup(trainer, pl_module))
+        self._follow_changed_learnables()  # after the set-up check, which decides the scale-invariant treatment
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # reload_dataloaders_every_n_epochs: the N of the loss follows the loader this epoch draws from
+        if self.dataloader is None and trainer.train_dataloader is not self._counted_loader:
+            self._count_data(trainer, pl_module, lambda: self._target_like)
+
+    def _count_data(self, trainer: Trainer, pl_module: LightningModule, like: Callable[[], torch.Tensor]) -> None:
+        """Count ``N`` over the evidence data of every rank and store it on the prior; ``like()`` gives
+        outputs whose shape the targets must fit (the set-up check's)."""
+        _, likelihood = self._hyperparameters()
 
         def local() -> int:  # one rank's failure (e.g. its shard's first batch) is raised on every rank
-            like = self._check_setup(trainer, pl_module)
-            return count_data(self.dataloader, trainer, pl_module, likelihood, self._batch_fn(pl_module), like)
+            self._target_like = like()
+            return count_data(self.dataloader, trainer, pl_module, likelihood, self._batch_fn(pl_module), self._target_like)
 
         strategy = trainer.strategy
         n_data = strategy.reduce(torch.tensor(run_on_all_ranks(strategy, local), device=strategy.root_device), reduce_op="sum")
         self._record_n_data(int(n_data))
-        self._follow_changed_learnables()  # after the set-up check, which decides the scale-invariant treatment
+        self._counted_loader = trainer.train_dataloader
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         # an epoch's first batch (the user's on_train_epoch_start hooks have set its modes), or the fit's first
@@ -233,27 +246,10 @@ class EstimatorCore:
             self._scale_note = None
 
     def _follow_changed_learnables(self) -> None:
-        """After a resume: tensors whose precision the checkpoint learned and the prior now fixes take
-        the declared ``precision``; a changed set of learned hyperparameters restarts the Adam state.
-        Both with a warning (identical on every rank: the checkpoint's state is)."""
+        """After a resume (:func:`.resume.follow_changed_learnables`)."""
         prior, likelihood = self._hyperparameters()
-        saved, signature = self._optimizer_signature, self._learnable_signature()
-        if saved is None:
-            return
-        learned_before = next((entry[2] for entry in saved if entry[0] == "log_precision" and len(entry) > 2), [])
-        newly_fixed = [name for name in prior.fixed_names() if name in learned_before]
-        if newly_fixed:
-            assign_hyperparameters(prior, likelihood, {"log_precision": prior.declared_log_precision(newly_fixed)})
-            rank_zero_warn(
-                f"MargLikCallback: the checkpoint learned the prior precision of {newly_fixed}, which the prior now "
-                f"fixes (GaussianPrior(fixed=...)): they take the declared precision={prior.initial_precision:g}."
-            )
-        if self._optimizer_state and [tuple(entry) for entry in saved] != signature:
-            rank_zero_warn(
-                f"MargLikCallback: the learnable hyperparameters changed since the checkpoint "
-                f"({saved} -> {signature}): the Adam state of the hyperparameter steps starts "
-                "afresh; the evidence history and best value are kept."
-            )
+        saved, state = self._optimizer_signature, bool(self._optimizer_state)
+        if follow_changed_learnables(prior, likelihood, saved, self._learnable_signature(), state):
             self._optimizer_state, self._optimizer_signature = {}, None
 
     def _check_setup(self, trainer: Trainer, pl_module: LightningModule) -> torch.Tensor:
@@ -662,6 +658,7 @@ class MargLikCallbackCore(EstimatorCore):
     # --- statistics from the training passes (statistics="training") ---------------------------
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_epoch_start(trainer, pl_module)
         self._epoch_loss.epoch_start()
         if self._training is not None:
             self._training.epoch_start()
