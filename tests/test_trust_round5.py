@@ -12,7 +12,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from lightning_marglik import MargLikCallback, map_loss
+from lightning_marglik import MargLikCallback, MargLikConfigurationError, map_loss
 from tests.lightning_models import Regressor, loader, regression_data, trainer
 
 
@@ -119,3 +119,25 @@ def test_n_of_the_loss_follows_a_reloaded_training_loader():
     trainer([callback], 5, reload_dataloaders_every_n_epochs=1).fit(module)
     assert module.n_by_epoch == {0: {128}, 1: {128}, 2: {128}, 3: {256}, 4: {256}}
     assert [entry["epoch"] for entry in callback.history] == [5] and int(module.prior.n_data) == 256
+
+
+# --- item 5: Lightning's EarlyStopping on marglik where some epochs have no estimate ----------------
+
+
+@pytest.mark.parametrize("arguments", [dict(frequency=2), dict(frequency=1, burnin=1), dict(frequency=1, settle=0.05)])
+def test_lightning_early_stopping_on_marglik_is_refused_at_setup_naming_marglik_early_stopping(arguments):
+    module = Regressor()
+    module.training_step = lambda batch, batch_idx: pytest.fail("training must not start")
+    stopper = pl.callbacks.EarlyStopping(monitor="marglik", mode="max")
+    with pytest.raises(MargLikConfigurationError, match=r"EarlyStopping\(monitor='marglik'\) checks marglik after every "
+                       r"training epoch, but MargLikCallback\(frequency=.*\) does not estimate it after every epoch.*"
+                       r"Use MargLikEarlyStopping\(patience=\.\.\.\)"):
+        trainer([MargLikCallback(structure="diag", **arguments), stopper], 4).fit(module, loader(regression_data()))
+
+
+def test_lightning_early_stopping_on_marglik_works_when_every_epoch_estimates():
+    stopper = pl.callbacks.EarlyStopping(monitor="marglik", mode="max", patience=1, min_delta=1.0)
+    callback = MargLikCallback(structure="diag", frequency=1, steps=10)
+    fitted = trainer([callback, stopper], 6)
+    fitted.fit(Regressor(), loader(regression_data()))
+    assert fitted.current_epoch == 2 and [entry["epoch"] for entry in callback.history] == [1, 2]  # stopped, no crash

@@ -18,7 +18,7 @@ from ..curvature.structures import structure_class, structures_with
 from ..hyperparameters import GaussianPrior, Likelihood
 from ..validators import choice, number
 from .data import BatchFn
-from .package import LightningModule, LightningPackage, MargLikConfigurationError, Trainer
+from .package import MONITOR, LightningModule, LightningPackage, MargLikConfigurationError, Trainer
 
 __all__ = [
     "STATISTICS",
@@ -28,6 +28,7 @@ __all__ = [
     "check_model_forward",
     "check_processes",
     "check_statistics",
+    "check_stock_early_stopping",
     "check_training_statistics",
     "follow_training_modes",
     "treat_scale_invariant",
@@ -35,6 +36,32 @@ __all__ = [
 ]
 
 STATISTICS = ("pass", "training")
+
+
+def check_stock_early_stopping(trainer: Trainer, who: str, every_epoch: bool) -> None:
+    """Refuse Lightning's own ``EarlyStopping`` on ``marglik`` where some epochs end without an estimate.
+
+    It checks after every epoch: in an epoch without an estimate it raises "metric marglik ... not
+    available" (``strict=True``), or counts the last estimate again towards its patience.
+
+    Args:
+        trainer: The trainer whose callbacks are checked.
+        who: The estimating callback's description, for the message.
+        every_epoch: Whether every epoch ends with an estimate (then it works).
+
+    Raises:
+        MargLikConfigurationError: Naming ``MargLikEarlyStopping``, which acts on fresh estimates only.
+    """
+    for callback in trainer.callbacks:
+        names = [cls.__name__ for cls in type(callback).__mro__]
+        if "EarlyStopping" in names and "EarlyStoppingCore" not in names and callback.monitor == MONITOR and not every_epoch:
+            raise MargLikConfigurationError(
+                f"{type(callback).__name__}(monitor={MONITOR!r}) checks {MONITOR} after every training epoch, but "
+                f"{who} does not estimate it after every epoch: Lightning's early stopping would fail with "
+                f"'metric {MONITOR} ... not available' or count a stale estimate towards its patience. Use "
+                "MargLikEarlyStopping(patience=...), which acts on fresh estimates only and counts patience in "
+                "estimations."
+            )
 
 
 def check_statistics(statistics: Any, options: CurvatureOptions) -> str:
