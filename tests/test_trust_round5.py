@@ -11,6 +11,7 @@ import warnings
 import pytest
 import pytorch_lightning as pl
 import torch
+from torch.utils.data import DataLoader, IterableDataset, WeightedRandomSampler
 
 from lightning_marglik import MargLikCallback, MargLikConfigurationError, map_loss
 from tests.lightning_models import Regressor, loader, regression_data, trainer
@@ -141,3 +142,47 @@ def test_lightning_early_stopping_on_marglik_works_when_every_epoch_estimates():
     fitted = trainer([callback, stopper], 6)
     fitted.fit(Regressor(), loader(regression_data()))
     assert fitted.current_epoch == 2 and [entry["epoch"] for entry in callback.history] == [1, 2]  # stopped, no crash
+
+
+# --- item 7: the messages say what the sampler and the stream do -------------------------------------
+
+
+def _weighted(replacement: bool, num_samples: int) -> DataLoader:
+    data = regression_data()
+    sampler = WeightedRandomSampler(torch.linspace(1, 2, len(data)), num_samples, replacement=replacement)
+    return DataLoader(data, batch_size=16, sampler=sampler)
+
+
+def test_weighted_sampler_without_replacement_drawing_every_example_trains_on_all_of_them():
+    callback = MargLikCallback(structure="diag", frequency=1, steps=10)
+    trainer([callback], 1).fit(Regressor(), _weighted(replacement=False, num_samples=64))
+    assert callback.evidence.n_data == 64 and math.isfinite(callback.final_marglik)
+
+
+@pytest.mark.parametrize("replacement, num_samples, message", [
+    (False, 32, r"WeightedRandomSampler\(replacement=False, num_samples=32\) draws a random part of the 64 examples "
+                r"per epoch, by weight"),
+    (True, 64, r"WeightedRandomSampler draws examples by weight, with replacement"),
+])
+def test_weighted_sampler_refusal_says_what_it_draws(replacement, num_samples, message):
+    module = Regressor()
+    module.training_step = lambda batch, batch_idx: pytest.fail("training must not start")
+    with pytest.raises(MargLikConfigurationError, match=message + r".*`dataloader=`"):
+        trainer([MargLikCallback(structure="diag")], 1).fit(module, _weighted(replacement, num_samples))
+
+
+class FiniteStream(IterableDataset):
+    """A stream of 64 regression examples (8 batches of 8), without a length."""
+
+    def __iter__(self):
+        data = regression_data()
+        return iter(zip(data.tensors[0], data.tensors[1]))
+
+
+def test_finite_stream_shorter_than_the_limit_is_warned_with_its_own_count():
+    callback = MargLikCallback(structure="diag", frequency=1, steps=10)
+    with pytest.warns(UserWarning, match=r"the evidence covers the 8 batches \(the stream ended before the limit of "
+                      r"100\) of the training IterableDataset") as caught:
+        trainer([callback], 1, limit_train_batches=100).fit(Regressor(), DataLoader(FiniteStream(), batch_size=8))
+    assert not [w for w in caught if "first 100 batches" in str(w.message)]
+    assert callback.evidence.n_data == 64

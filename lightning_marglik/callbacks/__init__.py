@@ -57,10 +57,10 @@ class MargLikCallback(MargLikCallbackCore, Callback):
 
     The evidence data are the examples of the training loader's sampler, each once (a
     ``SubsetRandomSampler``'s indices, a custom sampler's keys, else the whole data set); samplers
-    that draw another distribution (``WeightedRandomSampler``, ``RandomSampler(replacement=True)``,
-    repeated keys) are refused: pass ``dataloader=``. An iterable-style training set is read for
-    the batches one training epoch uses (``limit_train_batches``); one without length or limit
-    is refused.
+    that draw another distribution (``WeightedRandomSampler`` with replacement or of fewer samples
+    than weights, ``RandomSampler(replacement=True)``, repeated keys) are refused: pass ``dataloader=``.
+    An iterable-style training set is read for the batches one training epoch uses
+    (``limit_train_batches``); one without length or limit is refused.
 
     Everything the evidence needs is checked when training starts, before the first step: the
     ``dataloader`` source, one eval-mode ``forward`` of one evidence batch (a single output tensor
