@@ -11,9 +11,18 @@ import warnings
 import pytest
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import EMAWeightAveraging
+from torch.optim.swa_utils import AveragedModel
 from torch.utils.data import DataLoader, IterableDataset, WeightedRandomSampler
 
-from lightning_marglik import MargLikCallback, MargLikConfigurationError, map_loss
+from lightning_marglik import (
+    LaplaceEvidence,
+    MargLikBoundCallback,
+    MargLikCallback,
+    MargLikCheckpoint,
+    MargLikConfigurationError,
+    map_loss,
+)
 from tests.lightning_models import Regressor, loader, regression_data, trainer
 
 
@@ -186,3 +195,98 @@ def test_finite_stream_shorter_than_the_limit_is_warned_with_its_own_count():
         trainer([callback], 1, limit_train_batches=100).fit(Regressor(), DataLoader(FiniteStream(), batch_size=8))
     assert not [w for w in caught if "first 100 batches" in str(w.message)]
     assert callback.evidence.n_data == 64
+
+
+# --- item 3: weight averaging never averages the hyperparameters; every evidence is of its weights ----
+
+
+class AverageProbe(pl.Callback):
+    """After MargLikCallback: records, after every training batch, how far the averaging callback's copy of
+    the hyperparameters is from the module's (the learned values)."""
+
+    def __init__(self, averaging):
+        self.averaging, self.gaps = averaging, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        average = self.averaging._average_model
+        copy = getattr(average, "module", average)
+        self.gaps.append(max(float((copy.prior.log_precision - pl_module.prior.log_precision).abs().max()),
+                             float((copy.likelihood.log_sigma - pl_module.likelihood.log_sigma).abs().max()),
+                             abs(int(copy.prior.n_data) - int(pl_module.prior.n_data))))
+
+
+def _evidence_per_datum(module) -> float:
+    """The Laplace evidence per datum of the module's weights under its hyperparameters (as they are)."""
+    evidence = LaplaceEvidence.fit(module, loader(regression_data()), module.likelihood, module.prior, structure="diag")
+    return evidence.log_marglik().item() / evidence.n_data
+
+
+@pytest.mark.parametrize("use_buffers", [True, False])
+def test_ema_weight_averaging_keeps_learned_hyperparameters_and_final_marglik_is_the_returned_models(use_buffers):
+    module = Regressor(lr=3e-2)
+    ema = EMAWeightAveraging(decay=0.9, use_buffers=use_buffers)
+    callback = MargLikCallback(structure="diag", frequency=2, steps=20)
+    probe = AverageProbe(ema)
+    trainer([ema, callback, probe], 6).fit(module, loader(regression_data()))
+    assert max(probe.gaps) == 0.0  # the average's hyperparameters are the learned ones after every step
+    average = ema._average_model.module
+    for returned, averaged in zip(module.parameters(), average.parameters()):
+        assert torch.equal(returned, averaged)  # the fit returns the averaged weights ...
+    assert callback.history[-1]["marglik"] == callback.final_marglik
+    assert callback.final_marglik == pytest.approx(_evidence_per_datum(module), rel=1e-9)  # ... and their evidence
+    assert torch.equal(average.prior.log_precision, module.prior.log_precision)  # trainer.save_checkpoint holds them
+
+
+def test_stochastic_weight_averaging_checkpoints_and_final_marglik_are_evidences_of_their_weights(tmp_path):
+    module = Regressor(lr=3e-2)
+    swa = pl.callbacks.StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=2)
+    callback = MargLikCallback(structure="diag", frequency=2, steps=20)
+    checkpoint = MargLikCheckpoint(dirpath=tmp_path, save_top_k=3)
+    trainer([swa, callback, checkpoint], 6).fit(module, loader(regression_data()))
+    assert callback.final_marglik == pytest.approx(_evidence_per_datum(module), rel=1e-9)
+    assert callback.final_marglik != callback.history[-2]["marglik"]  # the averaged weights' own estimate
+    assert len(checkpoint.best_k_models) == 3
+    for path, score in checkpoint.best_k_models.items():
+        saved = Regressor()
+        saved.load_state_dict(torch.load(path, weights_only=False)["state_dict"])
+        assert float(score) == pytest.approx(_evidence_per_datum(saved), rel=1e-9)
+
+
+def test_weight_averaging_listed_after_marglik_callback_is_refused_naming_the_order():
+    module = Regressor()
+    module.training_step = lambda batch, batch_idx: pytest.fail("training must not start")
+    with pytest.raises(MargLikConfigurationError, match=r"EMAWeightAveraging is listed after MargLikCallback in the "
+                       r"Trainer's callbacks: list it before, e.g. callbacks=\[EMAWeightAveraging\(\.\.\.\), "
+                       r"MargLikCallback\(\.\.\.\), \.\.\.\]"):
+        trainer([MargLikCallback(structure="diag"), EMAWeightAveraging()], 2).fit(module, loader(regression_data()))
+
+
+@pytest.mark.parametrize("make_checkpoint", [lambda path: MargLikCheckpoint(dirpath=path),
+                                             lambda path: pl.callbacks.ModelCheckpoint(dirpath=path, monitor="marglik")])
+def test_ema_next_to_a_marglik_checkpoint_is_refused_naming_what_works(tmp_path, make_checkpoint):
+    module = Regressor()
+    module.training_step = lambda batch, batch_idx: pytest.fail("training must not start")
+    callbacks = [EMAWeightAveraging(), MargLikCallback(structure="diag"), make_checkpoint(tmp_path)]
+    with pytest.raises(MargLikConfigurationError, match=r"\(monitor='marglik'\) next to EMAWeightAveraging: .*saves the "
+                       r"averaged weights in every checkpoint.*MargLikCheckpoint with StochasticWeightAveraging"):
+        trainer(callbacks, 2).fit(module, loader(regression_data()))
+
+
+def test_bound_callback_with_weight_averaging_is_refused():
+    module = Regressor()
+    module.training_step = lambda batch, batch_idx: pytest.fail("training must not start")
+    with pytest.raises(MargLikConfigurationError, match=r"MargLikBoundCallback with EMAWeightAveraging: .*Use "
+                       r"MargLikCallback with weight averaging"):
+        trainer([EMAWeightAveraging(), MargLikBoundCallback(structure="diag")], 2).fit(module, loader(regression_data()))
+
+
+def test_torch_averaged_model_copies_the_hyperparameter_buffers_without_use_buffers():
+    """What docs/works-with.md says of torch.optim.swa_utils.AveragedModel in a plain loop."""
+    module = Regressor()
+    kept, mixed = AveragedModel(module), AveragedModel(module, use_buffers=True)
+    for value in (0.0, 2.0):
+        module.prior.log_precision.fill_(value)
+        kept.update_parameters(module)
+        mixed.update_parameters(module)
+    assert float(kept.module.prior.log_precision.max()) == 2.0  # copied from the model
+    assert float(mixed.module.prior.log_precision.max()) == 1.0  # averaged: use_buffers=False keeps them

@@ -41,11 +41,12 @@ from ..hyperparameters import (
 from ..runaway import runaway_message, runaway_precisions
 from ..validators import choice, flag, integer, number, optional
 from . import checks
+from .averaging import WeightAveragingFollower
 from .cost import cost_warning, training_step_seconds
 from .data import count_data, evidence_batches, isolate_rng, named_loader_method
 from .epoch_loss import EpochLoss
-from .final_log import log_after_training
 from .fit_record import FitRecord
+from .logged import log_after_training, logged_values
 from .package import MONITOR, LightningModule, LightningPackage, MargLikConfigurationError, Trainer, check_package, find_hyperparameters
 from .prior_in_loss import PriorInLossCheck
 from .progress import progress
@@ -314,17 +315,7 @@ class EstimatorCore:
 
     def logged_values(self, marglik: float) -> Dict[str, float]:
         """What the callback logs for an estimate: ``marglik`` and every hyperparameter by name."""
-        prior, likelihood = self._hyperparameters()
-        out = {MONITOR: marglik}
-        if prior.structure == "scalar":
-            out["prior_precision"] = prior.precision.item()
-        else:
-            per_tensor = torch.split(prior.per_parameter(prior.log_precision), prior.param_sizes)
-            for name, log_prec in zip(prior.param_names, per_tensor):
-                out[f"prior_precision/{name}"] = log_prec.mean().exp().item()  # geometric mean if diagonal
-        for name, log_value in likelihood.hyperparameters().items():
-            out[name[len("log_"):]] = log_value.exp().item()
-        return out
+        return logged_values(*self._hyperparameters(), marglik)
 
     # --- helpers -----------------------------------------------------------------------------
 
@@ -432,6 +423,7 @@ class MargLikCallbackCore(EstimatorCore):
         self.biases = optional(choice, biases, TREATMENTS, "biases")
         # statistics='training': the sums of the training passes in estimation epochs
         self._training = TrainingStatistics(schedule, self.statistics_fraction) if self.statistics == "training" else None
+        self._averaging = WeightAveragingFollower()  # keeps the hyperparameters out of Lightning's weight averages
 
     def _reset_state(self) -> None:
         super()._reset_state()
@@ -441,6 +433,8 @@ class MargLikCallbackCore(EstimatorCore):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
+        if stage == "fit":
+            self._averaging.setup(trainer, self)
         if stage == "fit" and self._training is not None:
             checks.check_training_statistics(trainer, pl_module)
 
@@ -484,7 +478,8 @@ class MargLikCallbackCore(EstimatorCore):
             self._log(pl_module, self.estimate(trainer, pl_module, epoch=trainer.current_epoch + 1))
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.schedule.is_current(trainer):
+        # weight averaging wrote the weights the fit returns (its callbacks run first): their evidence is owed
+        if self.schedule.is_current(trainer) and not self._averaging.active:
             self.final_marglik = self.last_marglik
             return
         # trainer.current_epoch counts the completed epochs here
@@ -535,6 +530,7 @@ class MargLikCallbackCore(EstimatorCore):
             if message and not self._warned_ef:
                 rank_zero_warn(message)
                 self._warned_ef = True
+        self._averaging.sync(pl_module)  # the averaged copies hold the learned values, not an average of them
         return self._record_estimate(trainer, epoch, marglik, **extra)
 
     def _evidence(
@@ -684,6 +680,7 @@ class MargLikCallbackCore(EstimatorCore):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self.schedule.needs_loss:
             self._epoch_loss.batch_end(outputs)
+        self._averaging.sync(pl_module)  # after the averaging callbacks' update of this step (they run first)
         if self._training is not None:
             self._training.batch_end(trainer)
 
