@@ -159,6 +159,20 @@ def test_lightning_early_stopping_on_marglik_is_refused_at_setup_naming_marglik_
         trainer([MargLikCallback(structure="diag", **arguments), stopper], 4).fit(module, loader(regression_data()))
 
 
+@pytest.mark.parametrize("stopper, intervals", [
+    (dict(check_on_train_epoch_end=False), {}),
+    ({}, dict(val_check_interval=0.5)),
+], ids=["check_on_train_epoch_end=False", "val_check_interval=0.5"])
+def test_lightning_early_stopping_on_marglik_after_validation_is_refused(stopper, intervals):
+    module = Regressor()
+    module.training_step = lambda batch, batch_idx: pytest.fail("training must not start")
+    callbacks = [MargLikCallback(structure="diag", frequency=1), pl.callbacks.EarlyStopping(monitor="marglik", **stopper)]
+    with pytest.raises(MargLikConfigurationError, match=r"EarlyStopping\(monitor='marglik'\) checks marglik after every "
+                       r"validation, which runs before the epoch's estimate.*Use MargLikEarlyStopping"):
+        data = loader(regression_data())
+        trainer(callbacks, 4, **intervals).fit(module, data, val_dataloaders=data)
+
+
 def test_lightning_early_stopping_on_marglik_works_when_every_epoch_estimates():
     stopper = pl.callbacks.EarlyStopping(monitor="marglik", mode="max", patience=1, min_delta=1.0)
     callback = MargLikCallback(structure="diag", frequency=1, steps=10)
