@@ -100,6 +100,8 @@ class WeightAveragingFollower:
 
     def sync(self, pl_module: nn.Module) -> None:
         """Set the hyperparameter buffers of every averaged copy to the module's (the learned values)."""
+        if not self.callbacks:
+            return
         hyperparameters = [(name, module) for name, module in pl_module.named_modules()
                            if isinstance(module, (GaussianPrior, Likelihood))]
         for callback in self.callbacks:

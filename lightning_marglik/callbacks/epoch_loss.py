@@ -25,19 +25,21 @@ class EpochLoss:
     def epoch_start(self) -> None:
         """A new epoch: nothing summed yet."""
         self._total, self._batches = 0.0, 0
-        self._backpropagated: Optional[float] = None
+        self._backpropagated: Optional[Tensor] = None
 
     def before_backward(self, loss: Tensor) -> None:
-        """A loss about to be backpropagated in the current batch."""
-        self._backpropagated = (self._backpropagated or 0.0) + float(loss.detach())
+        """A loss about to be backpropagated in the current batch (kept on its device: read only if needed)."""
+        loss = loss.detach()
+        self._backpropagated = loss if self._backpropagated is None else self._backpropagated + loss
 
     def batch_end(self, outputs: Any) -> None:
         """The batch's ``training_step`` result; its loss, else the losses it backpropagated, count."""
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        value = float(loss.detach()) if isinstance(loss, Tensor) else self._backpropagated
+        if not isinstance(loss, Tensor):
+            loss = self._backpropagated
         self._backpropagated = None
-        if value is not None:
-            self._total += value
+        if loss is not None:
+            self._total += float(loss.detach())
             self._batches += 1
 
     @property
