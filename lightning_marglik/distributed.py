@@ -129,8 +129,9 @@ def epoch_keys(sampler: Union[Sampler, Iterable], batched: bool = False) -> Sequ
     """The keys one epoch of ``sampler`` draws, each once, sorted (or in first-seen order).
 
     Sequential, shuffling (without replacement) and distributed samplers draw every index of their
-    data set, as does a ``WeightedRandomSampler(replacement=False)`` of as many samples as weights; a ``SubsetRandomSampler`` its ``indices``; Lightning's ``DistributedSamplerWrapper``
-    the keys of the sampler it wraps; any other sampler (or a batch sampler, flattened) what one
+    data set, as does a ``WeightedRandomSampler(replacement=False)`` of as many samples as weights;
+    a ``SubsetRandomSampler`` its ``indices``; Lightning's ``DistributedSamplerWrapper`` the keys of
+    the sampler it wraps; any other sampler (or a batch sampler, flattened) what one
     pass over it yields, taken with the random state restored afterwards so that training draws
     as it would have.
 

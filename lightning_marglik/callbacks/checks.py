@@ -67,9 +67,10 @@ def check_stock_early_stopping(trainer: Trainer, who: str, every_epoch: bool) ->
                 "after every validation, which runs before the epoch's estimate (check_on_train_epoch_end=False or "
                 "validation intervals other than once per epoch)")
         raise MargLikConfigurationError(
-            f"{type(callback).__name__}(monitor={MONITOR!r}) checks {MONITOR} {when}: Lightning's early stopping would fail with 'metric {MONITOR} ... not available' or count a stale estimate towards "
-            "its patience. Use MargLikEarlyStopping(patience=...), which acts on fresh estimates only and counts "
-            "patience in estimations."
+            f"{type(callback).__name__}(monitor={MONITOR!r}) checks {MONITOR} {when}: Lightning's early stopping "
+            f"would fail with 'metric {MONITOR} ... not available' or count a stale estimate towards its patience. "
+            "Use MargLikEarlyStopping(patience=...), which acts on fresh estimates only and counts patience in "
+            "estimations."
         )
 
 

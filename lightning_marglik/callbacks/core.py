@@ -162,7 +162,8 @@ class EstimatorCore:
         except ValueError as err:  # the engine's message names the module and a structure that works
             raise MargLikConfigurationError(str(err)) from err
         checks.check_processes(self.options, trainer)
-        checks.check_stock_early_stopping(trainer, f"{type(self).__name__}({self.schedule.describe()})", self.schedule.every_epoch())
+        who = f"{type(self).__name__}({self.schedule.describe()})"
+        checks.check_stock_early_stopping(trainer, who, self.schedule.every_epoch())
         checks.check_model_forward(pl_module, self._package)
         if isinstance(self.dataloader, str):
             named_loader_method(self.dataloader, trainer, pl_module)  # a wrong name fails now, not after burn-in

@@ -1,8 +1,9 @@
 """What the estimating callbacks log: an estimate's values, and the end-of-training estimate's row.
 
 An estimate logs ``marglik`` and every hyperparameter by name (:func:`logged_values`). For the
-end-of-training estimate (:func:`log_after_training`), ``self.log`` is not allowed in ``on_train_end``: the values go into ``trainer.callback_metrics``
-(where callbacks and users read them) and to every logger directly. Each row carries what
+end-of-training estimate (:func:`log_after_training`), ``self.log`` is not allowed in
+``on_train_end``: the values go into ``trainer.callback_metrics`` (where callbacks and users read
+them) and to every logger directly. Each row carries what
 Lightning's own epoch-end rows carry: the ``epoch`` (index from 0) and the step of the epoch's last
 training batch (Lightning's count of batches that stepped, less one), so that in ``metrics.csv``
 the final estimate's row is counted like the others.
