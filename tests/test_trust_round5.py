@@ -25,7 +25,7 @@ from lightning_marglik import (
     MargLikConfigurationError,
     map_loss,
 )
-from tests.lightning_models import Regressor, loader, regression_data, trainer
+from tests.lightning_models import Regressor, RegressorSteps, loader, regression_data, trainer
 
 
 class ManualRegressor(Regressor):
@@ -381,3 +381,20 @@ def test_channels_last_gives_the_evidence_of_the_contiguous_network(structure):
         trainer([callback], 2).fit(module, loader(_images()))
         results.append(callback.final_marglik)
     assert results[1] == pytest.approx(results[0], rel=1e-6)
+
+
+def test_ema_weight_averaging_of_the_lightning_package_keeps_the_hyperparameters_out_of_the_average():
+    from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch.callbacks import EMAWeightAveraging as LightningEMA
+
+    from lightning_marglik.lightning import MargLikCallback as LightningMargLikCallback
+
+    class Module(RegressorSteps, LightningModule):
+        pass
+
+    module, ema = Module(lr=3e-2), LightningEMA(decay=0.9)
+    callback = LightningMargLikCallback(structure="diag", frequency=2, steps=20)
+    Trainer(max_epochs=4, callbacks=[ema, callback], logger=False, enable_progress_bar=False, enable_model_summary=False,
+            enable_checkpointing=False, accelerator="cpu").fit(module, loader(regression_data()))
+    assert torch.equal(ema._average_model.module.prior.log_precision, module.prior.log_precision)
+    assert callback.final_marglik == pytest.approx(_evidence_per_datum(module), rel=1e-9)
