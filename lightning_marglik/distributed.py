@@ -129,8 +129,9 @@ def epoch_keys(sampler: Union[Sampler, Iterable], batched: bool = False) -> Sequ
     """The keys one epoch of ``sampler`` draws, each once, sorted (or in first-seen order).
 
     Sequential, shuffling (without replacement) and distributed samplers draw every index of their
-    data set; a ``SubsetRandomSampler`` its ``indices``; Lightning's ``DistributedSamplerWrapper``
-    the keys of the sampler it wraps; any other sampler (or a batch sampler, flattened) what one
+    data set, as does a ``WeightedRandomSampler(replacement=False)`` of as many samples as weights;
+    a ``SubsetRandomSampler`` its ``indices``; Lightning's ``DistributedSamplerWrapper`` the keys of
+    the sampler it wraps; any other sampler (or a batch sampler, flattened) what one
     pass over it yields, taken with the random state restored afterwards so that training draws
     as it would have.
 
@@ -153,7 +154,15 @@ def epoch_keys(sampler: Union[Sampler, Iterable], batched: bool = False) -> Sequ
     if isinstance(sampler, SequentialSampler):
         return range(len(sampler))
     if isinstance(sampler, WeightedRandomSampler):
-        raise ValueError(f"The training sampler {name} draws examples by weight, with replacement; {_FIX}")
+        size = len(sampler.weights)
+        if sampler.replacement:
+            raise ValueError(f"The training sampler {name} draws examples by weight, with replacement; {_FIX}")
+        if sampler.num_samples != size:
+            raise ValueError(
+                f"The training sampler {name}(replacement=False, num_samples={sampler.num_samples}) draws a random "
+                f"part of the {size} examples per epoch, by weight; {_FIX}"
+            )
+        return range(size)  # every example once per epoch, in an order drawn by weight
     if isinstance(sampler, RandomSampler):
         size = len(sampler.data_source)
         if sampler.replacement:

@@ -10,7 +10,11 @@ ones for ``lightning.pytorch`` (``import lightning``). Their logic lives in the 
 package, shared by both, one job each:
 
 - :mod:`.core`: the estimating callbacks' hooks, the estimate and resume;
-- :mod:`.schedule`: when an estimate is due, and whether the latest is fresh;
+- :mod:`.schedule`: when an estimate is due, and whether the latest is fresh; :mod:`.epoch_loss`: the
+  training loss a settle rule reads;
+- :mod:`.fit_record`, :mod:`.resume` and :mod:`.logged`: the record through a fit that trains nothing, a
+  resume whose learnables changed, and what is logged;
+- :mod:`.averaging`: Lightning's weight-averaging callbacks, kept off the hyperparameters;
 - :mod:`.checks` and :mod:`.data`: the set-up checks and the evidence data;
 - :mod:`.training_statistics`: the sums of the training passes (``statistics="training"``);
 - :mod:`.followers`: ``MargLikCheckpoint`` and ``MargLikEarlyStopping``;
@@ -57,10 +61,10 @@ class MargLikCallback(MargLikCallbackCore, Callback):
 
     The evidence data are the examples of the training loader's sampler, each once (a
     ``SubsetRandomSampler``'s indices, a custom sampler's keys, else the whole data set); samplers
-    that draw another distribution (``WeightedRandomSampler``, ``RandomSampler(replacement=True)``,
-    repeated keys) are refused: pass ``dataloader=``. An iterable-style training set is read for
-    the batches one training epoch uses (``limit_train_batches``); one without length or limit
-    is refused.
+    that draw another distribution (``WeightedRandomSampler`` with replacement or of fewer samples
+    than weights, ``RandomSampler(replacement=True)``, repeated keys) are refused: pass ``dataloader=``.
+    An iterable-style training set is read for the batches one training epoch uses
+    (``limit_train_batches``); one without length or limit is refused.
 
     Everything the evidence needs is checked when training starts, before the first step: the
     ``dataloader`` source, one eval-mode ``forward`` of one evidence batch (a single output tensor
@@ -72,7 +76,11 @@ class MargLikCallback(MargLikCallbackCore, Callback):
     :func:`lightning_marglik.map_loss`, as after every estimate.
 
     Each ``fit`` starts afresh (history, best value, Adam state of the hyperparameter steps); a
-    ``fit(ckpt_path=...)`` restores them from the checkpoint. If the learnable hyperparameters
+    ``fit(ckpt_path=...)`` restores them from the checkpoint, and a fit that trains nothing (a Trainer
+    that has finished) keeps the previous fit's, with a warning. With ``reload_dataloaders_every_n_epochs``
+    ``N`` is counted again when an epoch's training loader is new. Weight averaging
+    (``EMAWeightAveraging``, ``StochasticWeightAveraging``) must be listed before this callback: the
+    hyperparameters are never averaged, and the end-of-training estimate is that of the averaged weights. If the learnable hyperparameters
     changed since the checkpoint (e.g. ``learn_temperature`` turned on, or other tensors in
     ``GaussianPrior(fixed=...)``), the Adam state starts afresh with a warning; the rest of the
     state is kept. A tensor the checkpoint learned and the prior now fixes takes the declared
@@ -151,9 +159,10 @@ class MargLikCallback(MargLikCallbackCore, Callback):
             having fallen (relatively) more than ``settle`` below its first epoch's, changed by at most
             ``settle`` over two epochs (:func:`~lightning_marglik.schedule_rules.loss_has_settled`), then
             every ``frequency``-th epoch (:class:`~lightning_marglik.callbacks.schedule.SettledSchedule`);
-            the last epoch always estimates; until then the network trains with the prior's declared
-            precision. A run whose loss never settles gets one estimate, at its end; under a decaying
-            learning rate the loss keeps falling and it settles late, which threw away the learned prior's
+            the last epoch always estimates (a batch's loss: what ``training_step`` returns or, when it returns
+            nothing, as under manual optimization, the losses it backpropagated); until then the network trains with
+            the prior's declared precision. A run whose loss never settles gets one estimate, at its end; under
+            a decaying learning rate the loss keeps falling and it settles late, which threw away the learned prior's
             gains (``benchmarks/results/vs_cross_validation.md``). Default ``None``: Algorithm 1 from
             epoch ``burnin + 1`` (the paper's schedule).
         flush_denormals: Flush denormal floats to zero on the CPU for the whole fit (``on_fit_start`` to

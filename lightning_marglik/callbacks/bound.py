@@ -20,6 +20,7 @@ import torch
 from ..bounds import BoundOptimizer, check_bound_options
 from ..curvature import CurvatureOptions
 from .arguments import BOUND_KEYWORDS
+from .averaging import averaging_callbacks
 from .core import EstimatorCore
 from .package import LightningModule, MargLikConfigurationError, Trainer
 from .schedule import BatchSchedule
@@ -65,6 +66,16 @@ class MargLikBoundCallbackCore(EstimatorCore):
         self.every_k_batches = schedule.every
         self._optimizer: Optional[BoundOptimizer] = None
         self._epoch_values: List[float] = []
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        averaging = averaging_callbacks(trainer) if stage == "fit" else []
+        if averaging:  # its steps write the hyperparameters at every k-th batch, and it has no evidence pass
+            raise MargLikConfigurationError(
+                f"MargLikBoundCallback with {type(averaging[0]).__name__}: its marglik is a mean of bounds at the "
+                "trained weights, and it has no estimate of the averaged weights the fit returns. Use MargLikCallback "
+                "with weight averaging (its final estimate is the evidence of the averaged weights), or no averaging."
+            )
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_start(trainer, pl_module)  # set-up checks, N on the prior, a changed set of learnables

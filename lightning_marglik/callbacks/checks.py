@@ -18,7 +18,7 @@ from ..curvature.structures import structure_class, structures_with
 from ..hyperparameters import GaussianPrior, Likelihood
 from ..validators import choice, number
 from .data import BatchFn
-from .package import LightningModule, LightningPackage, MargLikConfigurationError, Trainer
+from .package import MONITOR, LightningModule, LightningPackage, MargLikConfigurationError, Trainer
 
 __all__ = [
     "STATISTICS",
@@ -28,6 +28,7 @@ __all__ = [
     "check_model_forward",
     "check_processes",
     "check_statistics",
+    "check_stock_early_stopping",
     "check_training_statistics",
     "check_weight_decay",
     "follow_training_modes",
@@ -35,6 +36,42 @@ __all__ = [
 ]
 
 STATISTICS = ("pass", "training")
+
+
+def check_stock_early_stopping(trainer: Trainer, who: str, every_epoch: bool) -> None:
+    """Refuse Lightning's own ``EarlyStopping`` on ``marglik`` where it would check without a fresh estimate.
+
+    It checks at the end of every training epoch (or, with ``check_on_train_epoch_end=False`` or other
+    validation intervals, after each validation, which runs before the epoch's estimate): without an
+    estimate it raises "metric marglik ... not available" (``strict=True``), or counts the last estimate
+    again towards its patience.
+
+    Args:
+        trainer: The trainer whose callbacks are checked.
+        who: The estimating callback's description, for the message.
+        every_epoch: Whether every epoch ends with an estimate.
+
+    Raises:
+        MargLikConfigurationError: Naming ``MargLikEarlyStopping``, which acts on fresh estimates only.
+    """
+    for callback in trainer.callbacks:
+        names = [cls.__name__ for cls in type(callback).__mro__]
+        if "EarlyStopping" not in names or "EarlyStoppingCore" in names or callback.monitor != MONITOR:
+            continue
+        at_epoch_end = getattr(callback, "_check_on_train_epoch_end", None)  # None: Lightning decides at its set-up
+        if at_epoch_end is None:
+            at_epoch_end = trainer.val_check_interval == 1.0 and trainer.check_val_every_n_epoch == 1
+        if every_epoch and at_epoch_end:
+            continue
+        when = (f"after every training epoch, but {who} does not estimate it after every epoch" if at_epoch_end else
+                "after every validation, which runs before the epoch's estimate (check_on_train_epoch_end=False or "
+                "validation intervals other than once per epoch)")
+        raise MargLikConfigurationError(
+            f"{type(callback).__name__}(monitor={MONITOR!r}) checks {MONITOR} {when}: Lightning's early stopping "
+            f"would fail with 'metric {MONITOR} ... not available' or count a stale estimate towards its patience. "
+            "Use MargLikEarlyStopping(patience=...), which acts on fresh estimates only and counts patience in "
+            "estimations."
+        )
 
 
 def check_statistics(statistics: Any, options: CurvatureOptions) -> str:

@@ -35,7 +35,6 @@ from ..hyperparameters import (
     TREATMENTS,
     GaussianPrior,
     Likelihood,
-    assign_hyperparameters,
     learnable_values,
     no_decay_names,
 )
@@ -43,11 +42,16 @@ from ..runaway import runaway_message, runaway_precisions
 from ..validators import choice, flag, integer, number, optional
 from . import checks
 from .arguments import CALLBACK_KEYWORDS, KnownKeywords
+from .averaging import WeightAveragingFollower
 from .cost import cost_warning, training_step_seconds
 from .data import count_data, evidence_batches, isolate_rng, named_loader_method
+from .epoch_loss import EpochLoss
+from .fit_record import FitRecord
+from .logged import log_after_training, logged_values
 from .package import MONITOR, LightningModule, LightningPackage, MargLikConfigurationError, Trainer, check_package, find_hyperparameters
 from .prior_in_loss import PriorInLossCheck
 from .progress import progress
+from .resume import follow_changed_learnables
 from .schedule import EpochSchedule, Schedule, SettledSchedule
 from .training_statistics import TrainingStatistics
 
@@ -114,6 +118,7 @@ class EstimatorCore(KnownKeywords):
         self._scale_modes: Optional[Dict[str, bool]] = None
         self._scale_note: Optional[str] = None
         self._modes_followed = False  # whether this fit's training batches have been checked for their modes
+        self._fit_record = FitRecord()  # the previous fit's record, through a fit that trains nothing
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -124,6 +129,8 @@ class EstimatorCore(KnownKeywords):
         self.best_epoch = -1
         self.final_marglik = math.nan
         self.history: List[Dict[str, float]] = []
+        self._counted_loader: Any = None  # the training loader N was counted on (a reload counts again)
+        self._target_like: Optional[torch.Tensor] = None  # outputs of one evidence batch, for the target checks
         self._warned_runaway: Set[str] = set()  # the tensors a run-away warning named in this fit
         self._prior_in_loss = PriorInLossCheck(type(self).__name__)  # decided on this fit's first training batch
         self._optimizer_state: dict = {}
@@ -148,6 +155,7 @@ class EstimatorCore(KnownKeywords):
             return
         # Every fit starts afresh: the Adam state and history of another model must not carry over.
         # Lightning restores a checkpoint (load_state_dict) after setup, so a resumed fit gets its state back.
+        self._fit_record.keep(self)
         self._reset_state()
         self.prior, self.likelihood = find_hyperparameters(pl_module)
         try:
@@ -155,6 +163,8 @@ class EstimatorCore(KnownKeywords):
         except ValueError as err:  # the engine's message names the module and a structure that works
             raise MargLikConfigurationError(str(err)) from err
         checks.check_processes(self.options, trainer)
+        who = f"{type(self).__name__}({self.schedule.describe()})"
+        checks.check_stock_early_stopping(trainer, who, self.schedule.every_epoch())
         checks.check_model_forward(pl_module, self._package)
         if isinstance(self.dataloader, str):
             named_loader_method(self.dataloader, trainer, pl_module)  # a wrong name fails now, not after burn-in
@@ -168,6 +178,9 @@ class EstimatorCore(KnownKeywords):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
             self._end_fit()
+            message = self._fit_record.end(self, trainer)
+            if message:
+                rank_zero_warn(message)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._end_fit()  # Lightning calls no callback teardown after an exception
@@ -180,16 +193,28 @@ class EstimatorCore(KnownKeywords):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Check everything the evidence needs, before the first step (the training data exist from here)."""
-        prior, likelihood = self._hyperparameters()
+        self._fit_record.drop()
+        self._count_data(trainer, pl_module, lambda: self._check_setup(trainer, pl_module))
+        self._follow_changed_learnables()  # after the set-up check, which decides the scale-invariant treatment
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # reload_dataloaders_every_n_epochs: the N of the loss follows the loader this epoch draws from
+        if self.dataloader is None and trainer.train_dataloader is not self._counted_loader:
+            self._count_data(trainer, pl_module, lambda: self._target_like)
+
+    def _count_data(self, trainer: Trainer, pl_module: LightningModule, like: Callable[[], torch.Tensor]) -> None:
+        """Count ``N`` over the evidence data of every rank and store it on the prior; ``like()`` gives
+        outputs whose shape the targets must fit (the set-up check's)."""
+        _, likelihood = self._hyperparameters()
 
         def local() -> int:  # one rank's failure (e.g. its shard's first batch) is raised on every rank
-            like = self._check_setup(trainer, pl_module)
-            return count_data(self.dataloader, trainer, pl_module, likelihood, self._batch_fn(pl_module), like)
+            self._target_like = like()
+            return count_data(self.dataloader, trainer, pl_module, likelihood, self._batch_fn(pl_module), self._target_like)
 
         strategy = trainer.strategy
         n_data = strategy.reduce(torch.tensor(run_on_all_ranks(strategy, local), device=strategy.root_device), reduce_op="sum")
         self._record_n_data(int(n_data))
-        self._follow_changed_learnables()  # after the set-up check, which decides the scale-invariant treatment
+        self._counted_loader = trainer.train_dataloader
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         # an epoch's first batch (the user's on_train_epoch_start hooks have set its modes), or the fit's first
@@ -225,27 +250,10 @@ class EstimatorCore(KnownKeywords):
             self._scale_note = None
 
     def _follow_changed_learnables(self) -> None:
-        """After a resume: tensors whose precision the checkpoint learned and the prior now fixes take
-        the declared ``precision``; a changed set of learned hyperparameters restarts the Adam state.
-        Both with a warning (identical on every rank: the checkpoint's state is)."""
+        """After a resume (:func:`.resume.follow_changed_learnables`)."""
         prior, likelihood = self._hyperparameters()
-        saved, signature = self._optimizer_signature, self._learnable_signature()
-        if saved is None:
-            return
-        learned_before = next((entry[2] for entry in saved if entry[0] == "log_precision" and len(entry) > 2), [])
-        newly_fixed = [name for name in prior.fixed_names() if name in learned_before]
-        if newly_fixed:
-            assign_hyperparameters(prior, likelihood, {"log_precision": prior.declared_log_precision(newly_fixed)})
-            rank_zero_warn(
-                f"MargLikCallback: the checkpoint learned the prior precision of {newly_fixed}, which the prior now "
-                f"fixes (GaussianPrior(fixed=...)): they take the declared precision={prior.initial_precision:g}."
-            )
-        if self._optimizer_state and [tuple(entry) for entry in saved] != signature:
-            rank_zero_warn(
-                f"MargLikCallback: the learnable hyperparameters changed since the checkpoint "
-                f"({saved} -> {signature}): the Adam state of the hyperparameter steps starts "
-                "afresh; the evidence history and best value are kept."
-            )
+        saved, state = self._optimizer_signature, bool(self._optimizer_state)
+        if follow_changed_learnables(prior, likelihood, saved, self._learnable_signature(), state):
             self._optimizer_state, self._optimizer_signature = {}, None
 
     def _check_setup(self, trainer: Trainer, pl_module: LightningModule) -> torch.Tensor:
@@ -309,17 +317,7 @@ class EstimatorCore(KnownKeywords):
 
     def logged_values(self, marglik: float) -> Dict[str, float]:
         """What the callback logs for an estimate: ``marglik`` and every hyperparameter by name."""
-        prior, likelihood = self._hyperparameters()
-        out = {MONITOR: marglik}
-        if prior.structure == "scalar":
-            out["prior_precision"] = prior.precision.item()
-        else:
-            per_tensor = torch.split(prior.per_parameter(prior.log_precision), prior.param_sizes)
-            for name, log_prec in zip(prior.param_names, per_tensor):
-                out[f"prior_precision/{name}"] = log_prec.mean().exp().item()  # geometric mean if diagonal
-        for name, log_value in likelihood.hyperparameters().items():
-            out[name[len("log_"):]] = log_value.exp().item()
-        return out
+        return logged_values(*self._hyperparameters(), marglik)
 
     # --- helpers -----------------------------------------------------------------------------
 
@@ -382,6 +380,7 @@ class EstimatorCore(KnownKeywords):
                 setattr(self, attribute, state_dict[key])
         self.schedule.load_state_dict(state_dict)
         self.history = list(self.history)
+        self._fit_record.drop()
 
 
 class MargLikCallbackCore(EstimatorCore):
@@ -427,15 +426,18 @@ class MargLikCallbackCore(EstimatorCore):
         self.biases = optional(choice, biases, TREATMENTS, "biases")
         # statistics='training': the sums of the training passes in estimation epochs
         self._training = TrainingStatistics(schedule, self.statistics_fraction) if self.statistics == "training" else None
+        self._averaging = WeightAveragingFollower()  # keeps the hyperparameters out of Lightning's weight averages
 
     def _reset_state(self) -> None:
         super()._reset_state()
         self.evidence: Optional[LaplaceEvidence] = None
         self._warned_ef = False  # the empirical Fisher's curvature check warns once per fit
-        self._epoch_loss, self._epoch_batches = 0.0, 0  # the epoch's training loss, for a settle rule
+        self._epoch_loss = EpochLoss()  # the epoch's training loss, for a settle rule
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
+        if stage == "fit":
+            self._averaging.setup(trainer, self)
         if stage == "fit" and self._training is not None:
             checks.check_training_statistics(trainer, pl_module)
 
@@ -473,23 +475,19 @@ class MargLikCallbackCore(EstimatorCore):
         if self.schedule.needs_loss:  # the epoch's mean training loss over every rank (one collective, all ranks)
             strategy = trainer.strategy
             # an epoch without a loss (every step skipped) is NaN: it never counts as settled
-            mean = torch.tensor(self._epoch_loss / self._epoch_batches if self._epoch_batches else math.nan,
-                                device=strategy.root_device)
+            mean = torch.tensor(self._epoch_loss.mean, device=strategy.root_device)
             self.schedule.observe_loss(float(strategy.reduce(mean, reduce_op="mean")))
         if self.schedule.is_due(trainer):
             self._log(pl_module, self.estimate(trainer, pl_module, epoch=trainer.current_epoch + 1))
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.schedule.is_current(trainer):
+        # weight averaging wrote the weights the fit returns (its callbacks run first): their evidence is owed
+        if self.schedule.is_current(trainer) and not self._averaging.active:
             self.final_marglik = self.last_marglik
             return
         # trainer.current_epoch counts the completed epochs here
         self.final_marglik = self.estimate(trainer, pl_module, epoch=trainer.current_epoch)
-        values = self.logged_values(self.final_marglik)
-        # self.log is not allowed in on_train_end: write the metrics where callbacks and users read them
-        trainer.callback_metrics.update({key: torch.tensor(value) for key, value in values.items()})
-        for logger in trainer.loggers:
-            logger.log_metrics(values, step=trainer.global_step)
+        log_after_training(trainer, self.logged_values(self.final_marglik), trainer.current_epoch)
 
     def estimate(self, trainer: Trainer, pl_module: LightningModule, epoch: int) -> float:
         """Evidence pass, all-reduce, ``steps`` hyperparameter steps; returns log evidence / N.
@@ -535,6 +533,7 @@ class MargLikCallbackCore(EstimatorCore):
             if message and not self._warned_ef:
                 rank_zero_warn(message)
                 self._warned_ef = True
+        self._averaging.sync(pl_module)  # the averaged copies hold the learned values, not an average of them
         return self._record_estimate(trainer, epoch, marglik, **extra)
 
     def _evidence(
@@ -659,7 +658,8 @@ class MargLikCallbackCore(EstimatorCore):
     # --- statistics from the training passes (statistics="training") ---------------------------
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._epoch_loss, self._epoch_batches = 0.0, 0
+        super().on_train_epoch_start(trainer, pl_module)
+        self._epoch_loss.epoch_start()
         if self._training is not None:
             self._training.epoch_start()
 
@@ -667,6 +667,11 @@ class MargLikCallbackCore(EstimatorCore):
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         if self._training is not None:
             self._training.batch_start(trainer, batch, batch_idx)
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        super().on_before_backward(trainer, pl_module, loss)
+        if self.schedule.needs_loss:  # a manual training_step returns no loss: the settle rule reads this one
+            self._epoch_loss.before_backward(loss)
 
     def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._training is not None:
@@ -676,10 +681,9 @@ class MargLikCallbackCore(EstimatorCore):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if self.schedule.needs_loss and isinstance(loss, torch.Tensor):  # None: a step the module skipped
-            self._epoch_loss += float(loss.detach())
-            self._epoch_batches += 1
+        if self.schedule.needs_loss:
+            self._epoch_loss.batch_end(outputs)
+        self._averaging.sync(pl_module)  # after the averaging callbacks' update of this step (they run first)
         if self._training is not None:
             self._training.batch_end(trainer)
 

@@ -80,7 +80,7 @@ def evidence_batches(dataloader: Source, trainer: Trainer, pl_module: LightningM
     if dataloader is None:  # the training data: one training epoch's batches bound a stream
         limit = trainer.num_training_batches
         max_batches = int(limit) if math.isfinite(limit) else None
-        if warn and max_batches is not None:
+        if warn and max_batches is not None and not isinstance(source.dataset, IterableDataset):
             _warn_if_limited(source, max_batches, trainer.limit_train_batches)
     try:
         return evidence_loader(source, trainer.global_rank, trainer.world_size, max_batches)
@@ -88,8 +88,9 @@ def evidence_batches(dataloader: Source, trainer: Trainer, pl_module: LightningM
         raise MargLikConfigurationError(str(err)) from err
 
 
-def _warn_if_limited(loader: DataLoader, max_batches: int, limit: Union[int, float]) -> None:
-    """Say how the evidence data relate to a training epoch limited by ``limit_train_batches``."""
+def _warn_if_limited(loader: DataLoader, max_batches: int, limit: Union[int, float], read: int = 0) -> None:
+    """Say how the evidence data relate to a training epoch limited by ``limit_train_batches``; ``read``:
+    the batches a stream (an IterableDataset) yielded, which may end before the limit."""
     try:
         length: Optional[int] = len(loader)
     except TypeError:  # a stream without length
@@ -97,8 +98,10 @@ def _warn_if_limited(loader: DataLoader, max_batches: int, limit: Union[int, flo
     if length is not None and max_batches >= length:
         return
     if isinstance(loader.dataset, IterableDataset):
+        which = (f"first {read} batches" if read >= max_batches else
+                 f"{read} batches (the stream ended before the limit of {max_batches})")
         rank_zero_warn(
-            f"MargLikCallback: the evidence covers the first {max_batches} batches of the training IterableDataset, "
+            f"MargLikCallback: the evidence covers the {which} of the training IterableDataset, "
             f"those one training epoch uses (Trainer(limit_train_batches={limit})); pass `dataloader=` for other "
             "evidence data."
         )
@@ -120,11 +123,15 @@ def count_data(
     Raises:
         MargLikConfigurationError: On targets the likelihood refuses.
     """
-    count = 0
+    count = read = 0
     with isolate_rng():  # reading the data (loader seeds, augmentations) must not shift training's random stream
-        for batch in evidence_batches(dataloader, trainer, pl_module):
+        for read, batch in enumerate(evidence_batches(dataloader, trainer, pl_module), start=1):
             try:
                 count += likelihood.count_targets(split_batch(batch, batch_fn)[1], like)
             except (TypeError, ValueError) as err:
                 raise MargLikConfigurationError(f"MargLikCallback, the targets of the evidence data: {err}") from err
+    source = trainer.train_dataloader
+    limit = trainer.num_training_batches
+    if dataloader is None and isinstance(source.dataset, IterableDataset) and math.isfinite(limit):
+        _warn_if_limited(source, int(limit), trainer.limit_train_batches, read)  # a stream's count is known now
     return count

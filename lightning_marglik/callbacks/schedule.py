@@ -68,6 +68,14 @@ class Schedule(ABC):
     def observe_loss(self, loss: float) -> None:
         """The mean training loss of the epoch now ending (over every rank), before :meth:`is_due`."""
 
+    def every_epoch(self) -> bool:
+        """Whether every training epoch ends with an estimate (what Lightning's ``EarlyStopping`` needs)."""
+        return False
+
+    def describe(self) -> str:
+        """The callback's arguments that set this schedule, for messages."""
+        return f"burnin={self.burnin}"
+
 
 class EpochSchedule(Schedule):
     """Algorithm 1's schedule: an estimate after epoch ``e`` (from 1) with ``e > burnin`` and
@@ -89,6 +97,12 @@ class EpochSchedule(Schedule):
         epoch = trainer.current_epoch + 1
         at_end = (epoch > self.burnin and epoch % self.frequency == 0) or epoch == trainer.max_epochs
         return batch_idx is None and at_end
+
+    def every_epoch(self) -> bool:
+        return self.frequency == 1 and self.burnin == 0
+
+    def describe(self) -> str:
+        return f"frequency={self.frequency}, {super().describe()}"
 
 
 class SettledSchedule(EpochSchedule):
@@ -137,6 +151,12 @@ class SettledSchedule(EpochSchedule):
         settled = 0 <= self.settled_epoch <= epoch
         return (settled and super().is_due(trainer)) or epoch == trainer.max_epochs
 
+    def every_epoch(self) -> bool:
+        return False  # not before the loss has settled
+
+    def describe(self) -> str:
+        return f"{super().describe()}, settle={self.settle}"
+
     def state_dict(self) -> Dict[str, Any]:
         return {**super().state_dict(), "training_losses": list(self.losses), "settled_epoch": self.settled_epoch}
 
@@ -164,3 +184,9 @@ class BatchSchedule(Schedule):
 
     def is_due(self, trainer: Trainer, batch_idx: Optional[int] = None) -> bool:
         return batch_idx is not None and trainer.current_epoch >= self.burnin and (batch_idx + 1) % self.every == 0
+
+    def every_epoch(self) -> bool:
+        return self.burnin == 0  # an epoch's steps are logged at its end
+
+    def describe(self) -> str:
+        return f"every_k_batches={self.every}, {super().describe()}"
