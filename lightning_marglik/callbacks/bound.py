@@ -22,6 +22,7 @@ from ..curvature import CurvatureOptions
 from .core import EstimatorCore
 from .package import LightningModule, MargLikConfigurationError, Trainer
 from .schedule import BatchSchedule
+from .sharding import whole_parameters
 
 __all__ = ["MargLikBoundCallbackCore"]
 
@@ -95,7 +96,8 @@ class MargLikBoundCallbackCore(EstimatorCore):
         def all_reduce(flat: torch.Tensor) -> torch.Tensor:
             return strategy.reduce(flat.to(strategy.root_device), reduce_op="sum")
 
-        value = self._optimizer.step(pl_module, batch, generator, all_reduce if world > 1 else None)
+        with whole_parameters(trainer):  # under FSDP: the step's forward needs whole weights, on every rank
+            value = self._optimizer.step(pl_module, batch, generator, all_reduce if world > 1 else None)
         self._optimizer_signature = self._learnable_signature()
         self._epoch_values.append(value)
 

@@ -48,6 +48,7 @@ from .package import MONITOR, LightningModule, LightningPackage, MargLikConfigur
 from .prior_in_loss import PriorInLossCheck
 from .progress import progress
 from .schedule import EpochSchedule, Schedule, SettledSchedule
+from .sharding import check_strategy, whole_parameters
 from .training_statistics import TrainingStatistics
 
 __all__ = ["EstimatorCore", "MargLikCallbackCore"]
@@ -154,6 +155,7 @@ class EstimatorCore:
         except ValueError as err:  # the engine's message names the module and a structure that works
             raise MargLikConfigurationError(str(err)) from err
         checks.check_processes(self.options, trainer)
+        check_strategy(self, trainer)
         checks.check_model_forward(pl_module, self._package)
         if isinstance(self.dataloader, str):
             named_loader_method(self.dataloader, trainer, pl_module)  # a wrong name fails now, not after burn-in
@@ -186,7 +188,8 @@ class EstimatorCore:
             return count_data(self.dataloader, trainer, pl_module, likelihood, self._batch_fn(pl_module), like)
 
         strategy = trainer.strategy
-        n_data = strategy.reduce(torch.tensor(run_on_all_ranks(strategy, local), device=strategy.root_device), reduce_op="sum")
+        with whole_parameters(trainer):  # under FSDP: the check's forwards need whole weights, on every rank
+            n_data = strategy.reduce(torch.tensor(run_on_all_ranks(strategy, local), device=strategy.root_device), reduce_op="sum")
         self._record_n_data(int(n_data))
         self._follow_changed_learnables()  # after the set-up check, which decides the scale-invariant treatment
 
@@ -194,7 +197,7 @@ class EstimatorCore:
         # an epoch's first batch (the user's on_train_epoch_start hooks have set its modes), or the fit's first
         # (a resume within an epoch starts past batch 0)
         if batch_idx == 0 or not self._modes_followed:
-            self._follow_training_modes(pl_module)
+            self._follow_training_modes(trainer, pl_module)
             self._modes_followed = True
         self._prior_in_loss.batch_start(self._hyperparameters()[0])
 
@@ -208,16 +211,17 @@ class EstimatorCore:
         if message:
             rank_zero_warn(message)
 
-    def _follow_training_modes(self, pl_module: LightningModule) -> None:
+    def _follow_training_modes(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Decide the scale-invariant tensors again if training runs modules in other modes than the
         set-up check assumed (e.g. a BatchNorm kept in eval mode), then give the one warning."""
         modes = training_modes(pl_module)
         assumed = self._scale_modes if self._scale_modes is not None else dict.fromkeys(modes, True)
         if modes != assumed and self._scale_inputs is not None:
             prior, _ = self._hyperparameters()
-            self._scale_note = checks.follow_training_modes(
-                pl_module, prior, self._scale_inputs, self.scale_invariant, assumed, modes
-            )
+            with whole_parameters(trainer):  # the same modes on every rank: all enter it
+                self._scale_note = checks.follow_training_modes(
+                    pl_module, prior, self._scale_inputs, self.scale_invariant, assumed, modes
+                )
             self._scale_modes = modes
         if self._scale_note:
             rank_zero_warn(self._scale_note)
@@ -559,15 +563,16 @@ class MargLikCallbackCore(EstimatorCore):
                 return self._collect(model, batches, options, generator, on_batch, prior)
 
         own = self._training is not None and options is self.options and folded is None
-        stats = reduce_statistics(run_on_all_ranks(trainer.strategy, lambda: local_pass(own)), trainer.strategy)
-        if taken_training and int(stats.n_data) != int(prior.n_data):  # summed over ranks: the same on every rank
-            rank_zero_warn(
-                f"MargLikCallback(statistics='training'): the epoch's training batches held {int(stats.n_data)} data, "
-                f"the evidence data {int(prior.n_data)} (examples dropped, repeated or padded across processes): "
-                "this estimate runs the evidence pass instead."
-            )
-            stats = reduce_statistics(run_on_all_ranks(trainer.strategy, lambda: local_pass(False)), trainer.strategy)
-        return LaplaceEvidence.from_statistics(stats, likelihood, prior)
+        with whole_parameters(trainer):  # under FSDP: the pass and the prior's norms read whole weights
+            stats = reduce_statistics(run_on_all_ranks(trainer.strategy, lambda: local_pass(own)), trainer.strategy)
+            if taken_training and int(stats.n_data) != int(prior.n_data):  # summed over ranks: the same on every rank
+                rank_zero_warn(
+                    f"MargLikCallback(statistics='training'): the epoch's training batches held {int(stats.n_data)} "
+                    f"data, the evidence data {int(prior.n_data)} (examples dropped, repeated or padded across "
+                    "processes): this estimate runs the evidence pass instead."
+                )
+                stats = reduce_statistics(run_on_all_ranks(trainer.strategy, lambda: local_pass(False)), trainer.strategy)
+            return LaplaceEvidence.from_statistics(stats, likelihood, prior)
 
     def evidence_with(
         self, trainer: Trainer, pl_module: LightningModule, structure: str, approx: str,
