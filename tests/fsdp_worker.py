@@ -113,6 +113,7 @@ def loader(dataset: TensorDataset) -> DataLoader:
 # rank's training shard holds 20 examples, none padded, so the estimates use the training passes' sums
 CALLBACKS = {
     "kron": lambda: MargLikCallback(structure="kron", approx="ggn", frequency=1, steps=20, settle=None),
+    "diag": lambda: MargLikCallback(structure="diag", approx="ggn", frequency=1, steps=20, settle=None),
     "training": lambda: MargLikCallback(structure="kron", approx="ef", statistics="training", frequency=1, steps=20,
                                         settle=None),
     "bound": lambda: MargLikBoundCallback(bound="parametric", structure="kron", lr=0.1),
@@ -124,6 +125,7 @@ CASES: Dict[str, tuple] = {
     # HYBRID_SHARD needs an auto_wrap_policy (or process groups or a device mesh) to know its groups
     "hybrid_shard": ("fsdp", {"sharding_strategy": "HYBRID_SHARD", "auto_wrap_policy": {nn.Linear}}, "kron", N),
     "full_shard_wrapped": ("fsdp", {"sharding_strategy": "FULL_SHARD", "auto_wrap_policy": {nn.Linear}}, "kron", N),
+    "diag_full_shard": ("fsdp", {"sharding_strategy": "FULL_SHARD", "auto_wrap_policy": {nn.Linear}}, "diag", N),
     "training_full_shard": ("fsdp", {"sharding_strategy": "FULL_SHARD", "auto_wrap_policy": {nn.Linear}}, "training", 40),
     "bound_full_shard": ("fsdp", {"sharding_strategy": "FULL_SHARD", "auto_wrap_policy": {nn.Linear}}, "bound", N),
     "bound_ddp": ("ddp", {}, "bound", N),

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(
 
 WORKER = Path(fsdp_worker.__file__)
 LOG_DELTA_TOL = 1e-4  # the issue's target; FSDP keeps float32 buffers (Lightning's '32-true' casts them)
-SHARDED = ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "full_shard_wrapped"]
+SHARDED = ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "full_shard_wrapped", "diag_full_shard"]
 
 
 class FSDPRun(Run):
@@ -60,7 +60,7 @@ def _single_process(callback_kind: str, n: int) -> Dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def single() -> Dict[str, Dict[str, Any]]:
-    return {kind: _single_process(kind, n) for kind, n in (("kron", fsdp_worker.N), ("training", 40))}
+    return {kind: _single_process(kind, n) for kind, n in (("kron", fsdp_worker.N), ("diag", fsdp_worker.N), ("training", 40))}
 
 
 def _max_diff(a: List[float], b: List[float]) -> float:
@@ -70,10 +70,10 @@ def _max_diff(a: List[float], b: List[float]) -> float:
 @pytest.mark.parametrize("name", SHARDED)
 def test_learned_log_delta_equals_single_process(ranks, single, name):
     """Under every FSDP sharding (also with an auto_wrap_policy: one FSDP unit per Linear), the learned log
-    precisions and noise after two estimates (20 steps each, frozen weights) are the single-process ones,
+    precisions and noise after two estimates (kron, and diag; 20 steps each, frozen weights) are the single-process ones,
     the evidence per datum too, and both ranks hold bit-identical hyperparameters."""
     a, b = (r["cases"][name] for r in ranks)
-    ref = single["kron"]
+    ref = single[fsdp_worker.CASES[name][2]]
     assert a["log_precision"] == b["log_precision"] and a["log_sigma"] == b["log_sigma"]
     assert a["history"] == b["history"]
     assert ref["log_precision"] != [0.0] * len(ref["log_precision"])  # learned: they start at log 1
