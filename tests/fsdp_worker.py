@@ -180,12 +180,17 @@ def run_cases(out: Path) -> Dict[str, Any]:
             warnings.simplefilter("always")
             fit.fit(module, train_dataloaders=loader(make_data(n)))
         evidence = getattr(callback, "evidence", None)
+        after = {}
+        if name == "full_shard_wrapped":  # the methods a user calls after training, with the trainer
+            after = {"evidence_with_diag": callback.evidence_with(fit, module, "diag", "ggn"),
+                     "folded_weights": [p.reshape(-1).tolist() for p in callback.fold_batchnorm(fit, module).model.net.parameters()]}
         results[name] = {
             **hyperparameters(module),
             "history": callback.history,
             "n_data": int(module.prior.n_data),
             "log_marglik": None if evidence is None else evidence.log_marglik().item(),
             "epochs": recorder.epochs,
+            **after,
             "warnings": [str(w.message) for w in caught if "MargLik" in str(w.message)],
             "fsdp_units": sum(isinstance(m, FullyShardedDataParallel) for m in fit.strategy.model.modules()),
         }

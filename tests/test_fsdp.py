@@ -47,7 +47,7 @@ def ranks(tmp_path_factory) -> List[Dict[str, Any]]:
 
 
 def _single_process(callback_kind: str, n: int) -> Dict[str, Any]:
-    """The same callback, model and data in one process (no strategy)."""
+    """The same callback, model and data in one process (no strategy); for kron also ``evidence_with`` diag."""
     torch.set_num_threads(1)
     module, callback = fsdp_worker.Model(), fsdp_worker.CALLBACKS[callback_kind]()
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, callbacks=[callback], logger=False,
@@ -55,7 +55,8 @@ def _single_process(callback_kind: str, n: int) -> Dict[str, Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(module, train_dataloaders=fsdp_worker.loader(fsdp_worker.make_data(n)))
-    return {**fsdp_worker.hyperparameters(module), "history": callback.history}
+    after = {"evidence_with_diag": callback.evidence_with(trainer, module, "diag", "ggn")} if callback_kind == "kron" else {}
+    return {**fsdp_worker.hyperparameters(module), "history": callback.history, **after}
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +158,13 @@ def test_unsupported_sharding_refused_at_setup(ranks, name, names):
         assert got["type"] == "MargLikConfigurationError", got
         for word in names:
             assert word in got["message"], (word, got["message"])
+
+
+def test_evidence_with_and_fold_batchnorm_after_fsdp_training(ranks, single):
+    """After a fit under FULL_SHARD (one unit per Linear), evidence_with (another structure, re-optimised) equals
+    the single-process value, and fold_batchnorm's copy holds whole weights (those of the module, in float32)."""
+    initial = [p.detach().float().reshape(-1).tolist() for p in fsdp_worker.Model().net.parameters()]
+    for rank in ranks:
+        got = rank["cases"]["full_shard_wrapped"]
+        assert math.isclose(got["evidence_with_diag"], single["kron"]["evidence_with_diag"], rel_tol=1e-6)
+        assert got["folded_weights"] == initial

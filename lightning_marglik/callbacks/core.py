@@ -637,7 +637,8 @@ class MargLikCallbackCore(EstimatorCore):
             ValueError: If the network's eval-mode outputs on the evidence batch are not finite.
         """
         self._require_fit("fold_batchnorm")
-        return fold_batchnorm(pl_module, self.example_inputs(trainer, pl_module), prior=self.prior)
+        with whole_parameters(trainer):  # under FSDP: the copy takes whole weights
+            return fold_batchnorm(pl_module, self.example_inputs(trainer, pl_module), prior=self.prior)
 
     def example_inputs(self, trainer: Trainer, pl_module: LightningModule) -> Any:
         """The model inputs of one evidence batch (split by ``marglik_batch``), on the prior's device and dtype.
