@@ -8,6 +8,8 @@ process group, each case a fresh Trainer; every rank writes ``OUT_DIR/rank<r>.js
   estimate with 20 hyperparameter steps after each: the learned hyperparameters and evidence.
 * ``train``: a short training run under FULL_SHARD with ``MargLikCheckpoint`` (best and
   ``last.ckpt``) and ``MargLikEarlyStopping``; the whole weights of every epoch are recorded.
+* ``resume``: under FULL_SHARD with sharded state dicts (a checkpoint is a directory), three epochs
+  straight against two, then a fresh Trainer resumed from ``last.ckpt`` for the third.
 * ``refused``: fits that must fail at set-up with the callback's error (FSDP2 through
   ``ModelParallelStrategy``, ``use_orig_params=False``); the message of each is recorded.
 
@@ -218,6 +220,27 @@ def run_training(out: Path) -> Dict[str, Any]:
     }
 
 
+def _resume_fit(out: Path, name: str, max_epochs: int, ckpt_path: Any = None) -> Dict[str, Any]:
+    """Adam at lr 1e-2, F=1, K=20, under FULL_SHARD with sharded state dicts; ``last`` saved every epoch."""
+    module = Model(lr=1e-2, seed=2)
+    callback = MargLikCallback(structure="kron", frequency=1, steps=20, settle=None)
+    checkpoint = MargLikCheckpoint(dirpath=str(out / name), save_top_k=1, save_last=True)
+    fsdp = {"sharding_strategy": "FULL_SHARD", "auto_wrap_policy": {nn.Linear}, "state_dict_type": "sharded"}
+    fit = trainer(out, strategy("fsdp", fsdp), [callback, checkpoint], max_epochs=max_epochs)
+    fit.fit(module, train_dataloaders=loader(make_data(64, seed=2)), ckpt_path=ckpt_path)
+    return {**hyperparameters(module), "history": callback.history, "weights": whole_weights(fit, module),
+            "best_model_path": checkpoint.best_model_path, "last_model_path": checkpoint.last_model_path,
+            "best_epoch": callback.best_epoch}
+
+
+def run_resume(out: Path) -> Dict[str, Any]:
+    """Three epochs straight, and two then one more resumed from the sharded ``last.ckpt`` (a directory)."""
+    straight = _resume_fit(out, "straight", 3)
+    first = _resume_fit(out, "first", 2)
+    resumed = _resume_fit(out, "first", 3, ckpt_path=first["last_model_path"])  # the same directory, as a user resumes
+    return {"straight": straight, "first": first, "resumed": resumed}
+
+
 class FullyShardedModel(Model):
     """For ModelParallelStrategy: FSDP2's ``fully_shard`` in ``configure_model``."""
 
@@ -250,7 +273,7 @@ def run_refused(out: Path) -> Dict[str, Any]:
 def main(out: Path) -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
-    results: Dict[str, Any] = {"cases": run_cases(out), "train": run_training(out), "refused": run_refused(out)}
+    results: Dict[str, Any] = {"cases": run_cases(out), "train": run_training(out), "resume": run_resume(out), "refused": run_refused(out)}
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     results["rank"] = rank
     (out / f"rank{rank}.json").write_text(json.dumps(results, default=float))

@@ -84,6 +84,7 @@ def test_learned_log_delta_equals_single_process(ranks, single, name):
     for got, want in zip(a["history"], ref["history"]):
         assert math.isclose(got["marglik"], want["marglik"], rel_tol=1e-6)
     assert a["n_data"] == fsdp_worker.N  # Lightning padded the training shards to 38; the evidence counts 37
+    assert a["warnings"] == []  # rank 0's: e.g. the check that the training loss carries the prior found it
     wrapped = "auto_wrap_policy" in fsdp_worker.CASES[name][1]
     assert a["fsdp_units"] == (4 if wrapped else 1)  # the root and, auto-wrapped, one unit per Linear
 
@@ -168,3 +169,36 @@ def test_evidence_with_and_fold_batchnorm_after_fsdp_training(ranks, single):
         got = rank["cases"]["full_shard_wrapped"]
         assert math.isclose(got["evidence_with_diag"], single["kron"]["evidence_with_diag"], rel_tol=1e-6)
         assert got["folded_weights"] == initial
+
+
+def test_resume_from_a_sharded_last_checkpoint_is_exact(ranks):
+    """Under FULL_SHARD with sharded state dicts (each checkpoint a directory of shards), two epochs and then a
+    fresh Trainer resumed from last.ckpt for the third end exactly where three epochs straight end: the evidence
+    history, the hyperparameters, the whole weights and the best-evidence checkpoint."""
+    for rank in ranks:
+        straight, first, resumed = (rank["resume"][k] for k in ("straight", "first", "resumed"))
+        assert Path(first["last_model_path"]).is_dir()  # sharded: a directory per checkpoint
+        assert len(resumed["history"]) == 3 and resumed["history"][:2] == first["history"]
+        assert [h["marglik"] for h in resumed["history"]] == [h["marglik"] for h in straight["history"]]
+        assert resumed["log_precision"] == straight["log_precision"] != first["log_precision"]
+        assert resumed["log_sigma"] == straight["log_sigma"]
+        assert resumed["weights"] == straight["weights"]
+        assert resumed["best_epoch"] == straight["best_epoch"]
+        assert Path(resumed["best_model_path"]).name == Path(straight["best_model_path"]).name
+
+
+def test_sharded_best_checkpoint_loads_into_a_plain_module(ranks, tmp_path):
+    """The sharded best-evidence checkpoint, converted with torch's dcp_to_torch_save, loads into a plain module
+    (strict) with the hyperparameters and whole weights of its epoch."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    first = ranks[0]["resume"]["first"]
+    assert first["best_epoch"] == 1 == len(first["history"]) - 1  # its last epoch: the values recorded at the end
+    path = Path(first["best_model_path"])
+    dcp_to_torch_save(path, tmp_path / "best.pt")
+    module = fsdp_worker.Model()
+    module.load_state_dict(torch.load(tmp_path / "best.pt", weights_only=False)["model"])
+    assert module.prior.log_precision.tolist() == first["log_precision"]
+    assert [p.detach().reshape(-1).tolist() for p in module.net.parameters()] == first["weights"]
+    meta = torch.load(path / "meta.pt", weights_only=False)
+    assert meta["epoch"] == 1 and meta["callbacks"]["MargLikCallback"]["best_marglik"] == first["history"][1]["marglik"]
