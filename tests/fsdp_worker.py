@@ -10,6 +10,7 @@ process group, each case a fresh Trainer; every rank writes ``OUT_DIR/rank<r>.js
   ``last.ckpt``) and ``MargLikEarlyStopping``; the whole weights of every epoch are recorded.
 * ``resume``: under FULL_SHARD with sharded state dicts (a checkpoint is a directory), three epochs
   straight against two, then a fresh Trainer resumed from ``last.ckpt`` for the third.
+* ``map``: two epochs of ``map_loss`` training under DDP and under FULL_SHARD (one unit per Linear).
 * ``refused``: fits that must fail at set-up with the callback's error (FSDP2 through
   ``ModelParallelStrategy``, ``use_orig_params=False``); the message of each is recorded.
 
@@ -241,6 +242,19 @@ def run_resume(out: Path) -> Dict[str, Any]:
     return {"straight": straight, "first": first, "resumed": resumed}
 
 
+def run_map_training(out: Path) -> Dict[str, Any]:
+    """Two epochs of map_loss at a strong prior (precision 100), no estimate: the whole weights under DDP and
+    under FULL_SHARD with one unit per Linear, whose units reshard while training_step adds the prior's term."""
+    results = {}
+    for name, kind, fsdp in (("ddp", "ddp", {}), ("fsdp", "fsdp", {"auto_wrap_policy": {nn.Linear}})):
+        module = Model(lr=1e-2, seed=3)
+        module.prior = GaussianPrior(module.net, precision=100.0, structure="layerwise")
+        fit = trainer(out, strategy(kind, fsdp), [MargLikCallback(frequency=50, steps=0, settle=None)], max_epochs=2)
+        fit.fit(module, train_dataloaders=loader(make_data(64, seed=3)))
+        results[name] = whole_weights(fit, module)
+    return results
+
+
 class FullyShardedModel(Model):
     """For ModelParallelStrategy: FSDP2's ``fully_shard`` in ``configure_model``."""
 
@@ -273,7 +287,7 @@ def run_refused(out: Path) -> Dict[str, Any]:
 def main(out: Path) -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
-    results: Dict[str, Any] = {"cases": run_cases(out), "train": run_training(out), "resume": run_resume(out), "refused": run_refused(out)}
+    results: Dict[str, Any] = {"cases": run_cases(out), "train": run_training(out), "resume": run_resume(out), "map": run_map_training(out), "refused": run_refused(out)}
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     results["rank"] = rank
     (out / f"rank{rank}.json").write_text(json.dumps(results, default=float))

@@ -202,3 +202,14 @@ def test_sharded_best_checkpoint_loads_into_a_plain_module(ranks, tmp_path):
     assert [p.detach().reshape(-1).tolist() for p in module.net.parameters()] == first["weights"]
     meta = torch.load(path / "meta.pt", weights_only=False)
     assert meta["epoch"] == 1 and meta["callbacks"]["MargLikCallback"]["best_marglik"] == first["history"][1]["marglik"]
+
+
+def test_map_loss_trains_as_under_ddp(ranks):
+    """map_loss's prior term under FULL_SHARD with one unit per Linear (units reshard during training_step) trains
+    the weights DDP trains, to float32 rounding (Lightning's FSDP '32-true' computes in float32), and the prior
+    (precision 100) moved them."""
+    initial = [x for p in fsdp_worker.Model(seed=3).net.parameters() for x in p.detach().reshape(-1).tolist()]
+    for rank in ranks:
+        ddp, fsdp = ([x for p in rank["map"][k] for x in p] for k in ("ddp", "fsdp"))
+        assert _max_diff(fsdp, ddp) < 1e-6
+        assert _max_diff(ddp, initial) > 1e-3

@@ -6,7 +6,8 @@ evidence passes and hyperparameter steps call the LightningModule's forward and 
 parameters directly, so they run inside :func:`whole_parameters`: FSDP gathers every parameter
 on every rank (``summon_full_params``), and from there the pass is that of DDP (each rank its
 share of the evidence data, the sums reduced across ranks). The hyperparameters are buffers,
-which FSDP does not shard.
+which FSDP does not shard. The cost: during an estimate every rank holds the whole weights and
+every layer's curvature, as under DDP (``benchmarks/results/fsdp.md``).
 
 Strategies whose parameters the callbacks cannot gather (DeepSpeed, FSDP2 through
 ``ModelParallelStrategy``) are refused at set-up by :func:`check_strategy`.
