@@ -113,7 +113,7 @@ class GaussianPrior(nn.Module):
             )
         self.hyperprior = hyperprior
         structure = choice(structure, PRIOR_STRUCTURES, "structure")
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        named = [(_WRAPPER_PREFIXES.sub("", n), p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("GaussianPrior: the model has no parameters that require grad.")
         object.__setattr__(self, "model", model)  # a plain reference: not a submodule

@@ -213,3 +213,21 @@ def test_map_loss_trains_as_under_ddp(ranks):
         ddp, fsdp = ([x for p in rank["map"][k] for x in p] for k in ("ddp", "fsdp"))
         assert _max_diff(fsdp, ddp) < 1e-6
         assert _max_diff(ddp, initial) > 1e-3
+
+
+def test_prior_follows_its_parameters_into_wrappers():
+    """FSDP's auto_wrap_policy and activation checkpointing wrap layers after the prior was built, which puts
+    `_fsdp_wrapped_module.` / `_checkpoint_wrapped_module.` into the parameters' names: the prior still finds its
+    tensors, and a prior built on the wrapped network names them as the plain one does."""
+    from torch import nn
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from lightning_marglik import GaussianPrior
+
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    prior = GaussianPrior(net)
+    plain = list(net.parameters())
+    net[0] = checkpoint_wrapper(net[0])
+    assert any("_checkpoint_wrapped_module" in n for n, _ in net.named_parameters())
+    assert all(a is b for a, b in zip(prior.params, plain, strict=True))
+    assert GaussianPrior(net).param_names == prior.param_names == ["0.weight", "0.bias", "2.weight", "2.bias"]
