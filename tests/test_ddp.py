@@ -42,14 +42,15 @@ pytestmark = pytest.mark.skipif(
 
 
 class Run:
-    """One finished worker run: return code, wall time, output and the per-rank JSON files."""
+    """One finished worker run (``worker MODE OUT ARGS...``): return code, wall time, output and the per-rank JSON
+    files."""
 
-    def __init__(self, args: List[str], out: Path, package: str = "pytorch_lightning") -> None:
+    def __init__(self, args: List[str], out: Path, package: str = "pytorch_lightning", worker: Path = WORKER) -> None:
         env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV and not k.startswith("SLURM_")}
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", DDP_WORKER_PACKAGE=package)
         start = time.time()
         proc = subprocess.run(
-            [sys.executable, str(WORKER), args[0], str(out), *args[1:]],
+            [sys.executable, str(worker), args[0], str(out), *args[1:]],
             cwd=str(HERE.parent),
             env=env,
             capture_output=True,

@@ -24,6 +24,7 @@ from .averaging import averaging_callbacks
 from .core import EstimatorCore
 from .package import LightningModule, MargLikConfigurationError, Trainer
 from .schedule import BatchSchedule
+from .sharding import whole_parameters
 
 __all__ = ["MargLikBoundCallbackCore"]
 
@@ -108,7 +109,8 @@ class MargLikBoundCallbackCore(EstimatorCore):
         def all_reduce(flat: torch.Tensor) -> torch.Tensor:
             return strategy.reduce(flat.to(strategy.root_device), reduce_op="sum")
 
-        value = self._optimizer.step(pl_module, batch, generator, all_reduce if world > 1 else None)
+        with whole_parameters(trainer):  # under FSDP: the step's forward needs whole weights, on every rank
+            value = self._optimizer.step(pl_module, batch, generator, all_reduce if world > 1 else None)
         self._optimizer_signature = self._learnable_signature()
         self._epoch_values.append(value)
 

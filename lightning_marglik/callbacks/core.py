@@ -53,6 +53,7 @@ from .prior_in_loss import PriorInLossCheck
 from .progress import progress
 from .resume import follow_changed_learnables
 from .schedule import EpochSchedule, Schedule, SettledSchedule
+from .sharding import check_strategy, whole_parameters
 from .training_statistics import TrainingStatistics
 
 __all__ = ["EstimatorCore", "MargLikCallbackCore"]
@@ -163,6 +164,7 @@ class EstimatorCore(KnownKeywords):
         except ValueError as err:  # the engine's message names the module and a structure that works
             raise MargLikConfigurationError(str(err)) from err
         checks.check_processes(self.options, trainer)
+        check_strategy(self, trainer)
         who = f"{type(self).__name__}({self.schedule.describe()})"
         checks.check_stock_early_stopping(trainer, who, self.schedule.every_epoch())
         checks.check_model_forward(pl_module, self._package)
@@ -212,7 +214,8 @@ class EstimatorCore(KnownKeywords):
             return count_data(self.dataloader, trainer, pl_module, likelihood, self._batch_fn(pl_module), self._target_like)
 
         strategy = trainer.strategy
-        n_data = strategy.reduce(torch.tensor(run_on_all_ranks(strategy, local), device=strategy.root_device), reduce_op="sum")
+        with whole_parameters(trainer):  # under FSDP: the check's forwards need whole weights, on every rank
+            n_data = strategy.reduce(torch.tensor(run_on_all_ranks(strategy, local), device=strategy.root_device), reduce_op="sum")
         self._record_n_data(int(n_data))
         self._counted_loader = trainer.train_dataloader
 
@@ -220,7 +223,7 @@ class EstimatorCore(KnownKeywords):
         # an epoch's first batch (the user's on_train_epoch_start hooks have set its modes), or the fit's first
         # (a resume within an epoch starts past batch 0)
         if batch_idx == 0 or not self._modes_followed:
-            self._follow_training_modes(pl_module)
+            self._follow_training_modes(trainer, pl_module)
             self._modes_followed = True
         self._prior_in_loss.batch_start(self._hyperparameters()[0])
 
@@ -234,16 +237,17 @@ class EstimatorCore(KnownKeywords):
         if message:
             rank_zero_warn(message)
 
-    def _follow_training_modes(self, pl_module: LightningModule) -> None:
+    def _follow_training_modes(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Decide the scale-invariant tensors again if training runs modules in other modes than the
         set-up check assumed (e.g. a BatchNorm kept in eval mode), then give the one warning."""
         modes = training_modes(pl_module)
         assumed = self._scale_modes if self._scale_modes is not None else dict.fromkeys(modes, True)
         if modes != assumed and self._scale_inputs is not None:
             prior, _ = self._hyperparameters()
-            self._scale_note = checks.follow_training_modes(
-                pl_module, prior, self._scale_inputs, self.scale_invariant, assumed, modes
-            )
+            with whole_parameters(trainer):  # the same modes on every rank: all enter it
+                self._scale_note = checks.follow_training_modes(
+                    pl_module, prior, self._scale_inputs, self.scale_invariant, assumed, modes
+                )
             self._scale_modes = modes
         if self._scale_note:
             rank_zero_warn(self._scale_note)
@@ -560,15 +564,16 @@ class MargLikCallbackCore(EstimatorCore):
                 return self._collect(model, batches, options, generator, on_batch, prior)
 
         own = self._training is not None and options is self.options and folded is None
-        stats = reduce_statistics(run_on_all_ranks(trainer.strategy, lambda: local_pass(own)), trainer.strategy)
-        if taken_training and int(stats.n_data) != int(prior.n_data):  # summed over ranks: the same on every rank
-            rank_zero_warn(
-                f"MargLikCallback(statistics='training'): the epoch's training batches held {int(stats.n_data)} data, "
-                f"the evidence data {int(prior.n_data)} (examples dropped, repeated or padded across processes): "
-                "this estimate runs the evidence pass instead."
-            )
-            stats = reduce_statistics(run_on_all_ranks(trainer.strategy, lambda: local_pass(False)), trainer.strategy)
-        return LaplaceEvidence.from_statistics(stats, likelihood, prior)
+        with whole_parameters(trainer):  # under FSDP: the pass and the prior's norms read whole weights
+            stats = reduce_statistics(run_on_all_ranks(trainer.strategy, lambda: local_pass(own)), trainer.strategy)
+            if taken_training and int(stats.n_data) != int(prior.n_data):  # summed over ranks: the same on every rank
+                rank_zero_warn(
+                    f"MargLikCallback(statistics='training'): the epoch's training batches held {int(stats.n_data)} "
+                    f"data, the evidence data {int(prior.n_data)} (examples dropped, repeated or padded across "
+                    "processes): this estimate runs the evidence pass instead."
+                )
+                stats = reduce_statistics(run_on_all_ranks(trainer.strategy, lambda: local_pass(False)), trainer.strategy)
+            return LaplaceEvidence.from_statistics(stats, likelihood, prior)
 
     def evidence_with(
         self, trainer: Trainer, pl_module: LightningModule, structure: str, approx: str,
@@ -633,7 +638,8 @@ class MargLikCallbackCore(EstimatorCore):
             ValueError: If the network's eval-mode outputs on the evidence batch are not finite.
         """
         self._require_fit("fold_batchnorm")
-        return fold_batchnorm(pl_module, self.example_inputs(trainer, pl_module), prior=self.prior)
+        with whole_parameters(trainer):  # under FSDP: the copy takes whole weights
+            return fold_batchnorm(pl_module, self.example_inputs(trainer, pl_module), prior=self.prior)
 
     def example_inputs(self, trainer: Trainer, pl_module: LightningModule) -> Any:
         """The model inputs of one evidence batch (split by ``marglik_batch``), on the prior's device and dtype.

@@ -19,6 +19,7 @@ from ..hyperparameters import Likelihood
 from .data import BatchFn
 from .package import LightningModule, MargLikConfigurationError, Trainer
 from .schedule import Schedule
+from .sharding import whole_parameters
 
 __all__ = ["TrainingStatistics", "check_coverage"]
 
@@ -133,7 +134,8 @@ class TrainingStatistics:
             return
         batch, self._check = self._check, None
         self._pass.end()  # the batch's backward is done; the reference pass must not be recorded
-        run_on_all_ranks(trainer.strategy, lambda: self._check_batch(trainer, batch, reference))
+        with whole_parameters(trainer):  # under FSDP: the reference pass needs whole weights, on every rank
+            run_on_all_ranks(trainer.strategy, lambda: self._check_batch(trainer, batch, reference))
 
     def _check_batch(self, trainer: Trainer, batch: Any, reference: Callable[[Any], Any]) -> None:
         """The first batch's training-pass sums must equal the evidence pass's at the same weights.

@@ -1,0 +1,185 @@
+"""Per-rank peak memory and time of an estimate under DDP and FSDP FULL_SHARD (2 CPU processes, gloo).
+
+    python benchmarks/fsdp.py [--width 2048] [--layers 3] [--n 256]
+
+An MLP whose weights dominate memory (``--layers`` hidden Linear layers of ``--width`` units,
+float32, Adam), trained one epoch with ``MargLikCallback(structure="kron", frequency=1, steps=0)``
+under ``strategy="ddp"`` and under FSDP ``FULL_SHARD`` (a CPU subclass of Lightning's
+``FSDPStrategy``, as in ``tests/fsdp_worker.py``; one FSDP unit per Linear), each rank on one
+thread. Per rank it reports, above the resident set at the start of the epoch: the peak of the
+training epoch and the peak of the estimate that follows it (the kernel's peak RSS, reset between
+the two through ``/proc/self/clear_refs``), their ratio (the issue's target under FULL_SHARD:
+at most 1.2), and the estimate's wall time. Writes ``benchmarks/results/fsdp.md``.
+
+Each measurement is a subprocess running this file with ``--worker``: Lightning's launcher
+re-executes the script for rank 1.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+HERE = Path(__file__).resolve().parent
+STRATEGIES = ["ddp", "fsdp"]
+
+
+def _rss_mib(field: str) -> float:
+    """``VmRSS`` (now) or ``VmHWM`` (peak since the last reset) of this process, MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # Linux: reset VmHWM to the current RSS
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import Callback
+    from pytorch_lightning.strategies import DDPStrategy, FSDPStrategy
+    from torch import nn
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_marglik import GaussianLikelihood, GaussianPrior, MargLikCallback, map_loss
+
+    class CPUFSDPStrategy(FSDPStrategy):
+        def _setup_model(self, model: nn.Module) -> nn.Module:  # Lightning passes device_id=None for a CPU
+            return FullyShardedDataParallel(
+                module=model, sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"), **self.kwargs
+            )
+
+    class MLP(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            sizes = [args.width] * (args.layers + 1) + [1]
+            layers: List[nn.Module] = []
+            for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+                layers += [nn.Tanh()] if i else []
+                layers.append(nn.Linear(a, b))
+            self.net = nn.Sequential(*layers)
+            self.prior = GaussianPrior(self.net, structure="layerwise")
+            self.likelihood = GaussianLikelihood()
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return map_loss(self(x), y, self.likelihood, self.prior)
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-4)
+
+    class Before(Callback):  # runs before MargLikCallback's hooks: the training peak
+        def on_train_epoch_start(self, trainer, pl_module):
+            self.base = _rss_mib("VmRSS")
+            _reset_peak()
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            self.train_peak = _rss_mib("VmHWM") - self.base
+            _reset_peak()
+            self.started = time.perf_counter()
+
+    class After(Callback):  # runs after MargLikCallback's: the estimate's peak and time
+        def __init__(self, before: Before) -> None:
+            self.before = before
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            b = self.before
+            self.result = {
+                "seconds": time.perf_counter() - b.started,
+                "train_peak_mib": b.train_peak,
+                "estimate_peak_mib": _rss_mib("VmHWM") - b.base,
+                "base_mib": b.base,
+            }
+
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(args.n, args.width, generator=gen), torch.randn(args.n, 1, generator=gen))
+    timeout = datetime.timedelta(seconds=120)
+    if args.strategy == "ddp":
+        strategy: Any = DDPStrategy(process_group_backend="gloo", timeout=timeout)
+    else:
+        strategy = CPUFSDPStrategy(process_group_backend="gloo", timeout=timeout, sharding_strategy="FULL_SHARD",
+                                   auto_wrap_policy={nn.Linear})
+    before = Before()
+    after = After(before)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False,
+        callbacks=[before, MargLikCallback(structure="kron", frequency=1, steps=0, settle=None), after],
+    )
+    trainer.fit(MLP(), DataLoader(data, batch_size=32))
+    Path(args.out, f"{args.strategy}-rank{trainer.global_rank}.json").write_text(json.dumps(after.result))
+
+
+def run(strategy: str, args: argparse.Namespace, out: Path) -> List[Dict[str, Any]]:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "RANK", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    command = [sys.executable, __file__, "--worker", "--strategy", strategy, "--out", str(out),
+               "--width", str(args.width), "--layers", str(args.layers), "--n", str(args.n)]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
+    if proc.returncode:
+        raise RuntimeError(f"{strategy} run failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    return [json.loads((out / f"{strategy}-rank{r}.json").read_text()) for r in range(2)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--strategy", choices=STRATEGIES)
+    parser.add_argument("--out")
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--n", type=int, default=256)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    load = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        results = {strategy: run(strategy, args, Path(tmp)) for strategy in STRATEGIES}
+    weights = args.layers * args.width * args.width + args.width  # the Linear weights (biases aside)
+    rows = []
+    for strategy, ranks in results.items():
+        for rank, r in enumerate(ranks):
+            ratio = r["estimate_peak_mib"] / r["train_peak_mib"]
+            rows.append(f"| {strategy} | {rank} | {r['train_peak_mib']:.0f} | {r['estimate_peak_mib']:.0f} | "
+                        f"**{ratio:.2f}** | {r['seconds']:.1f} | {r['base_mib']:.0f} |")
+    text = "\n".join([
+        "# Estimate memory under DDP and FSDP FULL_SHARD",
+        "",
+        f"`python benchmarks/fsdp.py --width {args.width} --layers {args.layers} --n {args.n}` on "
+        f"{datetime.date.today()}: an MLP of {args.layers} hidden Linear layers of {args.width} units "
+        f"({weights * 4 / 2**20:.0f} MiB of float32 weights), Gaussian likelihood, Adam, one epoch of {args.n} "
+        "examples (batch 32) and one estimate (`structure='kron'`, K=0), 2 CPU processes over gloo, one "
+        "thread each; FSDP with one unit per Linear. Memory is resident-set size above the start of the "
+        "epoch (the kernel's peak, reset between training and the estimate).",
+        "",
+        "| strategy | rank | training peak (MiB) | estimate peak (MiB) | **estimate / training** | estimate (s) | "
+        "RSS at epoch start (MiB) |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+        f"Load average (1, 5, 15 min) before: {', '.join(f'{x:.1f}' for x in load)}.",
+        "",
+    ])
+    (HERE / "results" / "fsdp.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,306 @@
+"""Multi-process FSDP (CPU, gloo) runs for ``tests/test_fsdp.py``: ``python tests/fsdp_worker.py all OUT_DIR``.
+
+Lightning's launcher re-executes ``sys.argv`` for rank 1, so the FSDP runs happen here, in one
+process group, each case a fresh Trainer; every rank writes ``OUT_DIR/rank<r>.json``.
+
+* ``cases``: one fit per entry of :data:`CASES` (an FSDP sharding strategy, with or without an
+  ``auto_wrap_policy``, or DDP for comparison), weights frozen (SGD at lr 0), 2 epochs, an
+  estimate with 20 hyperparameter steps after each: the learned hyperparameters and evidence.
+* ``train``: a short training run under FULL_SHARD with ``MargLikCheckpoint`` (best and
+  ``last.ckpt``) and ``MargLikEarlyStopping``; the whole weights of every epoch are recorded.
+* ``resume``: under FULL_SHARD with sharded state dicts (a checkpoint is a directory), three epochs
+  straight against two, then a fresh Trainer resumed from ``last.ckpt`` for the third.
+* ``map``: two epochs of ``map_loss`` training under DDP and under FULL_SHARD (one unit per Linear).
+* ``refused``: fits that must fail at set-up with the callback's error (FSDP2 through
+  ``ModelParallelStrategy``, ``use_orig_params=False``); the message of each is recorded.
+
+The models and data are built here and imported by the test (importing has no side effects).
+Lightning refuses ``strategy="fsdp"`` on a CPU accelerator, so :class:`CPUFSDPStrategy` (a
+tests-side subclass, not part of the library) makes the one change a CPU needs.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import Callback
+from pytorch_lightning.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_marglik import (
+    GaussianLikelihood,
+    GaussianPrior,
+    MargLikBoundCallback,
+    MargLikCallback,
+    MargLikCheckpoint,
+    MargLikEarlyStopping,
+    map_loss,
+)
+
+TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("DDP_TEST_TIMEOUT_S", "60")))
+N = 37  # odd: Lightning's sampler pads the training shards, the evidence must not count the repeat
+SIZES = [3, 16, 16, 2]
+
+
+class CPUFSDPStrategy(FSDPStrategy):
+    """Lightning's ``FSDPStrategy`` on CPU processes over gloo.
+
+    Lightning passes FSDP ``device_id=None`` for a CPU device, which torch's FSDP refuses ("needs a
+    non-CPU accelerator device"); here the wrapper is told the CPU. Everything else is Lightning's.
+    """
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        return FullyShardedDataParallel(
+            module=model,
+            cpu_offload=self.cpu_offload,
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=torch.device("cpu"),
+            **self.kwargs,
+        )
+
+
+def make_data(n: int = N, seed: int = 0) -> TensorDataset:
+    gen = torch.Generator().manual_seed(1000 + seed)
+    x = torch.randn(n, SIZES[0], generator=gen, dtype=torch.float64)
+    w = torch.randn(SIZES[0], SIZES[-1], generator=gen, dtype=torch.float64)
+    return TensorDataset(x, torch.sin(x @ w) + 0.3 * torch.randn(n, SIZES[-1], generator=gen, dtype=torch.float64))
+
+
+class Model(pl.LightningModule):
+    """An MLP (float64 weights) with a layerwise GaussianPrior and a Gaussian likelihood; Adam at ``lr``
+    (SGD at 0 for ``lr=0``: the weights stay), 100 x ``lr`` from epoch ``jump`` on (the evidence falls)."""
+
+    def __init__(self, lr: float = 0.0, jump: int = 1000, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        layers: List[nn.Module] = []
+        for i, (a, b) in enumerate(zip(SIZES[:-1], SIZES[1:])):
+            layers += [nn.Tanh()] if i else []
+            layers.append(nn.Linear(a, b, dtype=torch.float64))
+        self.net = nn.Sequential(*layers)
+        self.prior = GaussianPrior(self.net, structure="layerwise")
+        self.likelihood = GaussianLikelihood(sigma=0.8)
+        self.lr, self.jump = lr, jump
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return map_loss(self(x), y, self.likelihood, self.prior)
+
+    def configure_optimizers(self):
+        if self.lr == 0:
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda e: 1.0 if e < self.jump else 100.0)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "epoch"}}
+
+
+def loader(dataset: TensorDataset) -> DataLoader:
+    return DataLoader(dataset, batch_size=8, shuffle=True)
+
+
+# name: (strategy, FSDP arguments, callback, N): the frozen-weight cases. statistics="training" takes N = 40: every
+# rank's training shard holds 20 examples, none padded, so the estimates use the training passes' sums
+CALLBACKS = {
+    "kron": lambda: MargLikCallback(structure="kron", approx="ggn", frequency=1, steps=20, settle=None),
+    "diag": lambda: MargLikCallback(structure="diag", approx="ggn", frequency=1, steps=20, settle=None),
+    "training": lambda: MargLikCallback(structure="kron", approx="ef", statistics="training", frequency=1, steps=20,
+                                        settle=None),
+    "bound": lambda: MargLikBoundCallback(bound="parametric", structure="kron", lr=0.1),
+}
+CASES: Dict[str, tuple] = {
+    "full_shard": ("fsdp", {"sharding_strategy": "FULL_SHARD"}, "kron", N),
+    "shard_grad_op": ("fsdp", {"sharding_strategy": "SHARD_GRAD_OP"}, "kron", N),
+    "no_shard": ("fsdp", {"sharding_strategy": "NO_SHARD"}, "kron", N),
+    # HYBRID_SHARD needs an auto_wrap_policy (or process groups or a device mesh) to know its groups
+    "hybrid_shard": ("fsdp", {"sharding_strategy": "HYBRID_SHARD", "auto_wrap_policy": {nn.Linear}}, "kron", N),
+    "full_shard_wrapped": ("fsdp", {"sharding_strategy": "FULL_SHARD", "auto_wrap_policy": {nn.Linear}}, "kron", N),
+    "diag_full_shard": ("fsdp", {"sharding_strategy": "FULL_SHARD", "auto_wrap_policy": {nn.Linear}}, "diag", N),
+    "training_full_shard": ("fsdp", {"sharding_strategy": "FULL_SHARD", "auto_wrap_policy": {nn.Linear}}, "training", 40),
+    "bound_full_shard": ("fsdp", {"sharding_strategy": "FULL_SHARD", "auto_wrap_policy": {nn.Linear}}, "bound", N),
+    "bound_ddp": ("ddp", {}, "bound", N),
+}
+
+
+def strategy(kind: str, fsdp: Dict[str, Any]) -> Any:
+    if kind == "ddp":
+        return DDPStrategy(process_group_backend="gloo", timeout=TIMEOUT)
+    return CPUFSDPStrategy(process_group_backend="gloo", timeout=TIMEOUT, **fsdp)
+
+
+def trainer(out: Path, strategy_: Any, callbacks: List[Callback], max_epochs: int) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy_, max_epochs=max_epochs, callbacks=callbacks, logger=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks),
+        default_root_dir=str(out),
+    )
+
+
+def whole_weights(trainer_: pl.Trainer, module: Model) -> List[list]:
+    """Every weight, gathered with FSDP's own API (or as it is under DDP)."""
+    model = trainer_.strategy.model
+    if isinstance(model, FullyShardedDataParallel):
+        with FullyShardedDataParallel.summon_full_params(model, writeback=False):
+            return [p.detach().reshape(-1).tolist() for p in module.net.parameters()]
+    return [p.detach().reshape(-1).tolist() for p in module.net.parameters()]
+
+
+def hyperparameters(module: Model) -> Dict[str, list]:
+    return {"log_precision": module.prior.log_precision.tolist(), "log_sigma": module.likelihood.log_sigma.reshape(-1).tolist()}
+
+
+class Recorder(Callback):
+    """After the callback in each epoch: the hyperparameters and the whole weights."""
+
+    def __init__(self) -> None:
+        self.epochs: List[Dict[str, Any]] = []
+
+    def on_train_epoch_end(self, trainer_, pl_module):
+        self.epochs.append({"epoch": trainer_.current_epoch, **hyperparameters(pl_module),
+                            "weights": whole_weights(trainer_, pl_module)})
+
+
+def run_cases(out: Path) -> Dict[str, Any]:
+    results = {}
+    for name, (kind, fsdp, callback_kind, n) in CASES.items():
+        module, callback, recorder = Model(), CALLBACKS[callback_kind](), Recorder()
+        fit = trainer(out, strategy(kind, fsdp), [callback, recorder], max_epochs=2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fit.fit(module, train_dataloaders=loader(make_data(n)))
+        evidence = getattr(callback, "evidence", None)
+        after = {}
+        if name == "full_shard_wrapped":  # the methods a user calls after training, with the trainer
+            after = {"evidence_with_diag": callback.evidence_with(fit, module, "diag", "ggn"),
+                     "folded_weights": [p.reshape(-1).tolist() for p in callback.fold_batchnorm(fit, module).model.net.parameters()]}
+        results[name] = {
+            **hyperparameters(module),
+            "history": callback.history,
+            "n_data": int(module.prior.n_data),
+            "log_marglik": None if evidence is None else evidence.log_marglik().item(),
+            "epochs": recorder.epochs,
+            **after,
+            "warnings": [str(w.message) for w in caught if "MargLik" in str(w.message)],
+            "fsdp_units": sum(isinstance(m, FullyShardedDataParallel) for m in fit.strategy.model.modules()),
+        }
+    return results
+
+
+def run_training(out: Path) -> Dict[str, Any]:
+    """FULL_SHARD (full state dict), F=1, K=20, MargLikCheckpoint(save_last) and MargLikEarlyStopping(patience=1)."""
+    module = Model(lr=1e-2, jump=2, seed=1)
+    callback = MargLikCallback(structure="kron", frequency=1, steps=20, settle=None)
+    checkpoint = MargLikCheckpoint(dirpath=str(out / "checkpoints"), save_top_k=1, save_last=True)
+    stopper, recorder = MargLikEarlyStopping(patience=1), Recorder()
+    fit = trainer(out, strategy("fsdp", {"sharding_strategy": "FULL_SHARD"}), [callback, recorder, stopper, checkpoint],
+                  max_epochs=8)
+    fit.fit(module, train_dataloaders=loader(make_data(101, seed=1)))
+    return {
+        "epochs": recorder.epochs,
+        "history": callback.history,
+        "best_marglik": callback.best_marglik,
+        "best_epoch": callback.best_epoch,
+        "best_model_path": checkpoint.best_model_path,
+        "last_model_path": checkpoint.last_model_path,
+        "stopped_epoch": stopper.stopped_epoch,
+        "current_epoch": fit.current_epoch,
+    }
+
+
+def _resume_fit(out: Path, name: str, max_epochs: int, ckpt_path: Any = None) -> Dict[str, Any]:
+    """Adam at lr 1e-2, F=1, K=20, under FULL_SHARD with sharded state dicts; ``last`` saved every epoch."""
+    module = Model(lr=1e-2, seed=2)
+    callback = MargLikCallback(structure="kron", frequency=1, steps=20, settle=None)
+    checkpoint = MargLikCheckpoint(dirpath=str(out / name), save_top_k=1, save_last=True)
+    fsdp = {"sharding_strategy": "FULL_SHARD", "auto_wrap_policy": {nn.Linear}, "state_dict_type": "sharded"}
+    fit = trainer(out, strategy("fsdp", fsdp), [callback, checkpoint], max_epochs=max_epochs)
+    fit.fit(module, train_dataloaders=loader(make_data(64, seed=2)), ckpt_path=ckpt_path)
+    return {**hyperparameters(module), "history": callback.history, "weights": whole_weights(fit, module),
+            "best_model_path": checkpoint.best_model_path, "last_model_path": checkpoint.last_model_path,
+            "best_epoch": callback.best_epoch}
+
+
+def run_resume(out: Path) -> Dict[str, Any]:
+    """Three epochs straight, and two then one more resumed from the sharded ``last.ckpt`` (a directory)."""
+    straight = _resume_fit(out, "straight", 3)
+    first = _resume_fit(out, "first", 2)
+    resumed = _resume_fit(out, "first", 3, ckpt_path=first["last_model_path"])  # the same directory, as a user resumes
+    return {"straight": straight, "first": first, "resumed": resumed}
+
+
+def run_map_training(out: Path) -> Dict[str, Any]:
+    """Two epochs of map_loss at a strong prior (precision 100), no estimate: the whole weights under DDP and
+    under FULL_SHARD with one unit per Linear, whose units reshard while training_step adds the prior's term."""
+    results = {}
+    for name, kind, fsdp in (("ddp", "ddp", {}), ("fsdp", "fsdp", {"auto_wrap_policy": {nn.Linear}})):
+        module = Model(lr=1e-2, seed=3)
+        module.prior = GaussianPrior(module.net, precision=100.0, structure="layerwise")
+        fit = trainer(out, strategy(kind, fsdp), [MargLikCallback(frequency=50, steps=0, settle=None)], max_epochs=2)
+        fit.fit(module, train_dataloaders=loader(make_data(64, seed=3)))
+        results[name] = whole_weights(fit, module)
+    return results
+
+
+class FullyShardedModel(Model):
+    """For ModelParallelStrategy: FSDP2's ``fully_shard`` in ``configure_model``."""
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(self.net, mesh=self.device_mesh["tensor_parallel"])
+
+
+REFUSED = {
+    "model_parallel": lambda: ModelParallelStrategy(timeout=TIMEOUT),
+    "use_orig_params_false": lambda: CPUFSDPStrategy(process_group_backend="gloo", timeout=TIMEOUT, use_orig_params=False),
+}
+
+
+def run_refused(out: Path) -> Dict[str, Any]:
+    """Each fit fails on both ranks at the callback's set-up; the error is recorded, the next fit runs."""
+    results = {}
+    for name, make in REFUSED.items():
+        module = FullyShardedModel() if name == "model_parallel" else Model()
+        fit = trainer(out, make(), [MargLikCallback(settle=None)], max_epochs=1)
+        try:
+            fit.fit(module, train_dataloaders=loader(make_data()))
+            results[name] = {"type": None, "message": None}
+        except Exception as exc:  # noqa: BLE001 - recorded for the test
+            results[name] = {"type": type(exc).__name__, "message": str(exc)}
+    return results
+
+
+def main(out: Path) -> None:
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    results: Dict[str, Any] = {"cases": run_cases(out), "train": run_training(out), "resume": run_resume(out), "map": run_map_training(out), "refused": run_refused(out)}
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    results["rank"] = rank
+    (out / f"rank{rank}.json").write_text(json.dumps(results, default=float))
+
+
+if __name__ == "__main__":
+    # leave without the interpreter's slow teardown of torch and Lightning; every result is written
+    code = 0
+    try:
+        main(Path(sys.argv[2]))
+    except BaseException:  # noqa: BLE001 - printed, then the exit code says it failed
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
