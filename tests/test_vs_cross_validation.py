@@ -77,7 +77,7 @@ def test_the_recipe_warms_up_linearly_then_decays_to_zero():
     assert factor(30) == pytest.approx(0.5)  # half-way through the decay
     assert _zoo.lr_factor(replace(spec, schedule="constant", warmup=0), 5)(37) == 1.0
     with pytest.raises(ValueError, match="unknown schedule"):
-        _zoo.lr_factor(replace(spec, schedule="step"), 5)
+        _zoo.lr_factor(replace(spec, schedule="linear"), 5)
     with pytest.raises(ValueError, match="unknown optimizer"):
         _zoo.optimizer_of(replace(spec, optimizer="rmsprop"))
 
