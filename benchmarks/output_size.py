@@ -15,8 +15,8 @@ Parts (each in a fresh process, so that its peak memory is its own; ``--parts`` 
   sequences of 32 tokens (a quarter padded with -100 from position 24), and the same with a peft LoRA
   adapter (rank 4 on ``c_attn``).
 * ``quality-C`` for C in {10, 100}: whole runs (30 epochs, ``MargLikCallback`` defaults: an estimate
-  every 10th epoch) with the default estimator and with ``mc_samples=0``, on a teacher network's labels:
-  learned log precisions, final ``marglik`` and test NLL.
+  every 10th epoch) with the default estimator (Monte-Carlo seeds 0, 1, 2, and seed 0 once more) and with
+  ``mc_samples=0``, on a teacher network's labels: learned log precisions, final ``marglik`` and test NLL.
 
 Whole-run ratios at the defaults are computed from the measured parts: 40 epochs with 4 estimates,
 ``(40 t_epoch + 4 t_estimate) / (40 t_epoch)``.
@@ -59,8 +59,8 @@ def teacher_data(n: int, classes: int, seed: int = 0):
 
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 256, generator=g)
+    torch.manual_seed(seed + 100)  # before the teacher is built: its biases keep their initial draws
     teacher = nn.Sequential(nn.Linear(256, 64), nn.Tanh(), nn.Linear(64, classes))
-    torch.manual_seed(seed + 100)
     teacher.apply(lambda m: isinstance(m, nn.Linear) and nn.init.normal_(m.weight, std=1.5 / m.in_features ** 0.5))
     with torch.no_grad():
         y = torch.distributions.Categorical(logits=3 * teacher(x)).sample()
@@ -191,9 +191,12 @@ def quality(classes: int) -> Dict[str, Any]:
             return torch.optim.Adam(self.net.parameters(), lr=1e-3)
 
     out = {}
-    for arm, mc in (("default", "auto"), ("exact", 0)):
+    # the default estimator with three Monte-Carlo seeds (the callback's seed): one run's NLL moves with the draws
+    # and once more with seed 0: what two runs of one setting differ by
+    for arm, mc, seed in (("default", "auto", 0), ("default-seed1", "auto", 1), ("default-seed2", "auto", 2),
+                          ("default-repeat", "auto", 0), ("exact", 0, 0)):
         module = Module()
-        callback = MargLikCallback(mc_samples=mc)
+        callback = MargLikCallback(mc_samples=mc, seed=seed)
         quiet_lightning()
         trainer = pl.Trainer(max_epochs=30, callbacks=[callback], logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
@@ -207,6 +210,10 @@ def quality(classes: int) -> Dict[str, Any]:
     diffs = [abs(out["default"]["log_precision"][k] - out["exact"]["log_precision"][k]) for k in out["exact"]["log_precision"]]
     out["max_log_precision_diff"] = max(diffs)
     out["nll_diff"] = out["default"]["test_nll"] - out["exact"]["test_nll"]
+    seeds = [out[arm] for arm in ("default", "default-seed1", "default-seed2")]
+    out["seeds_nll_mean_diff"] = sum(s["test_nll"] for s in seeds) / len(seeds) - out["exact"]["test_nll"]
+    out["repeat_nll_diff"] = out["default-repeat"]["test_nll"] - out["default"]["test_nll"]
+    out["seeds_nll_range"] = [min(s["test_nll"] for s in seeds), max(s["test_nll"] for s in seeds)]
     return out
 
 
@@ -290,7 +297,8 @@ def render(data: Dict[str, Any]) -> str:
     if quality_rows:
         lines += ["", "## Quality: whole runs, the default estimator against the exact GGN (30 epochs, N = 8,000)", "",
                   "| classes | default estimator | max abs diff of learned log δ | marglik default / exact | "
-                  "test NLL default / exact (diff) |", "|---:|---|---:|---:|---:|"]
+                  "test NLL default / exact (diff) | 3 MC seeds: NLL range, mean - exact | seed 0 run again: NLL diff |",
+                  "|---:|---|---:|---:|---:|---:|---:|"]
         for part in quality_rows:
             q = parts[part]
             if "error" in q:
@@ -298,7 +306,9 @@ def render(data: Dict[str, Any]) -> str:
                 continue
             lines.append(f"| {part.split('-')[1]} | {q['default']['estimator']} | {q['max_log_precision_diff']:.3f} | "
                          f"{q['default']['marglik']:.4f} / {q['exact']['marglik']:.4f} | "
-                         f"{q['default']['test_nll']:.4f} / {q['exact']['test_nll']:.4f} ({q['nll_diff']:+.4f}) |")
+                         f"{q['default']['test_nll']:.4f} / {q['exact']['test_nll']:.4f} ({q['nll_diff']:+.4f}) | "
+                         + (f"{q['seeds_nll_range'][0]:.4f}-{q['seeds_nll_range'][1]:.4f}, {q['seeds_nll_mean_diff']:+.4f} |"
+                            f" {q['repeat_nll_diff']:+.4f} |" if "seeds_nll_range" in q else "| |"))
     return "\n".join(lines) + "\n\n" + hand_written(RESULT)
 
 
