@@ -119,8 +119,8 @@ class LaplaceEvidence:
             structure: ``"full"``, ``"kron"``, ``"ekfac"`` (reads ``dataloader`` twice) or ``"diag"``.
             approx: ``"ggn"`` (generalized Gauss-Newton) or ``"ef"`` (empirical Fisher).
             mc_samples: Monte-Carlo samples per example for the GGN; 0 for the exact GGN; ``"auto"``
-                (default): exact while it takes at most 10 backward passes per batch (10 classes), one
-                sample beyond, so that the pass's cost does not grow with the number of outputs
+                (default): exact while it takes at most 10 backward passes per batch (up to 11 classes), one
+                sample beyond, so that the pass's backward passes do not grow with the number of outputs
                 (:mod:`.curvature.estimator`; which ran and why: :attr:`estimator`).
             generator: Random generator for the Monte-Carlo samples.
             batch_fn: Maps a batch to ``(inputs, targets)``; inputs a tensor, tuple or dict.
