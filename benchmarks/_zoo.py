@@ -769,5 +769,14 @@ def cached(spec: RunSpec, cache: str, rerun: bool = False, log: Callable[[str], 
     return result
 
 
+def run_shard(specs: List[RunSpec], k: int, n: int, cache: str) -> None:
+    """Train (or read from ``cache``) shard ``k`` of ``n`` of ``specs``: every n-th run from the k-th, naming the library."""
+    start = time.perf_counter()
+    print(f"library {library_state()}; shard {k}/{n}: {len(specs[k::n])} runs", flush=True)
+    for spec in specs[k::n]:
+        cached(spec, cache)
+    print(f"shard {k}/{n} done in {(time.perf_counter() - start) / 60:.1f} min", flush=True)
+
+
 def output_dir(script: str) -> str:
     return os.path.join(OUTPUTS, script)

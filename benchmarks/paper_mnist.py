@@ -62,7 +62,6 @@ import importlib.util
 import math
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -516,11 +515,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         print("\n".join(pilot_lines(pilot)) if pilot else "no pilot yet: run --pilot")
         return {}
     if not args.analyse:
-        start = time.perf_counter()
-        print(f"library {library_state()}; shard {k}/{n}: {len(specs[k::n])} runs", flush=True)
-        for s in specs[k::n]:
-            _zoo.cached(s, cache)
-        print(f"shard {k}/{n} done in {(time.perf_counter() - start) / 60:.1f} min", flush=True)
+        _zoo.run_shard(specs, k, n, cache)
     return analyse(cache, specs, command, save=not args.quick and (args.analyse or n == 1))
 
 

@@ -43,7 +43,6 @@ import fnmatch
 import math
 import os
 import sys
-import time
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -54,7 +53,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _zoo  # noqa: E402
 from _common import RESULTS, hand_written, now, write_with_data  # noqa: E402
-from common import library_state  # noqa: E402  (examples/common.py, on the path through _zoo)
 
 NAME = "vs_cross_validation"
 SEEDS = (0, 1, 2)
@@ -386,11 +384,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         print(f"{len(specs)} runs, ~{sum(map(estimated_cost, specs)) / 3600:.1f} CPU hours")
         return {}
     if not args.analyse:
-        start = time.perf_counter()
-        print(f"library {library_state()}; shard {k}/{n}: {len(specs[k::n])} runs", flush=True)
-        for s in specs[k::n]:
-            _zoo.cached(s, cache)
-        print(f"shard {k}/{n} done in {(time.perf_counter() - start) / 60:.1f} min", flush=True)
+        _zoo.run_shard(specs, k, n, cache)
     return analyse(cache, args.seeds, args.quick, chosen, command, write=not args.quick and (args.analyse or n == 1))
 
 
