@@ -81,6 +81,11 @@ def test_mc_samples_refuses_what_is_neither_a_count_nor_auto(bad):
     assert CurvatureOptions("kron", "ggn", " AUTO ").mc_samples == "auto"
 
 
+def test_a_count_given_as_a_string_is_told_counts_are_ints():
+    with pytest.raises(ValueError, match=r"got '1'\. Or an int >= 0: Monte-Carlo samples, 0 = exact GGN\."):
+        CurvatureOptions("kron", "ggn", "1")
+
+
 def test_the_engine_records_which_estimator_ran():
     net, data = _classification(classes=30)
     evidence = LaplaceEvidence.fit(net, data, CategoricalLikelihood(), GaussianPrior(net))

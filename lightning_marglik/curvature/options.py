@@ -75,7 +75,9 @@ class CurvatureOptions:
         object.__setattr__(self, "structure", choice(self.structure, _structures(), "structure", elsewhere=PRIOR_ELSEWHERE))
         object.__setattr__(self, "approx", choice(self.approx, APPROXIMATIONS, "approx"))
         if isinstance(self.mc_samples, str):
-            object.__setattr__(self, "mc_samples", choice(self.mc_samples, ("auto",), "mc_samples"))
+            # a count given as a string ("1") is told that counts are ints
+            auto = choice(self.mc_samples, ("auto",), "mc_samples", what="Or an int >= 0: Monte-Carlo samples, 0 = exact GGN.")
+            object.__setattr__(self, "mc_samples", auto)
         else:
             integer(self.mc_samples, "mc_samples", minimum=0, what="0 = exact GGN, or 'auto'")
         if self.mc_samples and self.mc_samples != "auto" and self.approx != "ggn":
