@@ -12,7 +12,9 @@ the two through ``/proc/self/clear_refs``), their ratio (the issue's target unde
 at most 1.2), and the estimate's wall time. Writes ``benchmarks/results/fsdp.md``.
 
 Each measurement is a subprocess running this file with ``--worker``: Lightning's launcher
-re-executes the script for rank 1.
+re-executes the script for rank 1. The CPU subclass of ``FSDPStrategy`` is the tests' own
+(``tests/fsdp_worker.py``); the results file is written with the studies' harness (``_common.py``:
+the library commit, machine, date and load, the raw data kept in the file).
 """
 from __future__ import annotations
 
@@ -28,7 +30,13 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent / "examples"), str(HERE.parent / "tests")]
+
+from _common import RESULTS, cpu_name, hand_written, load_avg, now, write_with_data  # noqa: E402
+from common import library_state  # noqa: E402  (examples/common.py)
+
 STRATEGIES = ["ddp", "fsdp"]
+RESULT = RESULTS / "fsdp.md"
 
 
 def _rss_mib(field: str) -> float:
@@ -49,18 +57,12 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     import pytorch_lightning as pl
     from pytorch_lightning.callbacks import Callback
-    from pytorch_lightning.strategies import DDPStrategy, FSDPStrategy
+    from fsdp_worker import CPUFSDPStrategy
+    from pytorch_lightning.strategies import DDPStrategy
     from torch import nn
-    from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_marglik import GaussianLikelihood, GaussianPrior, MargLikCallback, map_loss
-
-    class CPUFSDPStrategy(FSDPStrategy):
-        def _setup_model(self, model: nn.Module) -> nn.Module:  # Lightning passes device_id=None for a CPU
-            return FullyShardedDataParallel(
-                module=model, sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"), **self.kwargs
-            )
 
     class MLP(pl.LightningModule):
         def __init__(self) -> None:
@@ -149,9 +151,10 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    load = os.getloadavg()
+    data = {"library": library_state(), "machine": cpu_name(), "date": now(), "load": load_avg(), "args": vars(args)}
     with tempfile.TemporaryDirectory() as tmp:
         results = {strategy: run(strategy, args, Path(tmp)) for strategy in STRATEGIES}
+    data["results"] = results
     weights = args.layers * args.width * args.width + args.width  # the Linear weights (biases aside)
     rows = []
     for strategy, ranks in results.items():
@@ -162,8 +165,8 @@ def main() -> None:
     text = "\n".join([
         "# Estimate memory under DDP and FSDP FULL_SHARD",
         "",
-        f"`python benchmarks/fsdp.py --width {args.width} --layers {args.layers} --n {args.n}` on "
-        f"{datetime.date.today()}: an MLP of {args.layers} hidden Linear layers of {args.width} units "
+        f"`python benchmarks/fsdp.py --width {args.width} --layers {args.layers} --n {args.n}`, library "
+        f"{data['library']}, {data['machine']}, {data['date']} at load {data['load']:.1f}: an MLP of {args.layers} hidden Linear layers of {args.width} units "
         f"({weights * 4 / 2**20:.0f} MiB of float32 weights), Gaussian likelihood, Adam, one epoch of {args.n} "
         "examples (batch 32) and one estimate (`structure='kron'`, K=0), 2 CPU processes over gloo, one "
         "thread each; FSDP with one unit per Linear. Memory is resident-set size above the start of the "
@@ -173,11 +176,8 @@ def main() -> None:
         "RSS at epoch start (MiB) |",
         "|---|---|---|---|---|---|---|",
         *rows,
-        "",
-        f"Load average (1, 5, 15 min) before: {', '.join(f'{x:.1f}' for x in load)}.",
-        "",
     ])
-    (HERE / "results" / "fsdp.md").write_text(text)
+    write_with_data(RESULT, text + "\n\n" + hand_written(RESULT), data)
     print(text)
 
 
