@@ -8,9 +8,10 @@ the option that does that job here, or why there is none.
 """
 from __future__ import annotations
 
-import difflib
 import inspect
 from typing import Any, ClassVar, Mapping
+
+from ..validators import suggestion
 
 __all__ = ["CALLBACK_KEYWORDS", "BOUND_KEYWORDS", "CHECKPOINT_KEYWORDS", "STOPPING_KEYWORDS", "KnownKeywords"]
 
@@ -95,5 +96,4 @@ class KnownKeywords:
         """What ``key`` means here: the mapped advice, else the nearest accepted name."""
         if key in cls._foreign_keywords:
             return cls._foreign_keywords[key]
-        close = difflib.get_close_matches(key, accepted, n=1, cutoff=0.6)
-        return f"did you mean {close[0]!r}?" if close else "not an option of this callback"
+        return suggestion(key, accepted).strip(" ()") or "not an option of this callback"
