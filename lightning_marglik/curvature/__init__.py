@@ -143,14 +143,16 @@ def collect_statistics(
         for pass_index, index, batch in _passes(dataloader, passes, start_pass):
             inputs, target = split_batch(batch, batch_fn)
             inputs, target = move(inputs, device, dtype), target.to(device)
-            output: Optional[torch.Tensor] = recorder.forward(inputs)
-            assert output is not None
+            size = batch_size(inputs)
+            # once planned, a batch taken in parts needs no forward of its own: every part runs one
+            output: Optional[torch.Tensor] = recorder.forward(inputs) if plan is None or part >= size else None
             if plan is None:
+                assert output is not None
                 mc_samples, estimator = resolve_mc_samples(options.mc_samples, options.approx, likelihood, output.shape)
                 if mc_samples and generator is None and options.mc_samples == "auto":  # the same draws every call
                     generator = torch.Generator().manual_seed(0)
                 options = dataclasses.replace(options, mc_samples=mc_samples)
-                leading = (batch_size(inputs),)
+                leading = (size,)
                 layouts = {
                     name: LayerLayout(out.requires_grad, recorder.inputs[name].shape[:1] == out.shape[:1] == leading)
                     for name, out in recorder.outputs.items()
@@ -167,9 +169,8 @@ def collect_statistics(
                 )
                 part = _part_size(output, recorder, likelihood, options, sum(prior.param_sizes[i] for i in plan.exact))
             assert stats is not None
-            size = batch_size(inputs)
             if part < size:
-                output = None  # its graph is not needed: every part runs its own forward
+                output = None  # the first batch's graph is not needed either
             for start in range(0, size, part):
                 if output is None:
                     sub_inputs, sub_target = slice_batch(inputs, start, start + part), target[start : start + part]
