@@ -38,12 +38,14 @@ from typing import Any, Callable, Dict, List, Tuple
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "examples"))
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from _common import RESULTS, now  # noqa: E402
+from common import library_state  # noqa: E402
 
 OUTPUT = RESULTS / "gpu.md"
 TOLERANCE = 1e-6
@@ -267,7 +269,7 @@ def report(result: Result, equality: List[Dict[str, Any]], speeds: List[Dict[str
         "",
         f"- {now()}; command: `python benchmarks/gpu.py{' --device ' + str(device.type) if device.type != 'cuda' else ''}"
         f"{' --quick' if quick else ''}`; run time {seconds:.0f} s",
-        f"- device: {device} ({name}); torch {torch.__version__}"
+        f"- library: {library_state()}; device: {device} ({name}); torch {torch.__version__}"
         + (f", CUDA {torch.version.cuda}; TF32 matmul allowed: {tf32}" if device.type == "cuda" else ""),
         "",
         "## Checks",

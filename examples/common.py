@@ -232,7 +232,9 @@ def _read_library_state() -> str:
         dirty = subprocess.run(["git", "status", "--porcelain", "lightning_marglik"], cwd=ROOT, capture_output=True,
                                text=True).stdout.strip()
     except OSError:
-        return "unknown"
+        head, dirty = "", ""
+    if not head:  # a copied tree without git (a lent device machine): the commit its sender named
+        return os.environ.get("LIGHTNING_MARGLIK_COMMIT", "unknown")
     return f"HEAD {head}" + (" with uncommitted changes in lightning_marglik/" if dirty else "")
 
 
