@@ -28,7 +28,10 @@ def test_every_arm_is_the_run_it_names():
         assert full.precision == split.precision == delta and full.callback is None
         assert full.validation == 0.0 and split.validation == study.VALIDATION
         assert replace(split, validation=0.0) == full  # the same run but for the held-out fraction
-    assert runs["remedy: output layer at delta=1"].fixed == ["7.weight", "7.bias"]  # the CNN's last Linear
+    assert runs["candidate: output layer held"].fixed == ["7.weight", "7.bias"]  # the CNN's last Linear
+    assert runs["candidate: output layer held"].callback == {} and runs["candidate: ekfac"].callback == {"structure": "ekfac"}
+    assert runs["candidate: settle rule"].callback == {"settle": 0.05}
+    assert all(arm in study.arms_of("bars", "bn_resnet") for arm in study.CANDIDATES)  # every cell
     assert runs["remedy: scalar prior"].prior == "scalar" and runs["remedy: full GGN"].callback == {"structure": "full"}
     augmented = runs["aug defaults, augmented evidence, T=0.2"]
     assert augmented.augment and augmented.evidence == "augmented" and augmented.temperature == 0.2
@@ -138,3 +141,16 @@ def test_augmented_arms_are_scored_against_cross_validation_under_the_same_augme
     # a targets table per group: the augmented arms (equal to their cross-validation, ties met) in their own
     assert "| arm | mnist / mlp | cells meeting all |" in text
     assert "| arm | mnist / mlp, augmented | cells meeting all |\n|---|---|---|\n| aug defaults, plain evidence (final) | all met | 1 / 1 |" in text
+
+
+def test_never_worse_targets_hold_an_arm_to_delta_1_and_to_cross_validation_where_delta_1_overfits():
+    one = {"nll": 0.50, "acc": 0.90}
+    cv_weaker, cv_stronger = {"chosen": [0.1, 1.0, 0.01], "nll": 0.45, "acc": 0.91}, {"chosen": [10.0, 10.0, 1.0], "nll": 0.45, "acc": 0.91}
+    assert not study.overfits(cv_weaker) and study.overfits(cv_stronger)
+    inside = {"nll": 0.52, "acc": 0.89, "cost": 2.0}  # exactly at the slack: met
+    assert all(ok in (True, None) for ok in study.never_worse(inside, cv_weaker, one).values())
+    missed = study.never_worse({"nll": 0.5201, "acc": 0.8899, "cost": 2.01}, cv_weaker, one)
+    assert [t for t, ok in missed.items() if ok is False] == ["NLL <= delta=1 + 0.02", "acc >= delta=1 - 1", "cost <= 2"]
+    # where delta = 1 overfits, beating delta = 1 is not enough: cross-validation's NLL and accuracy too
+    over = study.never_worse({"nll": 0.46, "acc": 0.905, "cost": 1.2}, cv_stronger, one)
+    assert [t for t, ok in over.items() if ok is False] == ["NLL <= CV (overfit cell)", "acc >= CV (overfit cell)"]
