@@ -110,18 +110,25 @@ def callback_check(device: torch.device, kind: str, structure: str, approx: str)
         def configure_optimizers(self):
             return torch.optim.Adam(self.net.parameters(), lr=1e-2)
 
-    module = Module()
+    class Devices(pl.Callback):
+        """Where the hyperparameter buffers are when training ends: Lightning's teardown then moves the module
+        back to the CPU, so after ``fit`` they are on the CPU wherever they trained."""
+
+        def on_train_end(self, trainer: pl.Trainer, pl_module: Module) -> None:
+            self.devices = {"prior.log_precision": pl_module.prior.log_precision.device,
+                            **{f"likelihood.{k}": v.device for k, v in pl_module.likelihood.hyperparameters().items()}}
+
+    module, devices = Module(), Devices()
     callback = MargLikCallback(structure=structure, approx=approx, frequency=1, steps=5, lr=0.1)
     accelerator = "gpu" if device.type == "cuda" else "cpu"
-    trainer = pl.Trainer(max_epochs=2, callbacks=[callback], accelerator=accelerator, devices=1, logger=False,
+    trainer = pl.Trainer(max_epochs=2, callbacks=[callback, devices], accelerator=accelerator, devices=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True))
     problems = []
-    buffers = {"prior.log_precision": module.prior.log_precision,
-               **{f"likelihood.{k}": v for k, v in module.likelihood.hyperparameters().items()}}
-    for name, tensor in buffers.items():
-        if tensor.device.type != device.type:
-            problems.append(f"{name} on {tensor.device}")
+    buffers = devices.devices
+    for name, where in buffers.items():
+        if where.type != device.type:
+            problems.append(f"{name} on {where} during training")
     evidence = callback.evidence
     if evidence is None:
         return False, "the callback made no estimate"

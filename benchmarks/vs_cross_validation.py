@@ -112,6 +112,7 @@ CANDIDATES: Dict[str, Dict[str, Any]] = {
     # the guard the library has: no estimate before the training loss has settled (the previous defaults' rule,
     # which kept delta near 1 where delta = 1 was right), at the defaults' frequency
     "candidate: settle rule": {"callback": {"settle": 0.05}},
+    "candidate: ekfac, output layer held": {"callback": {"structure": "ekfac"}, "fixed": "output"},
 }
 # issue 42's targets against the declared prior (delta = 1): NLL at most this much above, accuracy at most this
 # much below

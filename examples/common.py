@@ -227,14 +227,16 @@ def library_state() -> str:
 def _read_library_state() -> str:
     import subprocess
 
+    if os.environ.get("LIGHTNING_MARGLIK_COMMIT"):  # a copied tree (a lent device machine): what its sender named
+        return os.environ["LIGHTNING_MARGLIK_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "lightning_marglik"], cwd=ROOT, capture_output=True,
                                text=True).stdout.strip()
     except OSError:
         head, dirty = "", ""
-    if not head:  # a copied tree without git (a lent device machine): the commit its sender named
-        return os.environ.get("LIGHTNING_MARGLIK_COMMIT", "unknown")
+    if not head:
+        return "unknown"
     return f"HEAD {head}" + (" with uncommitted changes in lightning_marglik/" if dirty else "")
 
 
