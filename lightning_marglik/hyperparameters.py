@@ -328,11 +328,12 @@ class GaussianPrior(nn.Module):
         return torch.ones_like(self.log_precision)
 
     def group_sq_norms(self, params: Optional[List[Tensor]] = None) -> Tensor:
-        """Squared norms ``||theta_g||^2`` per group, shape ``(G,)``."""
+        """Squared norms ``||theta_g||^2`` per group, shape ``(G,)``, those of the whole tensors also where
+        FSDP2 holds a tensor as a sharded DTensor (:func:`_sq_norm`)."""
         params = self.params if params is None else params
         if self.structure == "diagonal":
-            return torch.cat([p.reshape(-1) for p in params]).pow(2)
-        norms = torch.stack([p.pow(2).sum() for p in params])
+            return torch.cat([_whole(p).reshape(-1) for p in params]).pow(2)
+        norms = torch.stack([_sq_norm(p) for p in params])
         return norms.sum().reshape(1) if self.structure == "scalar" else norms
 
     def per_tensor(self, log_precision: Tensor) -> Tensor:
@@ -419,6 +420,20 @@ class GaussianPrior(nn.Module):
             f"structure={self.structure!r}, groups={self.log_precision.numel()}, learn={self.learn}, "
             f"fixed={self.fixed}{applied}{hyper}"
         )
+
+
+def _sq_norm(param: Tensor) -> Tensor:
+    """``||theta||^2`` of the whole tensor, on every rank. Outside its forward, FSDP2 (``fully_shard``) holds a
+    parameter as a DTensor sharded across ranks, whose squared sum is a partial (per-shard) value and cannot
+    meet plain tensors: ``full_tensor()`` sums the shards' values (an all-reduce), and its backward hands each
+    rank the gradient of its own shard, to which FSDP2 adds the reduced gradient of the data term."""
+    squared = param.pow(2).sum()
+    return squared.full_tensor() if hasattr(squared, "full_tensor") else squared
+
+
+def _whole(param: Tensor) -> Tensor:
+    """The whole tensor of a DTensor (an all-gather; backward: each rank its shard's gradient), else ``param``."""
+    return param.full_tensor() if hasattr(param, "full_tensor") else param
 
 
 def no_decay_names(prior: GaussianPrior) -> List[str]:
