@@ -15,7 +15,7 @@ Strategies whose parameters the callbacks cannot gather (DeepSpeed, FSDP2 throug
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from typing import Any, ContextManager, Iterator
+from typing import Any, ContextManager, Iterator, List
 
 import torch
 from torch import nn
@@ -28,11 +28,11 @@ __all__ = ["check_strategy", "whole_parameters"]
 _REFUSED = {
     "DeepSpeedStrategy": "DeepSpeed partitions the weights (ZeRO) in its own engine, whose parameters the callbacks "
     "cannot gather for the evidence pass",
-    "ModelParallelStrategy": "FSDP2 (fully_shard) and tensor parallelism hold the weights as sharded DTensors, which "
-    "the callbacks' evidence pass does not gather",
 }
-_WORKS = ("strategy='ddp' (every rank holds the whole model) or FSDPStrategy (FSDP1; sharding_strategy FULL_SHARD, "
-          "SHARD_GRAD_OP, HYBRID_SHARD or NO_SHARD, with its default use_orig_params=True)")
+_WORKS = ("strategy='ddp' (every rank holds the whole model), FSDPStrategy (FSDP1; sharding_strategy FULL_SHARD, "
+          "SHARD_GRAD_OP, HYBRID_SHARD or NO_SHARD, with its default use_orig_params=True) or FSDP2 through "
+          "ModelParallelStrategy(data_parallel_size=<number of processes>, tensor_parallel_size=1), with fully_shard "
+          "over self.device_mesh['data_parallel'] in configure_model")
 
 
 def check_strategy(callback: Any, trainer: Trainer) -> None:
@@ -48,11 +48,26 @@ def check_strategy(callback: Any, trainer: Trainer) -> None:
         raise MargLikConfigurationError(
             f"{type(callback).__name__} does not support {type(strategy).__name__}: {_REFUSED[refused]}. Use {_WORKS}."
         )
+    if "ModelParallelStrategy" in names:
+        _check_no_tensor_parallel(callback, strategy)
     if "FSDPStrategy" in names and not getattr(strategy, "kwargs", {}).get("use_orig_params", True):
         raise MargLikConfigurationError(
             f"{type(callback).__name__} under FSDPStrategy(use_orig_params=False): the network's parameters are then "
             "FSDP's flat parameters, not the layers' own, which the prior and the curvature are computed from; "
             "leave use_orig_params at its default, True."
+        )
+
+
+def _check_no_tensor_parallel(callback: Any, strategy: Any) -> None:
+    """Refuse tensor parallelism: its DTensors are split inside the forward (each rank computes part of a layer),
+    which neither ``FSDPModule.unshard`` nor the passes undo. The mesh exists once the processes are set up, before
+    any callback's ``setup``."""
+    size = strategy.device_mesh["tensor_parallel"].size()
+    if size > 1:
+        raise MargLikConfigurationError(
+            f"{type(callback).__name__} under ModelParallelStrategy with tensor_parallel_size={size}: tensor "
+            "parallelism splits the layers' computation across ranks, which the callbacks' passes cannot follow "
+            f"(ModelParallelStrategy's default on one node). Use {_WORKS}."
         )
 
 
@@ -73,11 +88,13 @@ def whole_parameters(trainer: Trainer) -> ContextManager[Any]:
     model = getattr(trainer.strategy, "model", None)
     if model is None or not torch.distributed.is_available():
         return nullcontext()
-    from torch.distributed.fsdp import FullyShardedDataParallel  # only once a strategy wrapped the model
+    # only once a strategy wrapped the model
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
-    if not any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
-        return nullcontext()
-    return _gathered(model, FullyShardedDataParallel)
+    if any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
+        return _gathered(model, FullyShardedDataParallel)
+    fully_sharded = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    return _unsharded(fully_sharded) if fully_sharded else nullcontext()
 
 
 @contextmanager
@@ -98,3 +115,28 @@ def _gathered(model: nn.Module, fsdp: type) -> Iterator[None]:
         finally:
             for parent, name, child in inner:
                 setattr(parent, name, child)
+
+
+@contextmanager
+def _unsharded(modules: List[nn.Module]) -> Iterator[None]:
+    """FSDP2: every ``fully_shard`` module's parameters gathered (``FSDPModule.unshard``, which registers the whole
+    tensors on the modules), and FSDP2's forward hooks kept from acting on the passes: left as they are, they
+    would reshard a module after its forward and, in a backward, reduce-scatter gradients and reshard again,
+    collectives whose count would follow each rank's share of the data. In the state FSDP2 gives its modules
+    while activation checkpointing recomputes a forward during backward (``TrainingState.PRE_BACKWARD``), the
+    hooks only cast the inputs and outputs as a mixed-precision policy says. The modules are resharded after."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState  # FSDP2's own, no public name
+
+    for module in modules:  # in the modules' order, alike on every rank: the all-gathers pair up
+        module.unshard()
+    states = list({id(state): state for state in (module._get_fsdp_state() for module in modules)}.values())
+    before = [state._training_state for state in states]
+    try:
+        for state in states:
+            state._training_state = TrainingState.PRE_BACKWARD
+        yield
+    finally:
+        for state, training_state in zip(states, before):
+            state._training_state = training_state
+        for module in modules:
+            module.reshard()
