@@ -9,6 +9,8 @@ check ("mat2 must be a matrix, got 1-D tensor": the module's forward met FSDP's 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List
@@ -16,7 +18,7 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from tests import fsdp_worker
+from tests import fsdp2_worker, fsdp_worker
 from tests.test_ddp import Run
 
 pl = pytest.importorskip("pytorch_lightning")
@@ -32,10 +34,10 @@ SHARDED = ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "full_shar
 
 
 class FSDPRun(Run):
-    """The worker run: ``tests/fsdp_worker.py all OUT``."""
+    """A worker run: ``tests/fsdp_worker.py all OUT`` (FSDP1) or ``tests/fsdp2_worker.py all OUT`` (FSDP2)."""
 
-    def __init__(self, out: Path) -> None:
-        super().__init__(["all"], out, worker=WORKER)
+    def __init__(self, out: Path, worker: Path = WORKER) -> None:
+        super().__init__(["all"], out, worker=worker)
 
 
 @pytest.fixture(scope="module")
@@ -147,18 +149,21 @@ def test_best_checkpoint_under_fsdp_loads_into_a_plain_module(ranks):
     assert state["best_marglik"] == a["best_marglik"]
 
 
-@pytest.mark.parametrize("name, names", [
-    ("model_parallel", ["ModelParallelStrategy", "FSDP2", "strategy='ddp'", "FSDPStrategy"]),
-    ("use_orig_params_false", ["use_orig_params=False", "default, True"]),
-])
-def test_unsupported_sharding_refused_at_setup(ranks, name, names):
-    """FSDP2 through ModelParallelStrategy and FSDP's use_orig_params=False are refused at set-up on both ranks,
-    naming the strategy and what works instead (not a low-level error inside the evidence pass)."""
+def _assert_refused(got: Dict[str, Any], names: List[str]) -> None:
+    assert got["type"] == "MargLikConfigurationError", got
+    for word in names:
+        assert word in got["message"], (word, got["message"])
+
+
+def test_unsupported_sharding_refused_at_setup(ranks, fsdp2_ranks):
+    """FSDP's use_orig_params=False, and tensor parallelism through ModelParallelStrategy (its default on one node:
+    tensor_parallel_size = the number of devices), are refused at set-up on both ranks, naming the strategy and
+    what works instead (not a low-level error inside the evidence pass)."""
     for rank in ranks:
-        got = rank["refused"][name]
-        assert got["type"] == "MargLikConfigurationError", got
-        for word in names:
-            assert word in got["message"], (word, got["message"])
+        _assert_refused(rank["refused"]["use_orig_params_false"], ["use_orig_params=False", "default, True"])
+    for rank in fsdp2_ranks:
+        _assert_refused(rank["refused"], ["ModelParallelStrategy with tensor_parallel_size=2", "tensor_parallel_size=1",
+                                          "device_mesh['data_parallel']", "strategy='ddp'", "FSDPStrategy"])
 
 
 def test_evidence_with_and_fold_batchnorm_after_fsdp_training(ranks, single):
@@ -231,3 +236,114 @@ def test_prior_follows_its_parameters_into_wrappers():
     assert any("_checkpoint_wrapped_module" in n for n, _ in net.named_parameters())
     assert all(a is b for a, b in zip(prior.params, plain, strict=True))
     assert GaussianPrior(net).param_names == prior.param_names == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+# --- FSDP2: fully_shard through ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) -----------------
+
+
+@pytest.fixture(scope="module")
+def fsdp2_ranks(tmp_path_factory) -> List[Dict[str, Any]]:
+    run = FSDPRun(tmp_path_factory.mktemp("fsdp2"), worker=Path(fsdp2_worker.__file__)).expect_success()
+    results = [run.load(f"rank{r}.json") for r in range(2)]
+    assert [r["rank"] for r in results] == [0, 1]
+    return results
+
+
+@pytest.mark.parametrize("name", ["kron", "kron_root", "diag", "training"])
+def test_fsdp2_learned_log_delta_equals_single_process(fsdp2_ranks, single, name):
+    """Under FSDP2 (fully_shard on every Linear and the root, or on the root only), the learned log precisions and
+    noise after two estimates (kron, diag, statistics='training'; 20 steps each, frozen weights) are the
+    single-process ones, the evidence per datum too; both ranks hold bit-identical hyperparameters, and after each
+    estimate FSDP2 holds every weight sharded again (a DTensor), unchanged. Before FSDP2 was supported the set-up
+    refused ModelParallelStrategy; without the gather, the estimate met DTensors in the prior's norms."""
+    a, b = (r["cases"][name] for r in fsdp2_ranks)
+    ref = single[fsdp2_worker.CASES[name][1]]
+    assert a["log_precision"] == b["log_precision"] and a["log_sigma"] == b["log_sigma"] and a["history"] == b["history"]
+    assert ref["log_precision"] != [0.0] * len(ref["log_precision"])  # learned: they start at log 1
+    assert _max_diff(a["log_precision"], ref["log_precision"]) < LOG_DELTA_TOL
+    assert _max_diff(a["log_sigma"], ref["log_sigma"]) < LOG_DELTA_TOL
+    assert [h["epoch"] for h in a["history"]] == [h["epoch"] for h in ref["history"]] == [1, 2]
+    for got, want in zip(a["history"], ref["history"]):
+        assert math.isclose(got["marglik"], want["marglik"], rel_tol=1e-6)
+    assert a["n_data"] == fsdp2_worker.CASES[name][2]
+    assert a["warnings"] == []  # e.g. statistics='training' fell back to the evidence pass, or the prior not in the loss
+    initial = [p.detach().reshape(-1).tolist() for p in fsdp_worker.Model().net.parameters()]
+    for epoch in a["epochs"]:
+        assert epoch["sharded"] and epoch["weights"] == initial, epoch["epoch"]
+
+
+def test_bound_callback_under_fsdp2_equals_ddp(fsdp2_ranks):
+    """MargLikBoundCallback's per-batch steps under FSDP2 give DDP's hyperparameters and bounds."""
+    for rank in fsdp2_ranks:
+        fsdp, ddp = rank["cases"]["bound"], rank["cases"]["bound_ddp"]
+        assert _max_diff(fsdp["log_precision"], ddp["log_precision"]) < 1e-6
+        assert _max_diff(fsdp["log_sigma"], ddp["log_sigma"]) < 1e-6
+        for got, want in zip(fsdp["history"], ddp["history"], strict=True):
+            assert math.isclose(got["marglik"], want["marglik"], rel_tol=1e-6)
+        assert fsdp["log_precision"] != [0.0] * len(fsdp["log_precision"])
+        assert all(e["sharded"] for e in fsdp["epochs"])
+
+
+@pytest.mark.parametrize("name", list(fsdp2_worker.GRAD_CASES))
+def test_map_loss_under_fsdp2_equals_single_process(fsdp2_ranks, name):
+    """map_loss under FSDP2 on one batch (the same on both ranks): its value and the whole gradient (FSDP2's reduced
+    shards, gathered) are the single-process ones, with the weights sharded DTensors in the prior's term (fully_shard
+    on every Linear: the layers reshard after their forward; a diagonal prior reads each whole tensor) or whole
+    (fully_shard on the root only). The prior (precision 100) moves the gradient far more than the tolerance.
+    Before the fix, the DTensors' norms failed ('got mixed torch.Tensor and DTensor')."""
+    from lightning_marglik import GaussianPrior, map_loss
+
+    per_layer, structure = fsdp2_worker.GRAD_CASES[name]
+    torch.set_default_dtype(torch.float32)  # as in the worker: float32 hyperparameter buffers (the fixture restores it)
+    module = fsdp_worker.Model(seed=3)
+    x, y = fsdp_worker.make_data(fsdp2_worker.GRAD_N, seed=3).tensors
+    grads = {}
+    for precision in (fsdp2_worker.GRAD_PRECISION, 1e-8):
+        module.zero_grad()
+        prior = GaussianPrior(module.net, precision=precision, structure=structure)
+        loss = map_loss(module(x), y, module.likelihood, prior, n_data=fsdp2_worker.GRAD_N)
+        loss.backward()
+        grads[precision] = [g for p in module.net.parameters() for g in p.grad.reshape(-1).tolist()]
+        if precision == fsdp2_worker.GRAD_PRECISION:
+            want_loss = loss.item()
+    want = grads[fsdp2_worker.GRAD_PRECISION]
+    assert _max_diff(want, grads[1e-8]) > 1e-2  # the prior's share of the gradient
+    for rank in fsdp2_ranks:
+        got = rank["grad"][name]
+        assert math.isclose(got["loss"], want_loss, rel_tol=1e-12)
+        assert _max_diff([g for p in got["grads"] for g in p], want) < 1e-12
+
+
+def _consolidated(path: Path, tmp_path: Path) -> Dict[str, Any]:
+    """A distributed checkpoint (a directory) as one file, by Lightning's converter (Fabric's ``consolidate``; that
+    of ``pytorch_lightning.utilities`` expects FSDPStrategy's "model" key and fails on ModelParallelStrategy's)."""
+    out = tmp_path / f"{path.name}.consolidated"
+    subprocess.run([sys.executable, "-m", "lightning_fabric.utilities.consolidate_checkpoint", str(path),
+                    "--output_file", str(out)], check=True, capture_output=True, timeout=300)
+    return torch.load(out, map_location="cpu", weights_only=False)
+
+
+@pytest.mark.parametrize("kind", ["full", "distributed"])
+def test_best_checkpoint_under_fsdp2_loads_into_a_plain_module(fsdp2_ranks, kind, tmp_path):
+    """MargLikCheckpoint under FSDP2 writes the best-evidence epoch and last.ckpt, as one file
+    (save_distributed_checkpoint=False) or as a directory of shards (True, converted with Lightning's consolidate);
+    both load (strict) into a plain single-process module, with the whole weights and hyperparameters of their
+    epochs and the callback's best evidence."""
+    a, b = (r["train"][kind] for r in fsdp2_ranks)
+    assert a["best_model_path"] == b["best_model_path"] and a["history"] == b["history"]
+    assert a["best_marglik"] == max(h["marglik"] for h in a["history"])
+    assert a["best_epoch"] < a["history"][-1]["epoch"] - 1  # the evidence fell after the learning-rate jump
+    assert a["stopped_epoch"] == a["best_epoch"] + 1  # MargLikEarlyStopping(patience=1)
+    best = Path(a["best_model_path"])
+    assert f"epoch={a['best_epoch']}-" in best.name and (best.is_dir() if kind == "distributed" else best.is_file())
+    for path, epoch in ((best, a["best_epoch"]), (Path(a["last_model_path"]), a["epochs"][-1]["epoch"])):
+        ckpt = _consolidated(path, tmp_path) if kind == "distributed" else torch.load(path, weights_only=False)
+        assert ckpt["epoch"] == epoch
+        module = fsdp_worker.Model()
+        module.load_state_dict(ckpt["state_dict"])  # strict: every key, whole shapes
+        recorded = next(e for e in a["epochs"] if e["epoch"] == epoch)
+        assert module.prior.log_precision.tolist() == recorded["log_precision"]
+        assert module.likelihood.log_sigma.reshape(-1).tolist() == recorded["log_sigma"]
+        assert [p.detach().reshape(-1).tolist() for p in module.net.parameters()] == recorded["weights"]
+        if path == best:
+            assert ckpt["callbacks"]["MargLikCallback"]["best_marglik"] == a["best_marglik"]
