@@ -11,8 +11,8 @@ process group, each case a fresh Trainer; every rank writes ``OUT_DIR/rank<r>.js
 * ``resume``: under FULL_SHARD with sharded state dicts (a checkpoint is a directory), three epochs
   straight against two, then a fresh Trainer resumed from ``last.ckpt`` for the third.
 * ``map``: two epochs of ``map_loss`` training under DDP and under FULL_SHARD (one unit per Linear).
-* ``refused``: fits that must fail at set-up with the callback's error (FSDP2 through
-  ``ModelParallelStrategy``, ``use_orig_params=False``); the message of each is recorded.
+* ``refused``: fits that must fail at set-up with the callback's error (``use_orig_params=False``;
+  FSDP2 and the tensor-parallel refusal: ``tests/fsdp2_worker.py``); the message of each is recorded.
 
 The models and data are built here and imported by the test (importing has no side effects).
 Lightning refuses ``strategy="fsdp"`` on a CPU accelerator, so :class:`CPUFSDPStrategy` (a
@@ -32,7 +32,7 @@ from typing import Any, Dict, List
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback
-from pytorch_lightning.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+from pytorch_lightning.strategies import DDPStrategy, FSDPStrategy
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
@@ -255,17 +255,7 @@ def run_map_training(out: Path) -> Dict[str, Any]:
     return results
 
 
-class FullyShardedModel(Model):
-    """For ModelParallelStrategy: FSDP2's ``fully_shard`` in ``configure_model``."""
-
-    def configure_model(self):
-        from torch.distributed.fsdp import fully_shard
-
-        fully_shard(self.net, mesh=self.device_mesh["tensor_parallel"])
-
-
 REFUSED = {
-    "model_parallel": lambda: ModelParallelStrategy(timeout=TIMEOUT),
     "use_orig_params_false": lambda: CPUFSDPStrategy(process_group_backend="gloo", timeout=TIMEOUT, use_orig_params=False),
 }
 
@@ -274,10 +264,9 @@ def run_refused(out: Path) -> Dict[str, Any]:
     """Each fit fails on both ranks at the callback's set-up; the error is recorded, the next fit runs."""
     results = {}
     for name, make in REFUSED.items():
-        module = FullyShardedModel() if name == "model_parallel" else Model()
         fit = trainer(out, make(), [MargLikCallback(settle=None)], max_epochs=1)
         try:
-            fit.fit(module, train_dataloaders=loader(make_data()))
+            fit.fit(Model(), train_dataloaders=loader(make_data()))
             results[name] = {"type": None, "message": None}
         except Exception as exc:  # noqa: BLE001 - recorded for the test
             results[name] = {"type": type(exc).__name__, "message": str(exc)}

@@ -9,8 +9,14 @@ share of the evidence data, the sums reduced across ranks). The hyperparameters 
 which FSDP does not shard. The cost: during an estimate every rank holds the whole weights and
 every layer's curvature, as under DDP (``benchmarks/results/fsdp.md``).
 
-Strategies whose parameters the callbacks cannot gather (DeepSpeed, FSDP2 through
-``ModelParallelStrategy``) are refused at set-up by :func:`check_strategy`.
+FSDP2 (``fully_shard`` in ``configure_model``, through Lightning's ``ModelParallelStrategy``)
+holds the weights as DTensors sharded across ranks outside its modules' forwards; there the
+passes run after ``FSDPModule.unshard`` of every ``fully_shard`` module (the same cost), and the
+prior's norms of sharded tensors (:func:`~lightning_marglik.map_loss` during training) are
+reduced across ranks by the prior itself.
+
+Strategies whose parameters the callbacks cannot gather (DeepSpeed; tensor parallelism, which
+splits each layer's computation) are refused at set-up by :func:`check_strategy`.
 """
 from __future__ import annotations
 
@@ -74,8 +80,9 @@ def _check_no_tensor_parallel(callback: Any, strategy: Any) -> None:
 def whole_parameters(trainer: Trainer) -> ContextManager[Any]:
     """A context in which every parameter of the trained module is whole on every rank.
 
-    Under FSDP (any FSDP unit in ``trainer.strategy.model``) it gathers the shards, a collective
-    that every rank enters: call it on all ranks alike, outside FSDP's forward and backward.
+    Under FSDP (any FSDP unit in ``trainer.strategy.model``) or FSDP2 (any ``fully_shard`` module)
+    it gathers the shards, a collective that every rank enters: call it on all ranks alike, outside
+    FSDP's forward and backward.
     Changes to the parameters inside are discarded (the callbacks change none). Elsewhere it does
     nothing.
 
