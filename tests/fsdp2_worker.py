@@ -13,6 +13,7 @@ for rank 1, every case is a fresh Trainer in one process group, each rank writes
   reduced gradient is the single-process one): its value and the whole gradient.
 * ``train``: ``MargLikCheckpoint`` (best and ``last.ckpt``) and ``MargLikEarlyStopping`` under FSDP2,
   with Lightning's full (one file) and distributed (a directory) checkpoints.
+* ``resume``: three epochs straight against two, then a fresh Trainer resumed from ``last.ckpt``.
 * ``refused``: ``ModelParallelStrategy``'s default on one node (tensor parallelism over both ranks).
 """
 from __future__ import annotations
@@ -120,8 +121,20 @@ def run_cases(out: Path) -> Dict[str, Any]:
             "n_data": int(module.prior.n_data),
             "epochs": recorder.epochs,
             "warnings": [str(w.message) for w in caught if "MargLik" in str(w.message)],
+            **(after_training(fit, module, callback) if name == "kron" else {}),
         }
     return results
+
+
+def after_training(fit: pl.Trainer, module: Model, callback: MargLikCallback) -> Dict[str, Any]:
+    """The methods a user calls after training, with the trainer: evidence_with, and fold_batchnorm's refusal."""
+    try:
+        callback.fold_batchnorm(fit, module)
+        refused = {"type": None, "message": None}
+    except Exception as exc:  # noqa: BLE001 - recorded for the test
+        refused = {"type": type(exc).__name__, "message": str(exc)}
+    return {"evidence_with_diag": callback.evidence_with(fit, module, "diag", "ggn"), "fold_refused": refused,
+            "sharded_after": all(isinstance(p, DTensor) for p in module.net.parameters())}
 
 
 class GradModel(FullyShardedModel):
@@ -180,6 +193,26 @@ def run_training(out: Path, distributed: bool) -> Dict[str, Any]:
     }
 
 
+def _resume_fit(out: Path, name: str, max_epochs: int, ckpt_path: Any = None) -> Dict[str, Any]:
+    """Adam at lr 1e-2, F=1, K=20, under FSDP2 with distributed checkpoints; ``last`` saved every epoch."""
+    module = FullyShardedModel(lr=1e-2, seed=2)
+    callback = MargLikCallback(structure="kron", frequency=1, steps=20, settle=None)
+    checkpoint = MargLikCheckpoint(dirpath=str(out / name), save_top_k=1, save_last=True)
+    fit = trainer(out, fsdp2(), [callback, checkpoint], max_epochs=max_epochs)
+    fit.fit(module, train_dataloaders=loader(make_data(64, seed=2)), ckpt_path=ckpt_path)
+    return {**hyperparameters(module), "history": callback.history, "weights": whole_weights(module),
+            "best_model_path": checkpoint.best_model_path, "last_model_path": checkpoint.last_model_path,
+            "best_epoch": callback.best_epoch}
+
+
+def run_resume(out: Path) -> Dict[str, Any]:
+    """Three epochs straight, and two then one more resumed from the distributed ``last.ckpt`` (a directory)."""
+    straight = _resume_fit(out, "resume_straight", 3)
+    first = _resume_fit(out, "resume_first", 2)
+    resumed = _resume_fit(out, "resume_first", 3, ckpt_path=first["last_model_path"])
+    return {"straight": straight, "first": first, "resumed": resumed}
+
+
 def run_refused(out: Path) -> Dict[str, Any]:
     """ModelParallelStrategy's defaults on one node: tensor_parallel_size=2 (the whole mesh)."""
     fit = trainer(out, ModelParallelStrategy(process_group_backend="gloo", timeout=TIMEOUT),
@@ -196,7 +229,7 @@ def main(out: Path) -> None:
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     results: Dict[str, Any] = {
         "cases": run_cases(out), "grad": run_grad(out),
-        "train": {"full": run_training(out, False), "distributed": run_training(out, True)},
+        "train": {"full": run_training(out, False), "distributed": run_training(out, True)}, "resume": run_resume(out),
         "refused": run_refused(out),
     }
     rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -350,3 +350,30 @@ def test_best_checkpoint_under_fsdp2_loads_into_a_plain_module(fsdp2_ranks, kind
         assert [p.detach().reshape(-1).tolist() for p in module.net.parameters()] == recorded["weights"]
         if path == best:
             assert ckpt["callbacks"]["MargLikCallback"]["best_marglik"] == a["best_marglik"]
+
+
+def test_evidence_with_after_fsdp2_training_and_fold_batchnorm_refused(fsdp2_ranks, single):
+    """After a fit under FSDP2, evidence_with (another structure, re-optimised) equals the single-process value and
+    leaves the weights sharded; fold_batchnorm, whose copy FSDP2's modules refuse ("FSDP does not support deepcopy"),
+    is refused naming what works instead."""
+    for rank in fsdp2_ranks:
+        got = rank["cases"]["kron"]
+        assert math.isclose(got["evidence_with_diag"], single["kron"]["evidence_with_diag"], rel_tol=1e-6)
+        assert got["sharded_after"]
+        _assert_refused(got["fold_refused"], ["fold_batchnorm", "FSDP2", "deepcopy", "lightning_marglik.folding"])
+
+
+def test_resume_under_fsdp2_is_exact(fsdp2_ranks):
+    """Under FSDP2 with Lightning's distributed checkpoints (a directory each), two epochs and then a fresh Trainer
+    resumed from last.ckpt for the third end exactly where three epochs straight end: the evidence history, the
+    hyperparameters, the whole weights and the best-evidence checkpoint."""
+    for rank in fsdp2_ranks:
+        straight, first, resumed = (rank["resume"][k] for k in ("straight", "first", "resumed"))
+        assert Path(first["last_model_path"]).is_dir()
+        assert len(resumed["history"]) == 3 and resumed["history"][:2] == first["history"]
+        assert [h["marglik"] for h in resumed["history"]] == [h["marglik"] for h in straight["history"]]
+        assert resumed["log_precision"] == straight["log_precision"] != first["log_precision"]
+        assert resumed["log_sigma"] == straight["log_sigma"]
+        assert resumed["weights"] == straight["weights"] != first["weights"]
+        assert resumed["best_epoch"] == straight["best_epoch"]
+        assert Path(resumed["best_model_path"]).name == Path(straight["best_model_path"]).name

@@ -620,10 +620,9 @@ class MargLikCallbackCore(EstimatorCore):
     def fold_batchnorm(self, trainer: Trainer, pl_module: LightningModule) -> Folded:
         """A copy of the trained ``pl_module`` with its BatchNorms folded into the layers before them.
 
-        :func:`lightning_marglik.folding.fold_batchnorm` on one evidence batch, with the callback's
-        prior carried over to the copy: pass the result to :meth:`evidence_with` for the evidence of
-        the test-time function as a network without normalization (what ``select_models`` ranks by).
-        ``pl_module`` is left as it is.
+        :func:`lightning_marglik.folding.fold_batchnorm` on one evidence batch, the callback's prior carried over
+        to the copy: pass the result to :meth:`evidence_with` for the evidence of the test-time function as a
+        network without normalization (what ``select_models`` ranks by). ``pl_module`` is left as it is.
 
         Args:
             trainer: The trainer that trained ``pl_module`` (its data).
@@ -636,9 +635,10 @@ class MargLikCallbackCore(EstimatorCore):
             RuntimeError: If the callback has not been set up by a fit, or folding changed the
                 eval-mode outputs (a ``forward`` that uses a norm other than as its layer's only consumer).
             ValueError: If the network's eval-mode outputs on the evidence batch are not finite.
+            MargLikConfigurationError: Under FSDP2, whose modules cannot be copied.
         """
         self._require_fit("fold_batchnorm")
-        with whole_parameters(trainer):  # under FSDP: the copy takes whole weights
+        with whole_parameters(trainer, copy_for="fold_batchnorm"):  # under FSDP: the copy takes whole weights
             return fold_batchnorm(pl_module, self.example_inputs(trainer, pl_module), prior=self.prior)
 
     def example_inputs(self, trainer: Trainer, pl_module: LightningModule) -> Any:

@@ -21,7 +21,7 @@ splits each layer's computation) are refused at set-up by :func:`check_strategy`
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from typing import Any, ContextManager, Iterator, List
+from typing import Any, ContextManager, Iterator, List, Optional
 
 import torch
 from torch import nn
@@ -77,7 +77,7 @@ def _check_no_tensor_parallel(callback: Any, strategy: Any) -> None:
         )
 
 
-def whole_parameters(trainer: Trainer) -> ContextManager[Any]:
+def whole_parameters(trainer: Trainer, copy_for: Optional[str] = None) -> ContextManager[Any]:
     """A context in which every parameter of the trained module is whole on every rank.
 
     Under FSDP (any FSDP unit in ``trainer.strategy.model``) or FSDP2 (any ``fully_shard`` module)
@@ -88,9 +88,14 @@ def whole_parameters(trainer: Trainer) -> ContextManager[Any]:
 
     Args:
         trainer: The trainer; its strategy holds the (possibly wrapped) model.
+        copy_for: The callback method that copies the module inside the context, if one does.
 
     Returns:
         A context manager.
+
+    Raises:
+        MargLikConfigurationError: If ``copy_for`` is given under FSDP2, whose modules refuse to be
+            copied (torch: "FSDP does not support deepcopy"), naming what works instead.
     """
     model = getattr(trainer.strategy, "model", None)
     if model is None or not torch.distributed.is_available():
@@ -101,6 +106,12 @@ def whole_parameters(trainer: Trainer) -> ContextManager[Any]:
     if any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
         return _gathered(model, FullyShardedDataParallel)
     fully_sharded = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    if fully_sharded and copy_for is not None:
+        raise MargLikConfigurationError(
+            f"MargLikCallback.{copy_for} copies the module, which FSDP2 (fully_shard) does not allow (torch: \"FSDP "
+            "does not support deepcopy\"): load a checkpoint of the fit (e.g. MargLikCheckpoint's best) into a plain "
+            f"module and call lightning_marglik.folding.{copy_for} on it."
+        )
     return _unsharded(fully_sharded) if fully_sharded else nullcontext()
 
 
