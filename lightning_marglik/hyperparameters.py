@@ -370,7 +370,13 @@ class GaussianPrior(nn.Module):
         whatever the evidence learned for them (:meth:`treat`). ``MargLikCallback`` finds this term
         in the loss of the first training batch (else it warns, naming :func:`map_loss`).
         """
-        value = 0.5 * (self.weight_decay_log_precision().exp() * self.group_sq_norms()).sum()
+        log_precision, params = self.weight_decay_log_precision(), self.params
+        if self.structure == "diagonal" and any(hasattr(p, "full_tensor") for p in params):
+            # FSDP2: each rank weighs its own shards (the whole tensors would gather the model in every step)
+            precisions = (t.exp() for t in self.tensor_log_precisions(log_precision))
+            value = 0.5 * torch.stack([_sq_norm(p, d.reshape(p.shape)) for p, d in zip(params, precisions)]).sum()
+        else:
+            value = 0.5 * (log_precision.exp() * self.group_sq_norms(params)).sum()
         if self._penalty_nodes is not None and value.grad_fn is not None:
             self._penalty_nodes.append(value.grad_fn)
         return value
@@ -422,13 +428,21 @@ class GaussianPrior(nn.Module):
         )
 
 
-def _sq_norm(param: Tensor) -> Tensor:
-    """``||theta||^2`` of the whole tensor, on every rank. Outside its forward, FSDP2 (``fully_shard``) holds a
-    parameter as a DTensor sharded across ranks, whose squared sum is a partial (per-shard) value and cannot
-    meet plain tensors: ``full_tensor()`` sums the shards' values (an all-reduce), and its backward hands each
-    rank the gradient of its own shard, to which FSDP2 adds the reduced gradient of the data term."""
-    squared = param.pow(2).sum()
-    return squared.full_tensor() if hasattr(squared, "full_tensor") else squared
+def _sq_norm(param: Tensor, weights: Optional[Tensor] = None) -> Tensor:
+    """``||theta||^2`` (or ``sum_i w_i theta_i^2``, ``weights`` of ``param``'s shape) of the whole tensor, on every
+    rank. Outside its forward, FSDP2 (``fully_shard``) holds a parameter as a DTensor sharded across ranks, whose
+    squared sum is a partial (per-shard) value and cannot meet plain tensors: the weights are cut as the parameter
+    is (every rank takes its part, no communication), ``full_tensor()`` sums the shards' values (an all-reduce),
+    and its backward hands each rank the gradient of its own shard, to which FSDP2 adds the reduced gradient of
+    the data term."""
+    if not hasattr(param, "full_tensor"):
+        return param.pow(2).sum() if weights is None else (weights * param.pow(2)).sum()
+    from torch.distributed.tensor import distribute_tensor
+
+    squared = param.pow(2)
+    if weights is not None:
+        squared = distribute_tensor(weights, param.device_mesh, param.placements, src_data_rank=None) * squared
+    return squared.sum().full_tensor()
 
 
 def _whole(param: Tensor) -> Tensor:
