@@ -145,11 +145,11 @@ def _unsharded(modules: List[nn.Module]) -> Iterator[None]:
     hooks only cast the inputs and outputs as a mixed-precision policy says. The modules are resharded after."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState  # FSDP2's own, no public name
 
-    for module in modules:  # in the modules' order, alike on every rank: the all-gathers pair up
-        module.unshard()
     states = list({id(state): state for state in (module._get_fsdp_state() for module in modules)}.values())
     before = [state._training_state for state in states]
     try:
+        for module in modules:  # in the modules' order, alike on every rank: the all-gathers pair up
+            module.unshard()
         for state in states:
             state._training_state = TrainingState.PRE_BACKWARD
         yield
