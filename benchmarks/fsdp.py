@@ -1,20 +1,27 @@
-"""Per-rank peak memory and time of an estimate under DDP and FSDP FULL_SHARD (2 CPU processes, gloo).
+"""Per-rank peak memory and time of an estimate under DDP, FSDP FULL_SHARD and FSDP2 (2 CPU processes, gloo).
 
     python benchmarks/fsdp.py [--width 2048] [--layers 3] [--n 256]
 
 An MLP whose weights dominate memory (``--layers`` hidden Linear layers of ``--width`` units,
 float32, Adam), trained one epoch with ``MargLikCallback(structure="kron", frequency=1, steps=0)``
-under ``strategy="ddp"`` and under FSDP ``FULL_SHARD`` (a CPU subclass of Lightning's
-``FSDPStrategy``, as in ``tests/fsdp_worker.py``; one FSDP unit per Linear), each rank on one
-thread. Per rank it reports, above the resident set at the start of the epoch: the peak of the
-training epoch and the peak of the estimate that follows it (the kernel's peak RSS, reset between
-the two through ``/proc/self/clear_refs``), their ratio (the issue's target under FULL_SHARD:
-at most 1.2), and the estimate's wall time. Writes ``benchmarks/results/fsdp.md``.
+under three strategies, each rank on one thread:
+
+* ``ddp``: ``strategy="ddp"``;
+* ``fsdp``: FSDP ``FULL_SHARD`` (a CPU subclass of Lightning's ``FSDPStrategy``, as in
+  ``tests/fsdp_worker.py``; one FSDP unit per Linear);
+* ``fsdp2``: FSDP2, Lightning's ``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)``
+  with ``fully_shard`` on every Linear and the root in ``configure_model``, as in ``tests/fsdp2_worker.py``.
+
+Per rank it reports, above the resident set at the start of the epoch: the peak of the training
+epoch and the peak of the estimate that follows it (the kernel's peak RSS, reset between the two
+through ``/proc/self/clear_refs``), their ratio (the issue's target under FULL_SHARD: at most 1.2),
+and the estimate's wall time. Writes ``benchmarks/results/fsdp.md``.
 
 Each measurement is a subprocess running this file with ``--worker``: Lightning's launcher
-re-executes the script for rank 1. The CPU subclass of ``FSDPStrategy`` is the tests' own
-(``tests/fsdp_worker.py``); the results file is written with the studies' harness (``_common.py``:
-the library commit, machine, date and load, the raw data kept in the file).
+re-executes the script for rank 1. The CPU subclass of ``FSDPStrategy`` and the FSDP2 wrapping are
+the tests' own (``tests/fsdp_worker.py``, ``tests/fsdp2_worker.py``); the results file is written
+with the studies' harness (``_common.py``: the library commit, machine, date and load, the raw data
+kept in the file).
 """
 from __future__ import annotations
 
@@ -35,7 +42,7 @@ sys.path[:0] = [str(HERE.parent / "examples"), str(HERE.parent / "tests")]
 from _common import RESULTS, cpu_name, hand_written, load_avg, now, write_with_data  # noqa: E402
 from common import library_state  # noqa: E402  (examples/common.py)
 
-STRATEGIES = ["ddp", "fsdp"]
+STRATEGIES = ["ddp", "fsdp", "fsdp2"]
 RESULT = RESULTS / "fsdp.md"
 
 
@@ -57,8 +64,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     import pytorch_lightning as pl
     from pytorch_lightning.callbacks import Callback
-    from fsdp_worker import CPUFSDPStrategy
-    from pytorch_lightning.strategies import DDPStrategy
+    from pytorch_lightning.strategies import DDPStrategy, ModelParallelStrategy
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -75,6 +81,12 @@ def worker(args: argparse.Namespace) -> None:
             self.net = nn.Sequential(*layers)
             self.prior = GaussianPrior(self.net, structure="layerwise")
             self.likelihood = GaussianLikelihood()
+
+        def configure_model(self) -> None:
+            if args.strategy == "fsdp2":  # FSDP2 shards here, once Lightning has set up the device mesh
+                from fsdp2_worker import shard_linears
+
+                shard_linears(self.net, self.device_mesh["data_parallel"])
 
         def forward(self, x):
             return self.net(x)
@@ -114,9 +126,14 @@ def worker(args: argparse.Namespace) -> None:
     timeout = datetime.timedelta(seconds=120)
     if args.strategy == "ddp":
         strategy: Any = DDPStrategy(process_group_backend="gloo", timeout=timeout)
-    else:
+    elif args.strategy == "fsdp":
+        from fsdp_worker import CPUFSDPStrategy
+
         strategy = CPUFSDPStrategy(process_group_backend="gloo", timeout=timeout, sharding_strategy="FULL_SHARD",
                                    auto_wrap_policy={nn.Linear})
+    else:
+        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo",
+                                         timeout=timeout)
     before = Before()
     after = After(before)
     trainer = pl.Trainer(
@@ -163,13 +180,15 @@ def main() -> None:
             rows.append(f"| {strategy} | {rank} | {r['train_peak_mib']:.0f} | {r['estimate_peak_mib']:.0f} | "
                         f"**{ratio:.2f}** | {r['seconds']:.1f} | {r['base_mib']:.0f} |")
     text = "\n".join([
-        "# Estimate memory under DDP and FSDP FULL_SHARD",
+        "# Estimate memory under DDP, FSDP FULL_SHARD and FSDP2",
         "",
         f"`python benchmarks/fsdp.py --width {args.width} --layers {args.layers} --n {args.n}`, library "
         f"{data['library']}, {data['machine']}, {data['date']} at load {data['load']:.1f}: an MLP of {args.layers} hidden Linear layers of {args.width} units "
         f"({weights * 4 / 2**20:.0f} MiB of float32 weights), Gaussian likelihood, Adam, one epoch of {args.n} "
         "examples (batch 32) and one estimate (`structure='kron'`, K=0), 2 CPU processes over gloo, one "
-        "thread each; FSDP with one unit per Linear. Memory is resident-set size above the start of the "
+        "thread each; `fsdp`: FSDP FULL_SHARD with one unit per Linear; `fsdp2`: FSDP2 (`ModelParallelStrategy`, "
+        "data-parallel size 2) with `fully_shard` on every Linear and the root. Memory is resident-set size "
+        "above the start of the "
         "epoch (the kernel's peak, reset between training and the estimate).",
         "",
         "| strategy | rank | training peak (MiB) | estimate peak (MiB) | **estimate / training** | estimate (s) | "

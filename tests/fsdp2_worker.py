@@ -53,14 +53,21 @@ class FullyShardedModel(Model):
         self.per_layer = per_layer
 
     def configure_model(self) -> None:
-        from torch.distributed.fsdp import fully_shard
+        shard_linears(self.net, self.device_mesh["data_parallel"], per_layer=self.per_layer)
 
-        mesh = self.device_mesh["data_parallel"]
-        if self.per_layer:
-            for layer in self.net:
-                if isinstance(layer, nn.Linear):
-                    fully_shard(layer, mesh=mesh)
-        fully_shard(self.net, mesh=mesh)
+
+def shard_linears(net: nn.Module, mesh: Any, per_layer: bool = True) -> None:
+    """FSDP2's ``fully_shard`` over ``mesh`` on every ``nn.Linear`` of ``net`` (if ``per_layer``) and on ``net``.
+
+    Also the FSDP2 wrapping of ``benchmarks/fsdp.py``.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    if per_layer:
+        for layer in net.modules():
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
 
 
 def fsdp2(save_distributed_checkpoint: bool = True) -> ModelParallelStrategy:
