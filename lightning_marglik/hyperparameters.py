@@ -437,12 +437,15 @@ def _sq_norm(param: Tensor, weights: Optional[Tensor] = None) -> Tensor:
     the data term."""
     if not hasattr(param, "full_tensor"):
         return param.pow(2).sum() if weights is None else (weights * param.pow(2)).sum()
-    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 
-    squared = param.pow(2)
+    # on the local shards: a rank may hold an empty one (a 1-row weight over 2 ranks), which DTensor's own
+    # reduction hands back to FSDP2 as a gradient of the wrong shape
+    squared = param.to_local().pow(2)
     if weights is not None:
-        squared = distribute_tensor(weights, param.device_mesh, param.placements, src_data_rank=None) * squared
-    return squared.sum().full_tensor()
+        squared = distribute_tensor(weights, param.device_mesh, param.placements, src_data_rank=None).to_local() * squared
+    placements = [Partial() if placement.is_shard() else Replicate() for placement in param.placements]
+    return DTensor.from_local(squared.sum(), param.device_mesh, placements).full_tensor()
 
 
 def _whole(param: Tensor) -> Tensor:

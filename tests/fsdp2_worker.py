@@ -144,14 +144,34 @@ def after_training(fit: pl.Trainer, module: Model, callback: MargLikCallback) ->
             "sharded_after": all(isinstance(p, DTensor) for p in module.net.parameters())}
 
 
+def narrowed(module: Model, outputs: int) -> Model:
+    """``module`` with its last Linear cut to its first ``outputs`` outputs (1: a one-row weight, which FSDP2 shards
+    as the whole row on rank 0 and an empty shard on rank 1)."""
+    last = module.net[-1]
+    if outputs < last.out_features:
+        cut = nn.Linear(last.in_features, outputs, dtype=last.weight.dtype)
+        with torch.no_grad():
+            cut.weight.copy_(last.weight[:outputs])
+            cut.bias.copy_(last.bias[:outputs])
+        module.net[-1] = cut
+    return module
+
+
+def grad_data(outputs: int) -> List[torch.Tensor]:
+    """The ``grad`` step's inputs and targets (their first ``outputs`` columns)."""
+    x, y = make_data(GRAD_N, seed=3).tensors
+    return [x, y[:, :outputs]]
+
+
 class GradModel(FullyShardedModel):
     """One step of ``map_loss`` on the whole ``grad`` data set on every rank (SGD at lr 0): its value and the
     whole gradient, read before the (empty) step."""
 
-    def __init__(self, per_layer: bool, structure: str) -> None:
+    def __init__(self, per_layer: bool, structure: str, outputs: int) -> None:
         super().__init__(seed=3, per_layer=per_layer)
+        narrowed(self, outputs)
         self.prior = GaussianPrior(self.net, precision=GRAD_PRECISION, structure=structure)
-        self.data = make_data(GRAD_N, seed=3).tensors
+        self.data = grad_data(outputs)
         self.record: Dict[str, Any] = {}
 
     def training_step(self, batch, batch_idx):
@@ -164,14 +184,15 @@ class GradModel(FullyShardedModel):
         self.record["grads"] = [whole(p.grad).reshape(-1).tolist() for p in self.net.parameters()]
 
 
-# name: (fully_shard on every Linear, prior structure)
-GRAD_CASES = {"layerwise": (True, "layerwise"), "diagonal": (True, "diagonal"), "layerwise_root": (False, "layerwise")}
+# name: (fully_shard on every Linear, prior structure, outputs of the last layer)
+GRAD_CASES = {"layerwise": (True, "layerwise", 2), "diagonal": (True, "diagonal", 2), "layerwise_root": (False, "layerwise", 2),
+              "layerwise_empty_shard": (True, "layerwise", 1), "diagonal_empty_shard": (True, "diagonal", 1)}
 
 
 def run_grad(out: Path) -> Dict[str, Any]:
     results = {}
-    for name, (per_layer, structure) in GRAD_CASES.items():
-        module = GradModel(per_layer, structure)
+    for name, (per_layer, structure, outputs) in GRAD_CASES.items():
+        module = GradModel(per_layer, structure, outputs)
         fit = pl.Trainer(accelerator="cpu", devices=2, strategy=fsdp2(), max_steps=1, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                          default_root_dir=str(out))

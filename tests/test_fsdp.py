@@ -293,13 +293,15 @@ def test_map_loss_under_fsdp2_equals_single_process(fsdp2_ranks, name):
     shards, gathered) are the single-process ones, with the weights sharded DTensors in the prior's term (fully_shard
     on every Linear: the layers reshard after their forward; a diagonal prior reads each whole tensor) or whole
     (fully_shard on the root only). The prior (precision 100) moves the gradient far more than the tolerance.
-    Before the fix, the DTensors' norms failed ('got mixed torch.Tensor and DTensor')."""
+    Before the fix, the DTensors' norms failed ('got mixed torch.Tensor and DTensor'); a one-output last layer
+    leaves rank 1 an empty shard of its weight and bias (`_empty_shard`: FSDP2's gradient reduction failed on the
+    shape DTensor's own reduction gave back)."""
     from lightning_marglik import GaussianPrior, map_loss
 
-    per_layer, structure = fsdp2_worker.GRAD_CASES[name]
+    per_layer, structure, outputs = fsdp2_worker.GRAD_CASES[name]
     torch.set_default_dtype(torch.float32)  # as in the worker: float32 hyperparameter buffers (the fixture restores it)
-    module = fsdp_worker.Model(seed=3)
-    x, y = fsdp_worker.make_data(fsdp2_worker.GRAD_N, seed=3).tensors
+    module = fsdp2_worker.narrowed(fsdp_worker.Model(seed=3), outputs)
+    x, y = fsdp2_worker.grad_data(outputs)
     grads = {}
     for precision in (fsdp2_worker.GRAD_PRECISION, 1e-8):
         module.zero_grad()
