@@ -34,13 +34,13 @@ def _with_fixed(fixed) -> Regressor:
 
 
 def test_resume_with_other_fixed_groups_resets_the_newly_fixed_and_restarts_adam(tmp_path):
-    callback = MargLikCallback(settle=None, frequency=1, structure="diag", approx="ef", steps=20, lr=0.1, solver="adam")
+    callback = MargLikCallback(output_layer="learn", settle=None, frequency=1, structure="diag", approx="ef", steps=20, lr=0.1, solver="adam")
     saved = _fit([callback, MargLikCheckpoint(dirpath=tmp_path, save_last=True)], 3, _with_fixed(["0.weight"]))
     learned = dict(zip(saved.prior.param_names, saved.prior.precision.tolist()))
     assert learned["0.weight"] == 1.0 and not math.isclose(learned["2.weight"], 1.0, rel_tol=1e-3)
     # the same number of learned groups (3), so the Adam state has the same shape: only the names differ
     model = _with_fixed(["2.weight"])
-    callback = MargLikCallback(settle=None, frequency=1, structure="diag", approx="ef", steps=20, lr=0.1, solver="adam")
+    callback = MargLikCallback(output_layer="learn", settle=None, frequency=1, structure="diag", approx="ef", steps=20, lr=0.1, solver="adam")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _fit([callback, MargLikCheckpoint(dirpath=tmp_path, save_last=True)], 5, model,

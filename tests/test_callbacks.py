@@ -22,7 +22,7 @@ def _fit(callbacks, max_epochs, model=None, data=None, **kwargs):
 
 
 def test_hyperparameters_learned_and_evidence_increases():
-    cb = MargLikCallback(settle=None, structure="kron", frequency=1, steps=50, lr=0.1)
+    cb = MargLikCallback(output_layer="learn", settle=None, structure="kron", frequency=1, steps=50, lr=0.1)
     model, t = _fit([cb], max_epochs=12)
     assert not torch.allclose(model.prior.log_precision, torch.zeros(4))
     assert model.likelihood.log_sigma.item() < math.log(0.9)  # noise is 0.1: sigma shrinks from 1
@@ -165,7 +165,7 @@ def test_kron_with_a_layer_norm_learns_its_precisions():
     model = Regressor()
     model.net.insert(1, nn.LayerNorm(16))
     model.prior = type(model.prior)(model.net)
-    _fit([MargLikCallback(structure="kron")], max_epochs=2, model=model)
+    _fit([MargLikCallback(output_layer="learn", structure="kron")], max_epochs=2, model=model)
     names = model.prior.param_names
     learned = dict(zip(names, model.prior.log_precision.tolist()))
     assert "1.weight" in learned and all(v != 0.0 for v in learned.values())
@@ -281,7 +281,7 @@ def test_compiled_network_in_a_trainer_with_kron():
 def test_fixed_groups_stay_fixed_in_a_trainer(solver):
     model = Regressor()
     model.prior = type(model.prior)(model.net, fixed=["0.weight"])
-    _fit([cb := MargLikCallback(settle=None, frequency=1, structure="kron", steps=20, solver=solver)], max_epochs=3, model=model)
+    _fit([cb := MargLikCallback(output_layer="learn", settle=None, frequency=1, structure="kron", steps=20, solver=solver)], max_epochs=3, model=model)
     assert model.prior.log_precision[0].item() == 0.0  # "0.weight": still at precision 1
     assert (model.prior.log_precision[1:] != 0.0).all()
     assert len(cb.history) == 3 and all(math.isfinite(h["marglik"]) for h in cb.history)

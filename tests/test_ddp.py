@@ -239,8 +239,9 @@ def test_hyperparameters_bit_identical_across_ranks(popen_ranks):
     assert a["history"] == b["history"]
     assert a["estimations"] == len(a["epochs"])  # F = 1: every epoch
     assert [e["marglik"] for e in a["epochs"]] == [h["marglik"] for h in a["history"]]
-    # the hyperparameters were learned (all precisions start at 1, sigma at 0.8)
-    assert all(v != 0.0 for v in a["buffers"]["log_precision"])
+    # the hyperparameters were learned (all precisions start at 1, sigma at 0.8), but the output layer's (the last
+    # two tensors), held at the declared precision by default
+    assert all(v != 0.0 for v in a["buffers"]["log_precision"][:-2]) and a["buffers"]["log_precision"][-2:] == [0.0, 0.0]
     assert a["buffers"]["log_sigma"] != math.log(0.8)
 
 

@@ -114,7 +114,9 @@ def test_readme_lightning_example_trains_and_reads_the_result(tmp_path, monkeypa
     assert torch.equal(saved["prior.log_precision"], module.prior.log_precision)
     assert torch.equal(saved["likelihood.log_sigma"], module.likelihood.log_sigma)
     assert len(module.prior.param_names) == module.prior.precision.numel() == 4
-    assert module.prior.precision.ne(1.0).all() and module.likelihood.sigma.item() != 1.0  # learned
+    # learned, but the output layer's (the last two tensors), held at the declared precision by default
+    assert module.prior.precision[:-2].ne(1.0).all() and module.prior.precision[-2:].eq(1.0).all()
+    assert module.likelihood.sigma.item() != 1.0
     assert "0.weight: prior precision" in printed and "test_rmse" in printed
     # what map_loss applies: the learned δ on weights, the declared δ = 1 on biases (biases="decoupled")
     assert re.search(r"^2\.weight: prior precision (\S+), applied \1$", printed, flags=re.MULTILINE), printed[-2000:]

@@ -42,7 +42,7 @@ def _fit(callbacks, max_epochs, model=None, validation=False, **kwargs):
 
 
 def test_the_prior_says_which_precision_map_loss_applies():
-    model, _ = _fit([MargLikCallback(structure="diag", frequency=1, steps=5)], max_epochs=3)
+    model, _ = _fit([MargLikCallback(output_layer="learn", structure="diag", frequency=1, steps=5)], max_epochs=3)
     prior = model.prior
     biases = [prior.param_names.index(n) for n in ("0.bias", "2.bias")]
     weights = [prior.param_names.index(n) for n in ("0.weight", "2.weight")]

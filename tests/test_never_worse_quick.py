@@ -47,6 +47,8 @@ def test_trace_reads_the_evidence_at_its_fixed_point(tiny_run):
     for row in rows:
         for log_delta, gamma, sq_norm, trace in zip(row["log_delta"], row["gamma"], row["sq_norm"], row["curv_trace"]):
             assert trace > 0 and 0 < gamma
+            if log_delta == 0.0:  # held at the declared precision (the output layer, by default): not a fixed point
+                continue
             # within the Newton tolerance (1e-6 nats predicted) and the float32 buffer
             assert math.log(gamma / sq_norm) == pytest.approx(log_delta, abs=1e-2)
 

@@ -410,7 +410,7 @@ def blob_data() -> TensorDataset:
 
 def fit_blobs(model, epochs=8, **callback):
     pl.seed_everything(0, verbose=False)
-    marglik = MargLikCallback(frequency=1, settle=None, **callback)
+    marglik = MargLikCallback(output_layer="learn", frequency=1, settle=None, **callback)
     fitted = lightning_trainer([marglik], epochs)
     fitted.fit(model, lightning_loader(blob_data(), 20))
     return marglik, fitted
@@ -466,7 +466,7 @@ def test_trainer_max_step_bounds_each_estimates_move(solver):
     for max_step in (None, 0.3):
         pl.seed_everything(0, verbose=False)
         model, recorder = ZeroBiasClassifier(), Recorder()
-        lightning_trainer([MargLikCallback(frequency=1, solver=solver, lr=0.5, max_step=max_step), recorder], 6).fit(
+        lightning_trainer([MargLikCallback(output_layer="learn", frequency=1, solver=solver, lr=0.5, max_step=max_step), recorder], 6).fit(
             model, lightning_loader(blob_data(), 20))
         path = torch.stack([torch.zeros(4)] + recorder.log_precisions)  # the prior starts at precision 1
         moves[max_step] = path.diff(dim=0).abs().max().item()
@@ -504,9 +504,9 @@ def test_trainer_remedy_options_are_checked():
 def test_trainer_biases_treatment_is_declared_again_on_resume(tmp_path):
     checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
     pl.seed_everything(0, verbose=False)
-    first = lightning_trainer([MargLikCallback(settle=None, frequency=1, biases="decoupled"), checkpoint], 3)
+    first = lightning_trainer([MargLikCallback(output_layer="learn", settle=None, frequency=1, biases="decoupled"), checkpoint], 3)
     first.fit(ZeroBiasClassifier(), lightning_loader(blob_data(), 20))
-    model, marglik = ZeroBiasClassifier(), MargLikCallback(settle=None, frequency=1, biases="decoupled")
+    model, marglik = ZeroBiasClassifier(), MargLikCallback(output_layer="learn", settle=None, frequency=1, biases="decoupled")
     lightning_trainer([marglik, pl.callbacks.ModelCheckpoint(dirpath=tmp_path)], 5).fit(
         model, lightning_loader(blob_data(), 20), ckpt_path=checkpoint.last_model_path)
     assert marglik.estimations == 5 and model.prior.treated("decoupled") == ["0.bias", "2.bias"]
@@ -541,7 +541,7 @@ def test_the_callback_default_decouples_biases_and_normalization_unless_the_prio
 
     def fit(**kwargs):
         model = Net(**kwargs)
-        pl.Trainer(max_epochs=2, callbacks=[MargLikCallback(frequency=1, steps=10)], logger=False,
+        pl.Trainer(max_epochs=2, callbacks=[MargLikCallback(output_layer="learn", frequency=1, steps=10)], logger=False,
                    enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False).fit(model, data)
         return model.prior
 

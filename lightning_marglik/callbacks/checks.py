@@ -15,7 +15,7 @@ from ..curvature import CurvatureOptions, eval_mode
 from ..curvature.batches import call_model, move, split_batch
 from ..curvature.scale_invariance import NORMS, find_scale_invariant
 from ..curvature.structures import structure_class, structures_with
-from ..hyperparameters import GaussianPrior, Likelihood
+from ..hyperparameters import BIAS_NORMALIZATION, GaussianPrior, Likelihood, no_decay_names
 from ..validators import choice, number
 from .data import BatchFn
 from .package import MONITOR, LightningModule, LightningPackage, MargLikConfigurationError, Trainer
@@ -240,6 +240,23 @@ def check_forward(
             "(inputs, targets)` on the LightningModule, or pass `dataloader=`."
         ) from err
     return inputs, output
+
+
+def treat_biases(prior: GaussianPrior, biases: Optional[str]) -> None:
+    """Give the biases and normalization parameters to the prior with the callback's ``biases`` treatment;
+    ``None`` (the default): decoupled, no learned weight decay on them (``benchmarks/results/remedies.md``),
+    unless the prior is scalar or the user declared them.
+
+    Raises:
+        MargLikConfigurationError: If the prior cannot take ``biases`` (a scalar prior), naming the fix.
+    """
+    if biases is not None:
+        try:
+            prior.treat(no_decay_names(prior), biases, BIAS_NORMALIZATION)
+        except ValueError as err:
+            raise MargLikConfigurationError(f"MargLikCallback(biases={biases!r}): {err}") from err
+    elif prior.structure != "scalar" and BIAS_NORMALIZATION not in prior.treatments:
+        prior.treat(no_decay_names(prior), "decoupled", BIAS_NORMALIZATION)
 
 
 def treat_scale_invariant(

@@ -29,15 +29,7 @@ from ..diagnostics import ef_ratio_of, ef_unreliable_message
 from ..distributed import reduce_statistics, run_on_all_ranks
 from ..evidence import SOLVERS, LaplaceEvidence, require_data
 from ..folding import Folded, fold_batchnorm
-from ..hyperparameters import (
-    BIAS_NORMALIZATION,
-    SCALE_INVARIANT_TREATMENTS,
-    TREATMENTS,
-    GaussianPrior,
-    Likelihood,
-    learnable_values,
-    no_decay_names,
-)
+from ..hyperparameters import SCALE_INVARIANT_TREATMENTS, TREATMENTS, GaussianPrior, Likelihood, learnable_values
 from ..runaway import runaway_message, runaway_precisions
 from ..validators import choice, flag, integer, number, optional
 from . import checks
@@ -48,6 +40,7 @@ from .data import count_data, evidence_batches, isolate_rng, named_loader_method
 from .epoch_loss import EpochLoss
 from .fit_record import FitRecord
 from .logged import log_after_training, logged_values
+from .output_layer import treat_output_layer
 from .package import MONITOR, LightningModule, LightningPackage, MargLikConfigurationError, Trainer, check_package, find_hyperparameters
 from .prior_in_loss import PriorInLossCheck
 from .progress import progress
@@ -416,6 +409,7 @@ class MargLikCallbackCore(EstimatorCore):
         biases: Optional[str] = None,
         settle: Optional[float] = None,
         flush_denormals: bool = True,
+        output_layer: str = "fixed",
     ) -> None:
         options = CurvatureOptions(structure, approx, mc_samples, backend=backend)
         self.statistics = checks.check_statistics(statistics, options)
@@ -428,6 +422,8 @@ class MargLikCallbackCore(EstimatorCore):
         self.solver = choice(solver, SOLVERS, "solver")
         self.max_step = optional(number, max_step, "max_step", what="the largest change of log delta per estimate, or None")
         self.biases = optional(choice, biases, TREATMENTS, "biases")
+        self.output_layer = choice(output_layer, TREATMENTS, "output_layer")
+        self.output_decision: Optional[Dict[str, Any]] = None  # what set-up decided for the output layer, and why
         # statistics='training': the sums of the training passes in estimation epochs
         self._training = TrainingStatistics(schedule, self.statistics_fraction) if self.statistics == "training" else None
         self._averaging = WeightAveragingFollower()  # keeps the hyperparameters out of Lightning's weight averages
@@ -454,15 +450,9 @@ class MargLikCallbackCore(EstimatorCore):
         )
         if message:
             rank_zero_warn(message)
-        # declared when training starts, as the scale-invariant treatment: resumes get it again
-        if self.biases is not None:
-            try:
-                prior.treat(no_decay_names(prior), self.biases, BIAS_NORMALIZATION)
-            except ValueError as err:
-                raise MargLikConfigurationError(f"MargLikCallback(biases={self.biases!r}): {err}") from err
-        elif prior.structure != "scalar" and BIAS_NORMALIZATION not in prior.treatments:
-            # the default (benchmarks/results/remedies.md): no learned weight decay on biases and norms
-            prior.treat(no_decay_names(prior), "decoupled", BIAS_NORMALIZATION)
+        # declared when training starts, as the scale-invariant treatment: resumes get them again
+        checks.treat_biases(prior, self.biases)
+        self.output_decision = treat_output_layer(pl_module, prior, self._scale_inputs, self.output_layer)
         return output
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
