@@ -14,7 +14,8 @@ under three strategies, each rank on one thread:
 
 Per rank it reports, above the resident set at the start of the epoch: the peak of the training
 epoch and the peak of the estimate that follows it (the kernel's peak RSS, reset between the two
-through ``/proc/self/clear_refs``), their ratio (the issue's target under FULL_SHARD: at most 1.2),
+through ``/proc/self/clear_refs``, with glibc's mmap threshold fixed at 128 KiB so that freed
+tensors leave the resident set), their ratio (the issue's target under FULL_SHARD: at most 1.2),
 and the estimate's wall time. Writes ``benchmarks/results/fsdp.md``.
 
 Each measurement is a subprocess running this file with ``--worker``: Lightning's launcher
@@ -147,7 +148,10 @@ def worker(args: argparse.Namespace) -> None:
 
 def run(strategy: str, args: argparse.Namespace, out: Path) -> List[Dict[str, Any]]:
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "RANK", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    # glibc's malloc keeps a freed block in its heap (the resident set) once its mmap threshold has risen above
+    # the block's size (it rises to every freed mmapped block's size, up to 32 MiB); a fixed threshold returns
+    # every block over 128 KiB to the kernel when torch frees it, so the peak resident set is the peak of live memory
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072")
     command = [sys.executable, __file__, "--worker", "--strategy", strategy, "--out", str(out),
                "--width", str(args.width), "--layers", str(args.layers), "--n", str(args.n)]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
@@ -189,7 +193,8 @@ def main() -> None:
         "thread each; `fsdp`: FSDP FULL_SHARD with one unit per Linear; `fsdp2`: FSDP2 (`ModelParallelStrategy`, "
         "data-parallel size 2) with `fully_shard` on every Linear and the root. Memory is resident-set size "
         "above the start of the "
-        "epoch (the kernel's peak, reset between training and the estimate).",
+        "epoch (the kernel's peak, reset between training and the estimate; glibc's mmap threshold fixed at "
+        "128 KiB, `MALLOC_MMAP_THRESHOLD_=131072`, so that freed tensors leave the resident set).",
         "",
         "| strategy | rank | training peak (MiB) | estimate peak (MiB) | **estimate / training** | estimate (s) | "
         "RSS at epoch start (MiB) |",

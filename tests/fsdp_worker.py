@@ -24,6 +24,7 @@ import datetime
 import json
 import os
 import sys
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -174,6 +175,30 @@ class Recorder(Callback):
                             "weights": whole_weights(trainer_, pl_module)})
 
 
+def sharded_evidence(evidence: Any) -> Dict[str, Any]:
+    """What this rank holds of the evidence's curvature (per structure: the layers it owns, or the class of a
+    replicated one), and the evidence's gradient in every log hyperparameter with central differences of its value
+    (each evaluation a collective, taken alike on both ranks)."""
+    from lightning_marglik.curvature.structures.sharded import ShardedStructure
+
+    held = [[layer.name for layer in s.share.layers] if isinstance(s, ShardedStructure) else type(s).__name__
+            for s in evidence.structures]
+    point = {k: v.detach().to(torch.float64).clone() for k, v in evidence.hyperparameters().items()}
+    leaves = {k: v.clone().requires_grad_(True) for k, v in point.items()}
+    evidence.log_marglik_at(leaves).backward()
+    grad, central = [], []
+    for name, value in point.items():
+        for i in range(value.numel()):
+            moved = []
+            for step in (1e-5, -1e-5):
+                shifted = value.clone().reshape(-1)
+                shifted[i] += step
+                moved.append(evidence.log_marglik_at({**point, name: shifted.reshape(value.shape)}).item())
+            grad.append(leaves[name].grad.reshape(-1)[i].item())
+            central.append((moved[0] - moved[1]) / 2e-5)
+    return {"held": held, "grad": grad, "central": central}
+
+
 def run_cases(out: Path) -> Dict[str, Any]:
     results = {}
     for name, (kind, fsdp, callback_kind, n) in CASES.items():
@@ -186,6 +211,8 @@ def run_cases(out: Path) -> Dict[str, Any]:
         after = {}
         if name == "full_shard_wrapped":  # the methods a user calls after training, with the trainer
             after = {"evidence_with_diag": callback.evidence_with(fit, module, "diag", "ggn"),
+                     "evidence_with_kron": callback.evidence_with(fit, module, "kron", "ggn"),
+                     "sharded": sharded_evidence(evidence),
                      "folded_weights": [p.reshape(-1).tolist() for p in callback.fold_batchnorm(fit, module).model.net.parameters()]}
         results[name] = {
             **hyperparameters(module),
@@ -255,6 +282,56 @@ def run_map_training(out: Path) -> Dict[str, Any]:
     return results
 
 
+class FailingModel(Model):
+    """Rank 1's forward raises in an estimate's evidence pass from its ``at``-th batch on (0: the first, before the
+    pass has planned its structures); with ``at=None`` rank 1's evidence loader fails to build at the estimate."""
+
+    def __init__(self, at: Any) -> None:
+        super().__init__()
+        self.at, self.calls = at, None  # calls: counted from the end of the first epoch (Clock)
+
+    def forward(self, x):
+        if self.calls is not None and self.at is not None and not self.training and self.trainer.global_rank == 1:
+            self.calls += 1
+            if self.calls > self.at:
+                raise RuntimeError("injected failure in the evidence pass on rank 1")
+        return super().forward(x)
+
+    def evidence_dataloader(self) -> DataLoader:
+        if self.trainer.global_rank == 1 and self.calls is not None:  # at the estimate, not the set-up check
+            raise RuntimeError("injected failure building the evidence loader on rank 1")
+        return loader(make_data())
+
+
+class Clock(Callback):
+    """Placed before MargLikCallback: when this rank entered the estimate; starts the module's count of calls."""
+
+    entered: Any = None
+
+    def on_train_epoch_end(self, trainer_, pl_module):
+        self.entered, pl_module.calls = time.time(), 0
+
+
+FAILURES = {"fail-first-batch": 0, "fail-later-batch": 1, "fail-loader": None}
+
+
+def run_failures(out: Path) -> Dict[str, Any]:
+    """Each fit (FULL_SHARD, kron: the sharded exchange) fails on rank 1 only and is caught on both ranks, which
+    then go on in step to the next fit: the error and the seconds from entering the estimate to failing."""
+    results = {}
+    for name, at in FAILURES.items():
+        clock = Clock()
+        callback = MargLikCallback(structure="kron", frequency=1, steps=5, settle=None,
+                                   dataloader="evidence_dataloader" if at is None else None)
+        fit = trainer(out, strategy("fsdp", {"sharding_strategy": "FULL_SHARD"}), [clock, callback], max_epochs=2)
+        try:
+            fit.fit(FailingModel(at), train_dataloaders=loader(make_data()))
+            results[name] = {"type": None, "message": None}
+        except Exception as exc:  # noqa: BLE001 - recorded for the test
+            results[name] = {"type": type(exc).__name__, "message": str(exc), "entered": clock.entered, "failed": time.time()}
+    return results
+
+
 REFUSED = {
     "use_orig_params_false": lambda: CPUFSDPStrategy(process_group_backend="gloo", timeout=TIMEOUT, use_orig_params=False),
 }
@@ -276,7 +353,8 @@ def run_refused(out: Path) -> Dict[str, Any]:
 def main(out: Path) -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
-    results: Dict[str, Any] = {"cases": run_cases(out), "train": run_training(out), "resume": run_resume(out), "map": run_map_training(out), "refused": run_refused(out)}
+    results: Dict[str, Any] = {"cases": run_cases(out), "train": run_training(out), "resume": run_resume(out), "map": run_map_training(out), "refused": run_refused(out),
+                               "failures": run_failures(out)}
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     results["rank"] = rank
     (out / f"rank{rank}.json").write_text(json.dumps(results, default=float))

@@ -57,7 +57,8 @@ def _single_process(callback_kind: str, n: int) -> Dict[str, Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(module, train_dataloaders=fsdp_worker.loader(fsdp_worker.make_data(n)))
-    after = {"evidence_with_diag": callback.evidence_with(trainer, module, "diag", "ggn")} if callback_kind == "kron" else {}
+    after = {f"evidence_with_{s}": callback.evidence_with(trainer, module, s, "ggn") for s in ("diag", "kron")
+             if callback_kind == "kron"}
     return {**fsdp_worker.hyperparameters(module), "history": callback.history, **after}
 
 
@@ -174,6 +175,40 @@ def test_evidence_with_and_fold_batchnorm_after_fsdp_training(ranks, single):
         got = rank["cases"]["full_shard_wrapped"]
         assert math.isclose(got["evidence_with_diag"], single["kron"]["evidence_with_diag"], rel_tol=1e-6)
         assert got["folded_weights"] == initial
+
+
+def test_kron_curvature_is_owned_by_layer_across_ranks(ranks, single):
+    """Under FSDP each rank holds the Kronecker factors of its own layers only (the largest layers spread over the
+    ranks, together every layer once; the non-Kronecker rest replicated); the summed evidence's gradient in every
+    log hyperparameter (prior precisions and noise) equals central differences of its value, and the Newton
+    re-optimisation on it (evidence_with kron, closed-form derivatives summed across ranks) equals the
+    single-process one. Before, every rank held every layer's factors (benchmarks/results/fsdp.md)."""
+    a, b = (r["cases"]["full_shard_wrapped"]["sharded"] for r in ranks)
+    assert len(a["held"]) == len(b["held"]) == 1  # the three Linears are all Kronecker layers
+    assert a["held"][0] and b["held"][0] and not set(a["held"][0]) & set(b["held"][0])
+    assert sorted(a["held"][0] + b["held"][0]) == ["net.0", "net.2", "net.4"]
+    for rank in (a, b):
+        assert len(rank["grad"]) == 8  # six prior tensors, the noise and the temperature
+        for grad, central in zip(rank["grad"], rank["central"], strict=True):
+            assert math.isclose(grad, central, rel_tol=1e-5, abs_tol=1e-6), (rank["grad"], rank["central"])
+    assert a["grad"] == b["grad"]
+    for rank in ranks:
+        got = rank["cases"]["full_shard_wrapped"]["evidence_with_kron"]
+        assert math.isclose(got, single["kron"]["evidence_with_kron"], rel_tol=1e-6)
+
+
+def test_a_failure_on_one_rank_ends_the_sharded_pass_on_both(ranks):
+    """Rank 1 alone fails in the sharded evidence pass (at its first batch, before it planned the layers' owners;
+    at its second, while rank 0 sends), or before it (building the evidence loader): both ranks raise at once, rank
+    1 its own error, rank 0 that another process failed, and both go on in step to the next fit (the worker's
+    later fits ran). Without the exchange's agreement rounds rank 0 would wait in a reduction for rank 1 until the
+    collective timeout."""
+    for name in fsdp_worker.FAILURES:
+        r0, r1 = (rank["failures"][name] for rank in ranks)
+        assert r1["type"] == "RuntimeError" and "injected failure" in r1["message"], r1
+        assert r0["type"] == "RuntimeError" and "failed on another process" in r0["message"], r0
+        for r in (r0, r1):
+            assert r["entered"] is not None and r["failed"] - r["entered"] < fsdp_worker.TIMEOUT.total_seconds() / 4
 
 
 def test_resume_from_a_sharded_last_checkpoint_is_exact(ranks):

@@ -26,7 +26,8 @@ from ..curvature.estimator import resolve_mc_samples
 from ..curvature.scale_invariance import training_modes
 from ..denormals import DenormalFlush
 from ..diagnostics import ef_ratio_of, ef_unreliable_message
-from ..distributed import reduce_statistics, run_on_all_ranks
+from ..curvature.structures.sharded import Exchange
+from ..distributed import reduce_statistics, run_on_all_ranks, sharded_pass
 from ..evidence import SOLVERS, LaplaceEvidence, require_data
 from ..folding import Folded, fold_batchnorm
 from ..hyperparameters import SCALE_INVARIANT_TREATMENTS, TREATMENTS, GaussianPrior, Likelihood, learnable_values
@@ -46,7 +47,7 @@ from .prior_in_loss import PriorInLossCheck
 from .progress import progress
 from .resume import follow_changed_learnables
 from .schedule import EpochSchedule, Schedule, SettledSchedule
-from .sharding import check_strategy, whole_parameters
+from .sharding import check_strategy, shards_parameters, whole_parameters
 from .training_statistics import TrainingStatistics
 
 __all__ = ["EstimatorCore", "MargLikCallbackCore"]
@@ -70,6 +71,8 @@ class EstimatorCore(KnownKeywords):
     """
 
     _package: ClassVar[LightningPackage]
+    # statistics="training" (MargLikCallback's option): they take the set-up batch's sums as their layout
+    _training: Optional[TrainingStatistics] = None
 
     # state_dict key -> attribute; every key is optional in load_state_dict (default: a fresh fit's value).
     # The schedule's record travels with them (Schedule.state_dict).
@@ -267,9 +270,11 @@ class EstimatorCore(KnownKeywords):
         self.options = dataclasses.replace(self.requested_options, mc_samples=mc_samples)
         started = time.perf_counter()
         try:  # the evidence pass itself on this batch, exact per-example path included (e.g. what vmap refuses)
-            self._setup_plan = self._collect(pl_module, [batch], self.options, torch.Generator().manual_seed(self.seed))
+            stats = self._collect(pl_module, [batch], self.options, torch.Generator().manual_seed(self.seed))
         except (ValueError, RuntimeError) as err:
             raise MargLikConfigurationError(f"MargLikCallback, one evidence batch through the evidence pass: {err}") from err
+        # sums as large as the curvature: kept through training only where the training statistics take their layout
+        self._setup_plan = stats if self._training is not None else None
         self._setup_seconds = time.perf_counter() - started
         return output
 
@@ -278,14 +283,15 @@ class EstimatorCore(KnownKeywords):
     def _collect(
         self, pl_module: LightningModule, batches: Iterable, options: CurvatureOptions,
         generator: Optional[torch.Generator] = None, on_batch: Optional[Callable[[int], None]] = None,
-        prior: Optional[GaussianPrior] = None,
+        prior: Optional[GaussianPrior] = None, exchange: Optional[Exchange] = None,
     ) -> Any:
         """This rank's curvature statistics of ``batches`` at the current weights (the evidence pass), under
-        the callback's prior or ``prior`` (a folded copy's, :meth:`fold_batchnorm`)."""
+        the callback's prior or ``prior`` (a folded copy's, :meth:`fold_batchnorm`); with ``exchange``, the
+        layer-owned statistics summed onto their owners during the pass (sharded training)."""
         own, likelihood = self._hyperparameters()
         return collect_statistics(
             pl_module, batches, likelihood, own if prior is None else prior, generator=generator, batch_fn=self._batch_fn(pl_module),
-            on_batch=on_batch, options=options,
+            on_batch=on_batch, options=options, exchange=exchange,
         )
 
     def _record_estimate(self, trainer: Trainer, epoch: int, marglik: float, **extra: Any) -> float:
@@ -543,15 +549,16 @@ class MargLikCallbackCore(EstimatorCore):
         prior = prior if folded is None else folded.prior
         taken_training = False
 
-        def local_pass(training: bool) -> Any:  # everything that can fail on one rank only, before the first collective
+        def local_pass(training: bool) -> Any:  # may fail on one rank only: run_on_all_ranks (and a sharded exchange) tell the others
             nonlocal taken_training
             taken = self._training.take(trainer) if training else None  # type: ignore[union-attr]
             taken_training = taken is not None
             if taken is not None:
                 return taken
-            batches = self._evidence_batches(trainer, pl_module)
-            with isolate_rng(), progress(trainer, batches, self._package) as on_batch:  # as _first_batch draws
-                return self._collect(model, batches, options, generator, on_batch, prior)
+            with sharded_pass(trainer.strategy, shards_parameters(trainer)) as sharded:  # FSDP: layers owned by rank
+                batches = self._evidence_batches(trainer, pl_module)
+                with isolate_rng(), progress(trainer, batches, self._package) as on_batch:  # as _first_batch draws
+                    return self._collect(model, batches, options, generator, on_batch, prior, sharded)
 
         own = self._training is not None and options is self.options and folded is None
         with whole_parameters(trainer):  # under FSDP: the pass and the prior's norms read whole weights

@@ -5,9 +5,12 @@ holds a flat 1-D shard of the weights outside FSDP's own forward; the callbacks'
 evidence passes and hyperparameter steps call the LightningModule's forward and read the prior's
 parameters directly, so they run inside :func:`whole_parameters`: FSDP gathers every parameter
 on every rank (``summon_full_params``), and from there the pass is that of DDP (each rank its
-share of the evidence data, the sums reduced across ranks). The hyperparameters are buffers,
-which FSDP does not shard. The cost: during an estimate every rank holds the whole weights and
-every layer's curvature, as under DDP (``benchmarks/results/fsdp.md``).
+share of the evidence data). The Kronecker factors follow the sharding instead (:func:`shards_parameters`):
+each layer's are summed onto one owning rank batch by batch and decomposed there, and the evidence
+sums the ranks' log-determinants (:mod:`lightning_marglik.curvature.structures.sharded`); the other
+structures' sums are reduced onto every rank, as under DDP. The hyperparameters are buffers, which
+FSDP does not shard. The cost: during an estimate every rank holds the whole weights and its own
+layers' factors (``benchmarks/results/fsdp.md``).
 
 FSDP2 (``fully_shard`` in ``configure_model``, through Lightning's ``ModelParallelStrategy``)
 holds the weights as DTensors sharded across ranks outside its modules' forwards; there the
@@ -28,7 +31,7 @@ from torch import nn
 
 from .package import MargLikConfigurationError, Trainer
 
-__all__ = ["check_strategy", "whole_parameters"]
+__all__ = ["check_strategy", "shards_parameters", "whole_parameters"]
 
 # strategy class name (either Lightning package) -> why the callbacks cannot follow it
 _REFUSED = {
@@ -75,6 +78,17 @@ def _check_no_tensor_parallel(callback: Any, strategy: Any) -> None:
             "parallelism splits the layers' computation across ranks, which the callbacks' passes cannot follow "
             f"(ModelParallelStrategy's default on one node). Use {_WORKS}."
         )
+
+
+def shards_parameters(trainer: Trainer) -> bool:
+    """Whether the trained module is wrapped by FSDP (FSDP1 units or FSDP2 ``fully_shard`` modules): there
+    the evidence's layer-owned curvature (``kron``) is summed onto one rank per layer, not replicated."""
+    model = getattr(trainer.strategy, "model", None)
+    if model is None or not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return any(isinstance(module, (FSDPModule, FullyShardedDataParallel)) for module in model.modules())
 
 
 def whole_parameters(trainer: Trainer, copy_for: Optional[str] = None) -> ContextManager[Any]:

@@ -23,6 +23,7 @@ from .hooks import Recorder, graph_uses
 from .options import APPROXIMATIONS, BACKENDS, STRUCTURES, CurvatureOptions
 from .plan import LayerLayout, Plan, candidates, check_model, locate, make_plan
 from .statistics import BatchCurvature, CurvatureStatistics, LayerPlan, Structure
+from .structures.sharded import Exchange, ShardedStructure
 
 #: Largest size in bytes of one part of a batch's loss-Hessian factor and output gradients (:func:`_part_size`).
 PART_BYTES = 128 * 2**20
@@ -85,6 +86,7 @@ def collect_statistics(
     batch_fn: Optional[BatchFn] = None,
     on_batch: Optional[Callable[[int], None]] = None,
     options: Optional[CurvatureOptions] = None,
+    exchange: Optional[Exchange] = None,
 ) -> CurvatureStatistics:
     """Accumulate the curvature and likelihood statistics over one pass of ``dataloader``.
 
@@ -106,6 +108,10 @@ def collect_statistics(
         batch_fn: Maps a batch to ``(inputs, targets)``; default: batches are such pairs.
         on_batch: Called with the batch index after every batch (progress).
         options: The curvature options as one object.
+        exchange: Under sharded training, one per pass and process: a layer-owned structure
+            (``kron``) sums each batch's statistics of a layer onto the one process that owns it
+            (:mod:`.structures.sharded`); every process calls this alike, each with its own share of
+            the data. The ``backpack`` backend ignores it (every process keeps every layer).
 
     Returns:
         The sum-reduced statistics (float64, counts as integers).
@@ -129,7 +135,7 @@ def collect_statistics(
     compute = _compute_dtype(dtype)
     stats: Optional[CurvatureStatistics] = None
     plan: Optional[Plan] = None
-    with eval_mode(model), torch.enable_grad(), _eager(), Recorder(model) as recorder:
+    with eval_mode(model), torch.enable_grad(), _eager(), Recorder(model) as recorder, _finishing(exchange, lambda: stats):
         recorder.keep = candidates(owners, options)
 
         def passes() -> int:
@@ -157,7 +163,8 @@ def collect_statistics(
                     name: LayerLayout(out.requires_grad, recorder.inputs[name].shape[:1] == out.shape[:1] == leading)
                     for name, out in recorder.outputs.items()
                 }
-                plan = make_plan(prior, owners, options, dict(recorder.counts), graph_uses(output, params), layouts)
+                plan = make_plan(prior, owners, options, dict(recorder.counts), graph_uses(output, params), layouts,
+                                 exchange)
                 stats = CurvatureStatistics(
                     options, names, [s.to(device) for s in plan.structures], slow=plan.slow, estimator=estimator
                 )
@@ -184,6 +191,26 @@ def collect_statistics(
     if stats is None:
         raise ValueError("The data loader yielded no batches.")
     return stats
+
+
+@contextmanager
+def _finishing(exchange: Optional[Exchange], stats: Callable[[], Optional[CurvatureStatistics]]) -> Iterator[None]:
+    """End a sharded pass's exchange on this rank however the pass ended (:meth:`Exchange.finish`), so that no
+    other rank waits for it: a failure here is told to the others before it is raised."""
+    if exchange is None:
+        yield
+        return
+
+    def sharded() -> Optional[ShardedStructure]:
+        structures = stats().structures if stats() is not None else []  # type: ignore[union-attr]
+        return next((s for s in structures if isinstance(s, ShardedStructure)), None)
+
+    try:
+        yield
+    except BaseException:
+        exchange.finish(sharded(), failed=True)
+        raise
+    exchange.finish(sharded(), failed=False)
 
 
 def _accumulate(

@@ -16,7 +16,7 @@ eigenvalue-corrected blocks); ``diag`` the exact diagonal everywhere; ``full`` t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, NamedTuple, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from torch import nn
 
@@ -25,6 +25,7 @@ from .layers import computed_role, hook_reason
 from .options import CurvatureOptions
 from .statistics import LayerPlan, Structure
 from .structures import structure_class
+from .structures.sharded import Exchange
 
 __all__ = ["LayerLayout", "Plan", "candidates", "check_model", "locate", "make_plan"]
 
@@ -122,6 +123,7 @@ def make_plan(
     calls: Dict[str, int],
     uses: List[int],
     layouts: Dict[str, LayerLayout],
+    exchange: Optional[Exchange] = None,
 ) -> Plan:
     """Plan the pass from the first batch's call counts and graph uses.
 
@@ -132,6 +134,8 @@ def make_plan(
         calls: Forward calls of every module in the first batch's forward pass.
         uses: Autograd edges into every prior tensor in that pass (:func:`.hooks.graph_uses`).
         layouts: What the first batch showed of each recorded layer's call.
+        exchange: Under sharded training, the collectives by which a layer-owned structure keeps
+            each layer's statistics on one process (:mod:`.structures.sharded`); others ignore it.
 
     Raises:
         ValueError: For a diagonal prior with ``kron``, a ``full`` curvature above the memory limit,
@@ -182,4 +186,5 @@ def make_plan(
             layers.setdefault(name, LayerPlan(name, module, {})).roles[computed_role(module, role)] = index
     slow = dict(reasons)
     hooked = list(layers.values())
-    return Plan(hooked, exact, slow, structure.from_plan(hooked, exact, prior, options))
+    sharded = {"exchange": exchange} if exchange is not None and structure.layer_owned else {}
+    return Plan(hooked, exact, slow, structure.from_plan(hooked, exact, prior, options, **sharded))

@@ -25,6 +25,7 @@ __all__ = ["BatchCurvature", "CurvatureStatistics", "LayerPlan", "Structure"]
 SumFn = Callable[[Tensor], Tensor]
 GatherFn = Callable[[Tensor], List[Tensor]]
 InverseFn = Callable[[List[Tensor]], List[Tensor]]  # a structure's H_b^-1 on its tensors' flat pieces
+ReduceFn = Callable[[Tensor, int], None]  # sum a tensor of every rank into rank dst's, in place
 
 
 @dataclass
@@ -84,6 +85,9 @@ class Structure:
     parametric_bound: ClassVar[bool] = True
     #: Whether ``select_models(rank_by="<name>-<approx>")`` offers it.
     rank_by: ClassVar[bool] = True
+    #: Whether its statistics split by layer across processes under sharded training (:mod:`.structures.sharded`:
+    #: ``from_plan`` then takes ``exchange=``, and the class gives ``layer_states`` and ``layer_sums``).
+    layer_owned: ClassVar[bool] = False
 
     def __init__(self, indices: Sequence[int], sizes: Sequence[int]) -> None:
         self.indices = list(indices)

@@ -17,6 +17,7 @@ from ..options import CurvatureOptions
 from ..statistics import BatchCurvature, InverseFn, LayerPlan, Structure
 from .derivatives import LogDetDerivatives, separable_terms
 from .diag import DiagStructure
+from .sharded import Exchange, ShardedStructure
 
 if TYPE_CHECKING:
     from ...hyperparameters import GaussianPrior
@@ -109,30 +110,47 @@ class KronStructure(Structure):
     name = "kron"
     per_tensor_prior = True
     training_statistics = True  # the factors from the training gradients, rescalable
+    layer_owned = True
 
     def __init__(self, indices: Sequence[int], sizes: Sequence[int], layers: List[LayerPlan]) -> None:
         super().__init__(indices, sizes)
         self.layers = layers
         self.shapes = [layer_rule(layer.module).kron_shape(layer.module) for layer in layers]
         self.masks: List[Dict[str, FactorMasks]] = [kron_masks(layer.module) for layer in layers]  # as planned
-        for j, shape in enumerate(self.shapes):
-            d = shape.inp
-            a = torch.zeros((d,) if shape.diagonal_input else (shape.groups, d, d), dtype=torch.float64)
-            self.add_state(f"{j}.g", torch.zeros(shape.out, shape.out, dtype=torch.float64))
-            self.add_state(f"{j}.a", a)
-            self.add_state(f"{j}.rows", torch.zeros((), dtype=torch.int64))
+        for j, layer in enumerate(layers):
+            for key, (shape, dtype) in self.layer_states(layer).items():
+                self.add_state(f"{j}.{key}", torch.zeros(shape, dtype=dtype))
+
+    @staticmethod
+    def layer_states(layer: LayerPlan) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of each statistic of ``layer``: ``G`` (``out x out``), ``A`` (per conv group
+        ``in x in``, or ``(in,)`` where diagonal) and the number of rows ``A`` is summed over."""
+        shape = layer_rule(layer.module).kron_shape(layer.module)
+        d = shape.inp
+        a = (d,) if shape.diagonal_input else (shape.groups, d, d)
+        return {"g": ((shape.out, shape.out), torch.float64), "a": (a, torch.float64), "rows": ((), torch.int64)}
+
+    @staticmethod
+    def layer_sums(layer: LayerPlan, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
+        """One batch's statistics of ``layer`` from its recorded input ``a`` and output gradients ``g``."""
+        sums = layer_kron(layer.module, a, g)
+        return {"g": sums.g, "a": sums.a, "rows": sums.rows}
 
     @classmethod
     def from_plan(
-        cls, layers: List[LayerPlan], exact: List[int], prior: "GaussianPrior", options: CurvatureOptions
+        cls, layers: List[LayerPlan], exact: List[int], prior: "GaussianPrior", options: CurvatureOptions,
+        exchange: Optional[Exchange] = None,
     ) -> List[Structure]:
-        """Kronecker blocks for the hooked layers whose rule has Kronecker factors, an exact
-        diagonal block (:class:`.DiagStructure`) for every other parameter."""
+        """Kronecker blocks for the hooked layers whose rule has Kronecker factors (each layer's kept by
+        its owning process where an ``exchange`` is given: :class:`.ShardedStructure`), an exact diagonal
+        block (:class:`.DiagStructure`) for every other parameter."""
         sizes = prior.param_sizes
         kron = [layer for layer in layers if is_kron_layer(layer.module)]
         kron_indices = sorted(i for layer in kron for i in layer.roles.values())
         rest = [i for i in range(len(sizes)) if i not in set(kron_indices)]
-        structures: List[Structure] = [cls(kron_indices, sizes, kron)] if kron else []
+        structures: List[Structure] = []
+        if kron:
+            structures.append(cls(kron_indices, sizes, kron) if exchange is None else ShardedStructure(cls, kron, sizes, exchange))
         if rest:
             others = [layer for layer in layers if not is_kron_layer(layer.module)]
             structures.append(DiagStructure(rest, sizes, others, exact))
@@ -142,12 +160,13 @@ class KronStructure(Structure):
         position = {layer.name: j for j, layer in enumerate(self.layers)}
         for layer, a, g in batch.layers:
             j = position.get(layer.name)
-            if j is None:
-                continue
-            sums = layer_kron(layer.module, a, g)
-            self.add(f"{j}.g", sums.g)
-            self.add(f"{j}.a", sums.a)
-            self.add(f"{j}.rows", sums.rows)
+            if j is not None:
+                self.add_layer(j, self.layer_sums(layer, a, g))
+
+    def add_layer(self, j: int, sums: Dict[str, Tensor]) -> None:
+        """Add one batch's statistics of layer ``j`` (:meth:`layer_sums`)."""
+        for key, value in sums.items():
+            self.add(f"{j}.{key}", value)
 
     def rescale(self, factor: float) -> None:
         # the block is G kron (A / rows): A and the row count are a mean, G carries the sum
