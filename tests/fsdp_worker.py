@@ -177,8 +177,8 @@ class Recorder(Callback):
 
 def sharded_evidence(evidence: Any) -> Dict[str, Any]:
     """What this rank holds of the evidence's curvature (per structure: the layers it owns, or the class of a
-    replicated one), and the evidence's gradient in every log hyperparameter with central differences of its value
-    (each evaluation a collective, taken alike on both ranks)."""
+    replicated one), the evidence's gradient in every log hyperparameter with central differences of its value
+    (each evaluation a collective, taken alike on both ranks), and the message refusing its posterior covariance."""
     from lightning_marglik.curvature.structures.sharded import ShardedStructure
 
     held = [[layer.name for layer in s.share.layers] if isinstance(s, ShardedStructure) else type(s).__name__
@@ -196,7 +196,12 @@ def sharded_evidence(evidence: Any) -> Dict[str, Any]:
                 moved.append(evidence.log_marglik_at({**point, name: shifted.reshape(value.shape)}).item())
             grad.append(leaves[name].grad.reshape(-1)[i].item())
             central.append((moved[0] - moved[1]) / 2e-5)
-    return {"held": held, "grad": grad, "central": central}
+    try:  # the posterior needs every layer in one process
+        evidence.jacobian_covariance(torch.zeros(1, SIZES[-1], sum(evidence.prior.param_sizes), dtype=torch.float64))
+        refused = None
+    except RuntimeError as exc:
+        refused = str(exc)
+    return {"held": held, "grad": grad, "central": central, "covariance_refused": refused}
 
 
 def run_cases(out: Path) -> Dict[str, Any]:

@@ -182,7 +182,8 @@ def test_kron_curvature_is_owned_by_layer_across_ranks(ranks, single):
     ranks, together every layer once; the non-Kronecker rest replicated); the summed evidence's gradient in every
     log hyperparameter (prior precisions and noise) equals central differences of its value, and the Newton
     re-optimisation on it (evidence_with kron, closed-form derivatives summed across ranks) equals the
-    single-process one. Before, every rank held every layer's factors (benchmarks/results/fsdp.md)."""
+    single-process one; its posterior covariance is refused with what to do instead. Before, every rank held every
+    layer's factors (benchmarks/results/fsdp.md)."""
     a, b = (r["cases"]["full_shard_wrapped"]["sharded"] for r in ranks)
     assert len(a["held"]) == len(b["held"]) == 1  # the three Linears are all Kronecker layers
     assert a["held"][0] and b["held"][0] and not set(a["held"][0]) & set(b["held"][0])
@@ -192,6 +193,9 @@ def test_kron_curvature_is_owned_by_layer_across_ranks(ranks, single):
         for grad, central in zip(rank["grad"], rank["central"], strict=True):
             assert math.isclose(grad, central, rel_tol=1e-5, abs_tol=1e-6), (rank["grad"], rank["central"])
     assert a["grad"] == b["grad"]
+    for rank in (a, b):  # the posterior would need every layer: refused, naming what to do
+        assert "needs every layer's curvature in one process" in rank["covariance_refused"]
+        assert "LaplaceEvidence.fit" in rank["covariance_refused"]
     for rank in ranks:
         got = rank["cases"]["full_shard_wrapped"]["evidence_with_kron"]
         assert math.isclose(got, single["kron"]["evidence_with_kron"], rel_tol=1e-6)

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Ty
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from ..statistics import BatchCurvature, InverseFn, LayerPlan, ReduceFn, Structure, SumFn
 from .derivatives import LogDetDerivatives
@@ -201,8 +200,9 @@ class ShardedStructure(Structure):
 
 class _SummedLogDet(torch.autograd.Function):
     """The summed log-determinant of a :class:`ShardedStructure`, differentiable once in ``scale`` and the
-    ``log_delta``: its gradient is the summed closed form, taken in the same collective as the value (a second
-    derivative through it raises; the Newton solver takes the closed-form ones)."""
+    ``log_delta``: its gradient is the summed closed form, taken in the same collective as the value. Second
+    derivatives come from :meth:`ShardedStructure.log_det_derivatives` (Newton's closed form); a graph for them
+    through this function is refused, since its gradient is a constant there."""
 
     @staticmethod
     def forward(ctx: Any, structure: ShardedStructure, scale: Tensor, *log_delta: Tensor) -> Tensor:
@@ -213,7 +213,11 @@ class _SummedLogDet(torch.autograd.Function):
         return parts.value
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
+        if torch.is_grad_enabled():  # create_graph=True: the next derivative would silently miss this term
+            raise RuntimeError(
+                "The log-determinant of a sharded structure (FSDP) is differentiable once: take its second "
+                "derivatives in closed form (LaplaceEvidence.optimize(solver='newton')), not by autograd."
+            )
         rho = [grad * ctx.rho[t].reshape(shape) if t in ctx.rho else None for t, shape in enumerate(ctx.shapes)]
         return (None, grad * ctx.scale_grad, *rho)
