@@ -277,7 +277,7 @@ def reduce_statistics(stats: CurvatureStatistics, strategy: Strategy) -> Curvatu
 
     The full structure's low-rank rows (while fewer rows than parameters) are gathered instead,
     in one more collective pair (lengths, padded rows); its choice depends on the global row
-    count only. A sharded structure's layers are already summed onto their owners (:func:`exchange`).
+    count only. A sharded structure's layers are already summed onto their owners (:func:`sharded_pass`).
 
     Args:
         stats: This rank's statistics; the same declared states on every rank.

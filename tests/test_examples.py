@@ -77,7 +77,9 @@ def test_online_prior_precision_reaches_grid_optimum():
     """Paper Fig. 4 with the full example settings: online log delta from 1e-3, 1 and 1e2 within 0.3 of the grid optimum."""
     sys.path.insert(0, str(ROOT / "examples"))
     import prior_selection
+    import torch
 
+    torch.set_default_dtype(torch.float32)  # as the example runs (the fixture restores float64)
     out = prior_selection.run(plot=None)
     optimum = out["grid_optimum"]["log_prior_precision"]
     for init, final in out["final_log_prior_precision"].items():

@@ -24,9 +24,9 @@ from ..curvature import CurvatureOptions, check_model, collect_statistics
 from ..curvature.batches import move, split_batch
 from ..curvature.estimator import resolve_mc_samples
 from ..curvature.scale_invariance import training_modes
+from ..curvature.structures.sharded import Exchange
 from ..denormals import DenormalFlush
 from ..diagnostics import ef_ratio_of, ef_unreliable_message
-from ..curvature.structures.sharded import Exchange
 from ..distributed import reduce_statistics, run_on_all_ranks, sharded_pass
 from ..evidence import SOLVERS, LaplaceEvidence, require_data
 from ..folding import Folded, fold_batchnorm

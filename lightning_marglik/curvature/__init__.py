@@ -111,7 +111,8 @@ def collect_statistics(
         exchange: Under sharded training, one per pass and process: a layer-owned structure
             (``kron``) sums each batch's statistics of a layer onto the one process that owns it
             (:mod:`.structures.sharded`); every process calls this alike, each with its own share of
-            the data. The ``backpack`` backend ignores it (every process keeps every layer).
+            the data. Under the ``backpack`` backend every process keeps every layer (the exchange
+            only ends, as it must on every process).
 
     Returns:
         The sum-reduced statistics (float64, counts as integers).
@@ -128,14 +129,16 @@ def collect_statistics(
     if options.backend == "backpack":
         from .backpack import backpack_statistics
 
-        return backpack_statistics(model, dataloader, likelihood, prior, options, batch_fn, on_batch)
+        with _finishing(exchange, lambda: None):  # its statistics are every layer's: only the rounds to agree on
+            return backpack_statistics(model, dataloader, likelihood, prior, options, batch_fn, on_batch)
     names, owners = locate(model, prior)
     params = prior.params
     device, dtype = params[0].device, params[0].dtype
     compute = _compute_dtype(dtype)
     stats: Optional[CurvatureStatistics] = None
     plan: Optional[Plan] = None
-    with eval_mode(model), torch.enable_grad(), _eager(), Recorder(model) as recorder, _finishing(exchange, lambda: stats):
+    finishing = _finishing(exchange, lambda: stats)  # outermost: ends the exchange however the pass ends
+    with finishing, eval_mode(model), torch.enable_grad(), _eager(), Recorder(model) as recorder:
         recorder.keep = candidates(owners, options)
 
         def passes() -> int:

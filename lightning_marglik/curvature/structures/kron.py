@@ -150,7 +150,8 @@ class KronStructure(Structure):
         rest = [i for i in range(len(sizes)) if i not in set(kron_indices)]
         structures: List[Structure] = []
         if kron:
-            structures.append(cls(kron_indices, sizes, kron) if exchange is None else ShardedStructure(cls, kron, sizes, exchange))
+            whole = exchange is None
+            structures.append(cls(kron_indices, sizes, kron) if whole else ShardedStructure(cls, kron, sizes, exchange))
         if rest:
             others = [layer for layer in layers if not is_kron_layer(layer.module)]
             structures.append(DiagStructure(rest, sizes, others, exact))

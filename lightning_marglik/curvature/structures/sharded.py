@@ -20,7 +20,7 @@ the summed values). The posterior covariance needs every layer in one process an
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
@@ -76,7 +76,7 @@ class Exchange:
     world_size: int
     reduce: ReduceFn
     sum: SumFn
-    closed: bool = False
+    closed: bool = field(default=False, init=False)  # set once a round ended the exchange on every rank
 
     def round(self, sending: bool, failed: bool = False) -> bool:
         """One agreement round: whether any rank sends a batch now.
@@ -185,7 +185,8 @@ class ShardedStructure(Structure):
         own = self.share.log_det_derivatives(scale, log_delta)
         zero = scale.new_zeros(())
         stores = (own.rho, own.rho_u, own.rho_rho)
-        flat = torch.stack([own.value, own.u, own.uu, *(s.get(t, zero).reshape(()) for s in stores for t in self.indices)])
+        per_tensor = (store.get(t, zero).reshape(()) for store in stores for t in self.indices)
+        flat = torch.stack([own.value, own.u, own.uu, *per_tensor])
         total = self.exchange.sum(flat.detach()).to(flat)
         n = len(self.indices)
         rho, rho_u, rho_rho = (dict(zip(self.indices, total[3 + k * n : 3 + (k + 1) * n].unbind())) for k in range(3))
