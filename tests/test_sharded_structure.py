@@ -76,3 +76,15 @@ def test_balanced_owners_give_every_item_one_rank_within_one_item_of_balance(cos
     if costs:  # greedy largest-first: no rank exceeds another's load by more than one item
         assert max(loads) - min(loads) <= max(costs)
     assert owners == balanced_owners(list(costs), world)  # a function of the costs: the same on every rank
+
+
+@pytest.mark.parametrize("rank,world,match", [(2, 2, "rank=2"), (-1, 2, "rank=-1"), (0, 0, "world_size=0"),
+                                              (0.0, 1, "rank=0.0")])
+def test_an_exchange_names_a_rank_outside_its_world(rank, world, match):
+    with pytest.raises(ValueError, match=match):
+        Exchange(rank, world, lambda tensor, dst: None, lambda flat: flat)
+
+
+def test_an_exchange_without_its_collectives_is_refused():
+    with pytest.raises(TypeError, match="callables"):
+        Exchange(0, 1, None, lambda flat: flat)

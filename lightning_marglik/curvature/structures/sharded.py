@@ -78,6 +78,14 @@ class Exchange:
     sum: SumFn
     closed: bool = field(default=False, init=False)  # set once a round ended the exchange on every rank
 
+    def __post_init__(self) -> None:
+        if not (isinstance(self.world_size, int) and self.world_size >= 1):
+            raise ValueError(f"Exchange(world_size={self.world_size!r}): the number of processes, an int >= 1.")
+        if not (isinstance(self.rank, int) and 0 <= self.rank < self.world_size):
+            raise ValueError(f"Exchange(rank={self.rank!r}): this process's rank, an int in [0, {self.world_size}).")
+        if not (callable(self.reduce) and callable(self.sum)):
+            raise TypeError("Exchange(reduce=..., sum=...) take the collectives as callables.")
+
     def round(self, sending: bool, failed: bool = False) -> bool:
         """One agreement round: whether any rank sends a batch now.
 
