@@ -80,15 +80,20 @@ def _check_no_tensor_parallel(callback: Any, strategy: Any) -> None:
         )
 
 
+def _fsdp_modules(trainer: Trainer) -> List[nn.Module]:
+    """The trained module's FSDP1 units and FSDP2 ``fully_shard`` modules (none before a strategy wrapped it)."""
+    model = getattr(trainer.strategy, "model", None)
+    if model is None or not torch.distributed.is_available():
+        return []
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel  # only once a strategy wrapped the model
+
+    return [module for module in model.modules() if isinstance(module, (FSDPModule, FullyShardedDataParallel))]
+
+
 def shards_parameters(trainer: Trainer) -> bool:
     """Whether the trained module is wrapped by FSDP (FSDP1 units or FSDP2 ``fully_shard`` modules): there
     the evidence's layer-owned curvature (``kron``) is summed onto one rank per layer, not replicated."""
-    model = getattr(trainer.strategy, "model", None)
-    if model is None or not torch.distributed.is_available():
-        return False
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-    return any(isinstance(module, (FSDPModule, FullyShardedDataParallel)) for module in model.modules())
+    return bool(_fsdp_modules(trainer))
 
 
 def whole_parameters(trainer: Trainer, copy_for: Optional[str] = None) -> ContextManager[Any]:
@@ -111,22 +116,20 @@ def whole_parameters(trainer: Trainer, copy_for: Optional[str] = None) -> Contex
         MargLikConfigurationError: If ``copy_for`` is given under FSDP2, whose modules refuse to be
             copied (torch: "FSDP does not support deepcopy"), naming what works instead.
     """
-    model = getattr(trainer.strategy, "model", None)
-    if model is None or not torch.distributed.is_available():
+    fully_sharded = _fsdp_modules(trainer)
+    if not fully_sharded:
         return nullcontext()
-    # only once a strategy wrapped the model
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.fsdp import FullyShardedDataParallel
 
-    if any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
-        return _gathered(model, FullyShardedDataParallel)
-    fully_sharded = [module for module in model.modules() if isinstance(module, FSDPModule)]
-    if fully_sharded and copy_for is not None:
+    if any(isinstance(module, FullyShardedDataParallel) for module in fully_sharded):
+        return _gathered(trainer.strategy.model, FullyShardedDataParallel)
+    if copy_for is not None:
         raise MargLikConfigurationError(
             f"MargLikCallback.{copy_for} copies the module, which FSDP2 (fully_shard) does not allow (torch: \"FSDP "
             "does not support deepcopy\"): load a checkpoint of the fit (e.g. MargLikCheckpoint's best) into a plain "
             f"module and call lightning_marglik.folding.{copy_for} on it."
         )
-    return _unsharded(fully_sharded) if fully_sharded else nullcontext()
+    return _unsharded(fully_sharded)
 
 
 @contextmanager

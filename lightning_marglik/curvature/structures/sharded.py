@@ -167,7 +167,7 @@ class ShardedStructure(Structure):
         total: Dict[str, Tensor] = {}
         for key, (shape, dtype) in self.states_of[j].items():
             tensor = (torch.zeros(shape, dtype=dtype, device=self._device) if sums is None  # the batch's own freed:
-                      else torch.as_tensor(sums.pop(key)).to(self._device or "cpu", dtype))  # one copy at a time
+                      else sums.pop(key).to(self._device or "cpu", dtype))  # one copy at a time
             self.exchange.reduce(tensor, self.owners[j])
             total[key] = tensor
         if j in self._position:
