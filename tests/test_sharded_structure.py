@@ -88,3 +88,10 @@ def test_an_exchange_names_a_rank_outside_its_world(rank, world, match):
 def test_an_exchange_without_its_collectives_is_refused():
     with pytest.raises(TypeError, match="callables"):
         Exchange(0, 1, None, lambda flat: flat)
+
+
+def test_a_pass_refuses_an_exchange_that_is_not_one():
+    net = nn.Linear(2, 1).double()
+    data = DataLoader(TensorDataset(torch.randn(4, 2, dtype=torch.float64), torch.randn(4, 1, dtype=torch.float64)))
+    with pytest.raises(TypeError, match="`exchange` must be an Exchange"):
+        collect_statistics(net, data, GaussianLikelihood(), GaussianPrior(net), exchange=True)

@@ -120,10 +120,12 @@ def collect_statistics(
     Raises:
         ValueError: On bad options, parameters the prior does not cover, an empty loader, or
             targets that do not fit the likelihood.
-        TypeError: On batches that are not ``(inputs, targets)`` pairs or a forward that does not
-            return a tensor.
+        TypeError: On batches that are not ``(inputs, targets)`` pairs, a forward that does not
+            return a tensor, or an ``exchange`` that is not an :class:`Exchange`.
     """
     options = options or CurvatureOptions(structure, approx, mc_samples)
+    if exchange is not None and not isinstance(exchange, Exchange):
+        raise TypeError(f"`exchange` must be an Exchange (the collectives of a sharded pass) or None, got {exchange!r}.")
     if batch_fn is not None and not callable(batch_fn):
         raise TypeError(f"`batch_fn` must map a batch to (inputs, targets), got {type(batch_fn).__name__} {batch_fn!r}.")
     if options.backend == "backpack":
