@@ -107,6 +107,7 @@ class LaplaceEvidence:
         max_memory: int = CurvatureOptions.max_memory,
         backend: str = "hooks",
         flush_denormals: bool = True,
+        max_output_factor: Optional[int] = CurvatureOptions.max_output_factor,
     ) -> "LaplaceEvidence":
         """One pass over ``dataloader`` at the model's current weights; stores the count of data on the
         prior (``prior.n_data``, the default ``N`` of :func:`map_loss`).
@@ -130,6 +131,10 @@ class LaplaceEvidence:
                 setting found (:class:`~lightning_marglik.denormals.DenormalFlush`: weights the evidence
                 shrank make the pass many times slower otherwise). Wrap a plain training loop in
                 ``with DenormalFlush():`` to speed up its epochs alike.
+            max_output_factor: ``kron``/``ekfac``: a layer with more outputs (a 10,000-class or 50,257-token
+                head) holds only the diagonal of its output-side Kronecker factor, whose exact ``out x out``
+                form and eigendecomposition would dominate the estimate; ``None``: every factor exact. Which
+                layers and why: :attr:`estimator`.
 
         Returns:
             The evidence object.
@@ -139,7 +144,7 @@ class LaplaceEvidence:
                 without a datum (every label ``ignore_index``).
             TypeError: On batches that are not ``(inputs, targets)`` pairs.
         """
-        options = CurvatureOptions(structure, approx, mc_samples, max_memory, backend)
+        options = CurvatureOptions(structure, approx, mc_samples, max_memory, backend, max_output_factor)
         with DenormalFlush(flag(flush_denormals, "flush_denormals")):
             stats = collect_statistics(
                 model, dataloader, likelihood, prior, generator=generator, batch_fn=batch_fn, options=options

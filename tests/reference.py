@@ -836,6 +836,43 @@ def hybrid_blocks(
     return blocks
 
 
+def output_units(module: nn.Module) -> int:
+    """The outputs of a Kronecker layer: the size of its output-side factor G."""
+    if isinstance(module, nn.Embedding):
+        return module.embedding_dim
+    if HFConv1D is not None and isinstance(module, HFConv1D):
+        return module.nf
+    return module.out_channels if isinstance(module, (nn.Conv1d, nn.Conv2d)) else module.out_features
+
+
+def diagonal_output_blocks(model: nn.Module, blocks: List[KronBlock], limit: int) -> List[KronBlock]:
+    """``blocks`` with G held as its diagonal in every layer with more than ``limit`` outputs.
+
+    A Kronecker block's entry between two scalars is ``G[i, k]`` times an input-side entry, with ``i``, ``k``
+    their output units (``kron(G, A)``: the weight's rows (out, in) or per conv group; ``kron(A, G)`` of an
+    Embedding's (num, dim) or an HF Conv1D's (in, out) weight: its columns; a bias block is ``G``). Zeroing
+    the entries between different output units leaves ``kron(diag(G), A)`` and ``diag(G)``.
+    """
+    out = []
+    for block in blocks:
+        module_name, _, role = block.name.rpartition(".")
+        module = model.get_submodule(module_name) if block.kind == "kron" else None
+        if module is None or output_units(module) <= limit:
+            out.append(block)
+            continue
+        units, n = output_units(module), len(block.index)
+        position = torch.arange(n)
+        if role.startswith("bias"):
+            unit = position
+        elif isinstance(module, nn.Embedding) or (HFConv1D is not None and isinstance(module, HFConv1D)):
+            unit = position % units  # stored (rows, out): the output unit is the column
+        else:
+            unit = position // (n // units)  # stored (out, ...): the output unit is the row
+        same = (unit[:, None] == unit[None, :]).to(block.matrix.dtype)
+        out.append(KronBlock(block.index, block.matrix * same, block.name, (), block.kind))
+    return out
+
+
 class GraphProblem(Problem):
     """(model, data) on ANY module graph: tensor / tuple / dict inputs, outputs (N, C) or sequence
     outputs (N, T, C) (categorical targets (N, T) with ``ignore_index``; Gaussian targets (N, T, D)).

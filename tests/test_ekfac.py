@@ -46,11 +46,15 @@ def problem_of(model_name: str, kind: str):
 
 
 def block_bases(structure: EKFACStructure, j: int, role: str) -> torch.Tensor:
-    """The structure's basis of layer ``j``'s ``role`` in ``param.flatten()`` order."""
+    """The structure's basis of layer ``j``'s ``role`` in ``param.flatten()`` order (``None``: the identity of a
+    diagonal output-side factor)."""
     basis = structure.bases[j]
+    out = structure.shapes[j].out
     if role == "bias":
-        return basis["bias"]
-    return torch.block_diag(*[kron(u_g, u_a) for u_g, u_a in zip(basis["g"], basis["a"])])
+        return basis["bias"] if basis["bias"] is not None else torch.eye(out)
+    groups = len(basis["a"])
+    return torch.block_diag(*[kron(u_g if u_g is not None else torch.eye(out // groups), u_a)
+                              for u_g, u_a in zip(basis["g"], basis["a"])])
 
 
 def ekfac_of(ev: LaplaceEvidence) -> EKFACStructure:
@@ -68,11 +72,13 @@ def test_moments_are_the_dense_block_in_the_kronecker_eigenbasis(model_name, kin
     assert check_moments_against_reference(ev, problem, kind, approx) == len(prior.param_sizes)  # every tensor
 
 
-def check_moments_against_reference(ev: LaplaceEvidence, problem, kind: str, approx: str) -> int:
+def check_moments_against_reference(ev: LaplaceEvidence, problem, kind: str, approx: str, kron_blocks=None) -> int:
     """EKFAC's second moments, log-determinant and covariance against the dense reference (the module
-    docstring); returns the number of tensors in eigenvalue-corrected blocks (the rest: exact diagonals)."""
+    docstring); returns the number of tensors in eigenvalue-corrected blocks (the rest: exact diagonals).
+    ``kron_blocks``: the reference's Kronecker blocks the basis must diagonalize (default: as they are)."""
     prior, lik = ev.prior, ev.likelihood
     ref_kron, ref_full = problem.reference("kron", approx), problem.reference("full", approx).full
+    blocks = ref_kron.blocks if kron_blocks is None else kron_blocks(ref_kron)
     structure = ekfac_of(ev)
     offsets = torch.tensor([0] + prior.param_sizes).cumsum(0).tolist()
     log_delta, log_sigma, log_t = ref_kron.hyper_from(prior, lik)
@@ -88,7 +94,7 @@ def check_moments_against_reference(ev: LaplaceEvidence, problem, kind: str, app
             got = structure.state(f"{j}.s" if role == "weight" else f"{j}.s_bias").reshape(-1)
             assert rel_err(got, moments) <= TOL, (layer.name, role)
             # the basis is the eigenbasis of the reference's own Kronecker block
-            (block,) = [b for b in ref_kron.blocks if int(b.index[0]) == lo and len(b.index) == hi - lo]
+            (block,) = [b for b in blocks if int(b.index[0]) == lo and len(b.index) == hi - lo]
             rotated = u.T @ block.matrix @ u
             off_diagonal = rotated - torch.diag(torch.diagonal(rotated))
             assert off_diagonal.abs().max() <= 1e-10 * block.matrix.abs().max(), (layer.name, role)

@@ -19,7 +19,7 @@ from lightning_marglik.curvature.options import CurvatureOptions
 from lightning_marglik.curvature.structures.sharded import Exchange, ShardedStructure, balanced_owners
 
 
-def _evidences():
+def _evidences(max_output_factor=4096):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2)).double()
     x = torch.randn(23, 3, dtype=torch.float64)
@@ -27,15 +27,20 @@ def _evidences():
     out = []
     for exchange in (None, Exchange(0, 1, lambda tensor, dst: None, lambda flat: flat)):
         prior, likelihood = GaussianPrior(net, precision=2.0), GaussianLikelihood(sigma=0.7)
-        stats = collect_statistics(net, data, likelihood, prior, options=CurvatureOptions("kron"), exchange=exchange)
+        options = CurvatureOptions("kron", max_output_factor=max_output_factor)
+        stats = collect_statistics(net, data, likelihood, prior, options=options, exchange=exchange)
         out.append(LaplaceEvidence.from_statistics(stats, likelihood, prior))
     return out
 
 
-def test_one_owner_gives_the_plain_kron_evidence_and_gradient():
-    plain, sharded = _evidences()
+@pytest.mark.parametrize("max_output_factor", [4096, 4])  # 4: the 6- and 5-output layers hold diag(G) (issue 54)
+def test_one_owner_gives_the_plain_kron_evidence_and_gradient(max_output_factor):
+    plain, sharded = _evidences(max_output_factor)
     assert [type(s) for s in sharded.structures] == [ShardedStructure]
     assert len(sharded.structures[0].share.layers) == 3 and sharded.structures[0].share.states() == {}  # freed
+    assert sharded.structures[0].share.diagonal == plain.structures[0].diagonal == [max_output_factor < 6,
+                                                                                     max_output_factor < 5, False]
+    assert sharded.estimator == plain.estimator
     point = {k: v.detach().clone() for k, v in plain.hyperparameters().items()}
     point["log_precision"] = point["log_precision"] + torch.linspace(-1, 1, point["log_precision"].numel(),
                                                                      dtype=point["log_precision"].dtype)

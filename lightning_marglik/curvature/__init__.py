@@ -170,6 +170,7 @@ def collect_statistics(
                 }
                 plan = make_plan(prior, owners, options, dict(recorder.counts), graph_uses(output, params), layouts,
                                  exchange)
+                estimator = "; ".join([estimator] + [s.note for s in plan.structures if s.note])
                 stats = CurvatureStatistics(
                     options, names, [s.to(device) for s in plan.structures], slow=plan.slow, estimator=estimator
                 )

@@ -58,7 +58,7 @@ from torch.nn import functional as F
 from torch.nn.utils import parametrize, prune
 
 from ..modules import FixupBias, FixupScale
-from .rows import contributing_rows, embedding_diagonal, gram, unfold
+from .rows import contributing_rows, embedding_diagonal, gram, output_factor, unfold
 
 __all__ = [
     "KronShape",
@@ -106,7 +106,8 @@ class KronSums:
     """One batch's Kronecker factor sums of one layer.
 
     Attributes:
-        g: ``sum g g^T`` over examples, rows and factor columns, ``(out, out)``.
+        g: ``sum g g^T`` over examples, rows and factor columns, ``(out, out)``; only its diagonal ``(out,)``
+            where the output-side factor is held diagonal (:func:`layer_kron`).
         a: ``sum a a^T`` over the rows that carry a loss term, one block per conv group
             ``(groups, d, d)``; for a diagonal input factor the token counts ``(vocabulary,)``.
         rows: Number of ``(example, row)`` pairs summed in ``a`` (0-dim int64 tensor).
@@ -348,8 +349,8 @@ class _PrunedRule(LayerRule):
     def kron_shape(self, module: nn.Module) -> KronShape:
         return self.base.kron_shape(module)
 
-    def kron_sums(self, module: nn.Module, a: Tensor, g: Tensor) -> KronSums:
-        return self.base.kron_sums(module, a, g)
+    def kron_sums(self, module: nn.Module, a: Tensor, g: Tensor, diagonal_output: bool = False) -> KronSums:
+        return self.base.kron_sums(module, a, g, diagonal_output)  # type: ignore[call-arg]
 
     def input_rows(self, module: nn.Module, a: Tensor) -> Tensor:  # EKFAC's second moments (un-masked rows)
         return self.base.input_rows(module, a)  # type: ignore[attr-defined]
@@ -454,9 +455,23 @@ def layer_diagonal(module: nn.Module, a: Tensor, g: Tensor) -> Dict[str, Tensor]
     return layer_rule(module).diagonal(module, a, g)
 
 
-def layer_kron(module: nn.Module, a: Tensor, g: Tensor) -> KronSums:
-    """Kronecker factor sums of one layer for one batch (expand convention)."""
-    return layer_rule(module).kron_sums(module, a, g)
+def layer_kron(module: nn.Module, a: Tensor, g: Tensor, diagonal_output: bool = False) -> KronSums:
+    """Kronecker factor sums of one layer for one batch (expand convention).
+
+    Args:
+        module: The layer (it has a Kronecker rule: :func:`is_kron_layer`).
+        a: Its recorded input.
+        g: Gradients w.r.t. its output, ``(K, *output.shape)``.
+        diagonal_output: Sum only the diagonal of the output-side factor ``G`` (``KronSums.g`` is then
+            ``(out,)``). The built-in rules never form ``G``; a registered rule's whole ``G`` is reduced to it.
+    """
+    rule = layer_rule(module)
+    if not diagonal_output:
+        return rule.kron_sums(module, a, g)
+    if type(rule) in _BUILT_IN:
+        return rule.kron_sums(module, a, g, diagonal_output=True)  # type: ignore[call-arg]
+    sums = rule.kron_sums(module, a, g)
+    return KronSums(torch.diagonal(sums.g).clone(), sums.a, sums.rows)
 
 
 # --- the rules --------------------------------------------------------------------------------
@@ -510,7 +525,7 @@ class _AffineRule(LayerRule):
             out["bias"] = g_rows.sum(2).pow(2).sum((0, 1))
         return out
 
-    def kron_sums(self, module: nn.Module, a: Tensor, g: Tensor) -> KronSums:
+    def kron_sums(self, module: nn.Module, a: Tensor, g: Tensor, diagonal_output: bool = False) -> KronSums:
         a_rows, g_rows = self.input_rows(module, a), self.grad_rows(module, g)
         keep = contributing_rows(g_rows)
         if not bool(keep.all()):  # rows without a loss term (ignored positions) stay out of A
@@ -520,7 +535,7 @@ class _AffineRule(LayerRule):
             a_sum = gram(a_rows).unsqueeze(0)
         else:
             a_sum = torch.stack([gram(block) for block in a_rows.chunk(groups, dim=2)])
-        return KronSums(gram(g_rows.flatten(0, 1)), a_sum, keep.sum())
+        return KronSums(output_factor(g_rows.flatten(0, 1), diagonal_output), a_sum, keep.sum())
 
 
 class _TransposedLinearRule(_AffineRule):
@@ -573,13 +588,13 @@ class _EmbeddingRule(LayerRule):
     def kron_shape(self, module: nn.Module) -> KronShape:
         return KronShape(module.embedding_dim, module.num_embeddings, transposed=True, diagonal_input=True)
 
-    def kron_sums(self, module: nn.Module, a: Tensor, g: Tensor) -> KronSums:
+    def kron_sums(self, module: nn.Module, a: Tensor, g: Tensor, diagonal_output: bool = False) -> KronSums:
         idx, g_rows = self._rows(a, g)
         keep = contributing_rows(g_rows)
         counts = torch.bincount(idx[keep], minlength=module.num_embeddings).to(g_rows.dtype)
         if module.padding_idx is not None:  # its row has no gradient: counted in the rows, not in A
             counts[module.padding_idx] = 0
-        return KronSums(gram(g_rows.flatten(0, 1)), counts, keep.sum())
+        return KronSums(output_factor(g_rows.flatten(0, 1), diagonal_output), counts, keep.sum())
 
 
 class _NormRule(LayerRule):

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 from ..hyperparameters import PRIOR_STRUCTURES
-from ..validators import choice, integer
+from ..validators import choice, integer, optional
 
 __all__ = ["APPROXIMATIONS", "BACKENDS", "STRUCTURES", "CurvatureOptions"]
 
@@ -50,6 +50,10 @@ class CurvatureOptions:
             matrices (the Gram matrix and its factorisation).
         backend: ``"hooks"`` (ours: any network) or ``"backpack"`` (optional extra; Sequential
             networks of Linear/Conv2d layers, see :mod:`.backpack`).
+        max_output_factor: Most outputs of a layer whose output-side Kronecker factor ``G``
+            (``out x out``, eigendecomposed once per estimate) ``kron`` and ``ekfac`` hold exactly; a
+            layer with more (a 10,000-class or 50,257-token head) holds only ``diag(G)``, whose
+            eigenbasis is the identity (:mod:`.structures.kron`). ``None``: every factor exact.
 
     Raises:
         ValueError: Naming the bad option and the accepted values, with a "did you mean" for a
@@ -69,6 +73,7 @@ class CurvatureOptions:
     mc_samples: Union[int, str] = 0
     max_memory: int = 4 * 2**30
     backend: str = "hooks"
+    max_output_factor: Optional[int] = 4096
 
     def __post_init__(self) -> None:
         # canonical spellings ("KRON" -> "kron"): the frozen dataclass takes them through object.__setattr__
@@ -84,3 +89,5 @@ class CurvatureOptions:
             raise ValueError(f"`mc_samples` applies to approx='ggn' only, got approx={self.approx!r}.")
         object.__setattr__(self, "backend", choice(self.backend, BACKENDS, "backend"))
         integer(self.max_memory, "max_memory", minimum=1, what="a number of bytes")
+        optional(integer, self.max_output_factor, "max_output_factor", minimum=0,
+                 what="the most outputs of an exact Kronecker output factor, or None: every factor exact")

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-__all__ = ["contributing_rows", "conv_padding", "embedding_diagonal", "gram", "unfold"]
+__all__ = ["contributing_rows", "conv_padding", "embedding_diagonal", "gram", "output_factor", "unfold"]
 
 
 def contributing_rows(g_rows: Tensor) -> Tensor:
@@ -96,3 +96,10 @@ def gram(rows: Tensor) -> Tensor:
         return torch.bmm(rows.transpose(1, 2), rows).sum(0)
     flat = rows.permute(2, 0, 1).reshape(d, n * r)
     return flat @ flat.T
+
+
+def output_factor(rows: Tensor, diagonal: bool) -> Tensor:
+    """The output-side factor ``G = sum_{n,r} g_nr g_nr^T`` of output-gradient rows ``(n, R, out)``, or, with
+    ``diagonal``, only its diagonal ``(out,)``: ``out`` numbers and no ``out x out`` product (a 50,257-token head's
+    whole ``G`` is 20 GB in float64)."""
+    return rows.pow(2).sum((0, 1)) if diagonal else gram(rows)

@@ -88,6 +88,8 @@ class Structure:
     #: Whether its statistics split by layer across processes under sharded training (:mod:`.structures.sharded`:
     #: ``from_plan`` then takes ``exchange=``, and the class gives ``layer_states`` and ``layer_sums``).
     layer_owned: ClassVar[bool] = False
+    #: A choice its plan made from the options, with the reason, for the record (``CurvatureStatistics.estimator``).
+    note: str = ""
 
     def __init__(self, indices: Sequence[int], sizes: Sequence[int]) -> None:
         self.indices = list(indices)
@@ -250,7 +252,8 @@ class CurvatureStatistics:
         structures: The structures covering the prior's tensors (disjoint).
         likelihood: The likelihood's summed statistics (float64; counts int64), with ``n_data``.
         slow: Modules on the exact per-example path, with the reason.
-        estimator: Which GGN estimator ran and why (:func:`.estimator.resolve_mc_samples`).
+        estimator: Which GGN estimator ran and why (:func:`.estimator.resolve_mc_samples`), then the
+            structures' own choices and their reasons (:attr:`Structure.note`), ``"; "``-separated.
     """
 
     options: CurvatureOptions

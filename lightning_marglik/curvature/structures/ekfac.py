@@ -18,7 +18,7 @@ not exist for a post-hoc evidence at trained weights.) The loader must therefore
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -27,13 +27,16 @@ from ..layers import layer_rule
 from ..rows import embedding_diagonal
 from ..statistics import BatchCurvature, LayerPlan, Structure
 from .derivatives import LogDetDerivatives, separable_terms
-from .kron import Bases, KronStructure
+from .kron import Bases, KronStructure, _rotate, _stacked
 
 __all__ = ["EKFACStructure"]
 
 
-def _basis(matrix: Tensor) -> Tensor:
-    """Eigenvectors of a symmetric factor; NaN where it is not finite (the evidence then reports NaN)."""
+def _basis(matrix: Tensor) -> Optional[Tensor]:
+    """Eigenvectors of a symmetric factor; NaN where it is not finite (the evidence then reports NaN). A diagonal
+    factor (a vector: a layer above ``max_output_factor`` outputs) has the identity, ``None``."""
+    if matrix.dim() == 1:
+        return None
     if not Structure._guard(matrix):
         return torch.full_like(matrix, float("nan"))
     return torch.linalg.eigh(matrix)[1]
@@ -46,6 +49,8 @@ class EKFACStructure(KronStructure):
         indices: Prior indices of the covered tensors (the layers' trainable weights and biases).
         sizes: Sizes of all prior tensors.
         layers: The layers, each with the prior index of its covered parameters by role.
+        max_output_factor: A layer with more outputs holds only the diagonal of its output-side factor: its
+            basis is ``I (x) U_A`` (``None``: every factor exact).
 
     Raises:
         ValueError: For a registered Kronecker layer rule without ``input_rows``/``grad_rows``
@@ -60,8 +65,9 @@ class EKFACStructure(KronStructure):
     training_statistics = False  # the second pass is not the training backward
     parametric_bound = False  # the bound's parts are read once each
 
-    def __init__(self, indices: Sequence[int], sizes: Sequence[int], layers: List[LayerPlan]) -> None:
-        super().__init__(indices, sizes, layers)
+    def __init__(self, indices: Sequence[int], sizes: Sequence[int], layers: List[LayerPlan],
+                 max_output_factor: Optional[int] = None) -> None:
+        super().__init__(indices, sizes, layers, max_output_factor)
         for j, (layer, shape) in enumerate(zip(self.layers, self.shapes)):
             rule = layer_rule(layer.module)
             if not shape.diagonal_input and not (hasattr(rule, "input_rows") and hasattr(rule, "grad_rows")):
@@ -121,8 +127,7 @@ class EKFACStructure(KronStructure):
         if shape.diagonal_input:  # Embedding: basis I (x) U_G, the exact diagonal of the rotated gradients
             idx, g_rows = rule._rows(a, g)
             if "weight" in layer.roles:
-                u_g = basis["g"][0].to(g_rows.dtype)
-                self.add(f"{j}.s", embedding_diagonal(module, idx, g_rows @ u_g).unsqueeze(0))
+                self.add(f"{j}.s", embedding_diagonal(module, idx, _rotate(g_rows, basis["g"][0])).unsqueeze(0))
             return
         a_rows, g_rows = rule.input_rows(module, a), rule.grad_rows(module, g)  # (B, R, in), (K, B, R, out)
         # a pruned tensor's per-example gradients: its masks scale the rows (the gradient of weight_orig is
@@ -133,13 +138,13 @@ class EKFACStructure(KronStructure):
         g_bias = g_rows if bias_mask is None else g_rows * bias_mask.to(g_rows)
         a_rows = a_rows if in_mask is None else a_rows * in_mask.to(a_rows).repeat(shape.groups)
         if shape.groups == 1:
-            g_rotated = [g_weight @ basis["g"][0].to(g_rows.dtype)]
+            g_rotated = [_rotate(g_weight, basis["g"][0])]
         else:
-            g_rotated = [gk @ u_g.to(gk.dtype) for gk, u_g in zip(g_weight.chunk(shape.groups, dim=3), basis["g"])]
+            g_rotated = [_rotate(gk, u_g) for gk, u_g in zip(g_weight.chunk(shape.groups, dim=3), basis["g"])]
         if "bias" in layer.roles:
             # one rotation of the gradients serves the weight and the bias where they share it (the K B R out^2 part)
             shared = shape.groups == 1 and g_bias is g_weight and basis["g"][0] is basis["bias"]
-            bias_rotated = g_rotated[0].sum(2) if shared else g_bias.sum(2) @ basis["bias"].to(g_rows.dtype)
+            bias_rotated = g_rotated[0].sum(2) if shared else _rotate(g_bias.sum(2), basis["bias"])
             self.add(f"{j}.s_bias", bias_rotated.pow(2).sum((0, 1)))  # (K, B, out) summed over K and B
         if "weight" not in layer.roles:
             return
@@ -166,11 +171,11 @@ class EKFACStructure(KronStructure):
         layer, shape, basis = self.layers[j], self.shapes[j], self.bases[j]
         bases: Dict[str, Bases] = {}
         if "bias" in layer.roles:
-            bases["bias"] = (basis["bias"][None], None, self.state(f"{j}.s_bias").reshape(1, -1, 1))
+            bases["bias"] = (_stacked([basis["bias"]]), None, self.state(f"{j}.s_bias").reshape(1, -1, 1))
         if "weight" in layer.roles:
             moments = self.state(f"{j}.s")
-            bases["weight"] = ((None, basis["g"][0][None], moments) if shape.diagonal_input
-                               else (torch.stack(basis["g"]), torch.stack(basis["a"]), moments))
+            bases["weight"] = ((None, _stacked(basis["g"]), moments) if shape.diagonal_input
+                               else (_stacked(basis["g"]), torch.stack(basis["a"]), moments))
         return bases
 
     def _terms(self) -> List[Tuple[int, Tensor]]:
@@ -204,17 +209,17 @@ class EKFACStructure(KronStructure):
                 jac, d_w = jacobians[layer.roles["weight"]], delta[layer.roles["weight"]]
                 moments = self._weight_moments[j]
                 if shape.diagonal_input:  # weight (vocabulary, dim)
-                    rotated = [jac.reshape(b, c, shape.inp, shape.out) @ basis["g"][0]]
+                    rotated = [_rotate(jac.reshape(b, c, shape.inp, shape.out), basis["g"][0])]
                 else:
                     if shape.transposed:  # weight (in, out): to (out, in) order
                         jac = jac.reshape(b, c, shape.inp, shape.out).transpose(2, 3)
                     per_group = jac.reshape(b, c, shape.groups, shape.out // shape.groups, shape.inp)
-                    rotated = [u_g.T @ per_group[:, :, k] @ u_a
+                    rotated = [(per_group[:, :, k] if u_g is None else u_g.T @ per_group[:, :, k]) @ u_a
                                for k, (u_g, u_a) in enumerate(zip(basis["g"], basis["a"]))]
                 for rot, s_k in zip(rotated, moments):
                     cov += torch.einsum("bcij,ij,bdij->bcd", rot, 1 / (scale * s_k + d_w), rot)
             if "bias" in layer.roles:
-                rot = jacobians[layer.roles["bias"]] @ basis["bias"]
+                rot = _rotate(jacobians[layer.roles["bias"]], basis["bias"])
                 variance = 1 / (scale * self._bias_moments[j] + delta[layer.roles["bias"]])
                 cov += torch.einsum("bci,i,bdi->bcd", rot, variance, rot)
         return cov

@@ -4,6 +4,13 @@ A Linear/Conv weight block is ``kron(G, A)`` (``G`` output side, ``A`` input sid
 conv group), an Embedding weight block ``kron(A, G)`` with a diagonal ``A`` (token counts), a
 bias block ``G``. ``log|s kron(G, A) + delta I| = sum_ij log(s q_i w_j + delta)`` from the
 eigenvalues ``q``, ``w`` of the factors, cached once per estimate.
+
+A layer with more outputs than ``CurvatureOptions.max_output_factor`` holds ``diag(G)`` in place of
+``G`` (decided per layer before the pass, :attr:`KronStructure.diagonal`): ``out`` sums instead of
+``out^2`` and no eigendecomposition, which at 10,000 classes (800 MB in float64, about 10^12
+flops) would cost more than the rest of the estimate. Its block is ``kron(diag(G), A)``: the
+eigenvalues ``q`` are ``G``'s diagonal entries and its eigenbasis ``U_G`` the identity, so the
+log-determinant, its derivatives, ``H^-1`` and the covariance keep their forms with ``U_G = I``.
 """
 from __future__ import annotations
 
@@ -30,7 +37,8 @@ Bases = Tuple[Optional[Tensor], Optional[Tensor], Tensor]
 
 
 def _eigvalsh(matrix: Tensor) -> Tensor:
-    """Clamped eigenvalues; NaN where the curvature is not finite (the evidence reports it).
+    """Clamped eigenvalues; NaN where the curvature is not finite (the evidence reports it). A
+    diagonal factor, held as the vector of its entries, is its own eigenvalues.
 
     A factor is a sum of outer products, so a zero diagonal entry means a zero row and column
     (an input feature that is zero in every row: the padding taps of a convolution on a map
@@ -39,7 +47,9 @@ def _eigvalsh(matrix: Tensor) -> Tensor:
     resnet18's 4608-wide factors to 512.
     """
     if not Structure._guard(matrix):
-        return torch.full(matrix.shape[:-1], float("nan"), dtype=matrix.dtype, device=matrix.device)
+        return torch.full(matrix.shape[:1], float("nan"), dtype=matrix.dtype, device=matrix.device)
+    if matrix.dim() == 1:
+        return matrix
     used = torch.diagonal(matrix) != 0
     if bool(used.all()):
         return torch.linalg.eigvalsh(matrix).clamp(min=0)
@@ -47,9 +57,40 @@ def _eigvalsh(matrix: Tensor) -> Tensor:
     return torch.cat([values.new_zeros(int((~used).sum())), values])
 
 
-def _eigh(matrix: Tensor) -> Tuple[Tensor, Tensor]:
+def _eigh(matrix: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+    """Clamped eigenvalues and eigenvectors; a diagonal factor's (a vector): its entries and ``None`` (the identity)."""
+    if matrix.dim() == 1:
+        return matrix.clamp(min=0), None
     values, vectors = torch.linalg.eigh(matrix)
     return values.clamp(min=0), vectors
+
+
+def _rotate(x: Tensor, basis: Optional[Tensor]) -> Tensor:
+    """``x @ basis`` in ``x``'s dtype; ``x`` itself for the identity (``None``)."""
+    return x if basis is None else x @ basis.to(x.dtype)
+
+
+def _diagonal_output(shape: KronShape, max_output_factor: Optional[int]) -> bool:
+    """Whether a layer of ``shape`` holds only the diagonal of its output-side factor."""
+    return max_output_factor is not None and shape.out > max_output_factor
+
+
+def _diagonal_note(structure: str, layers: List[LayerPlan], max_output_factor: Optional[int]) -> str:
+    """The record of which layers hold ``diag(G)``, and why ("" where none does)."""
+    outputs = [(layer.name, layer_rule(layer.module).kron_shape(layer.module)) for layer in layers]
+    wide = [(name, shape.out) for name, shape in outputs if _diagonal_output(shape, max_output_factor)]
+    if not wide:
+        return ""
+    largest = max(out for _, out in wide)
+    named = ", ".join(f"'{name}' ({out:,} outputs)" for name, out in wide)
+    return (f"{structure}: the diagonal of the output-side Kronecker factor of {named}, more outputs than "
+            f"max_output_factor={max_output_factor} (an exact {largest:,} x {largest:,} factor takes "
+            f"{8 * largest ** 2 / 1e6:,.0f} MB in float64 and an eigendecomposition of about {largest:,}^3 flops)")
+
+
+def _stacked(bases: List[Optional[Tensor]]) -> Optional[Tensor]:
+    """The bases of a tensor's matrices as one stack; ``None`` (the identity) where they are the identity."""
+    return None if bases[0] is None else torch.stack(bases)  # type: ignore[arg-type]
 
 
 def _nonzero_products(q: Tensor, w: Tensor) -> Tuple[Tensor, Tensor, int]:
@@ -105,6 +146,8 @@ class KronStructure(Structure):
         indices: Prior indices of the covered tensors (the layers' trainable weights and biases).
         sizes: Sizes of all prior tensors.
         layers: The layers, each with the prior index of its covered parameters by role.
+        max_output_factor: A layer with more outputs holds only the diagonal of its output-side
+            factor (:attr:`diagonal`); ``None``: every factor exact.
     """
 
     name = "kron"
@@ -112,28 +155,39 @@ class KronStructure(Structure):
     training_statistics = True  # the factors from the training gradients, rescalable
     layer_owned = True
 
-    def __init__(self, indices: Sequence[int], sizes: Sequence[int], layers: List[LayerPlan]) -> None:
+    def __init__(self, indices: Sequence[int], sizes: Sequence[int], layers: List[LayerPlan],
+                 max_output_factor: Optional[int] = None) -> None:
         super().__init__(indices, sizes)
         self.layers = layers
+        self.max_output_factor = max_output_factor
         self.shapes = [layer_rule(layer.module).kron_shape(layer.module) for layer in layers]
+        #: Per layer: whether it holds ``diag(G)`` (a vector) in place of ``G``.
+        self.diagonal = [_diagonal_output(shape, max_output_factor) for shape in self.shapes]
         self.masks: List[Dict[str, FactorMasks]] = [kron_masks(layer.module) for layer in layers]  # as planned
         for j, layer in enumerate(layers):
-            for key, (shape, dtype) in self.layer_states(layer).items():
+            for key, (shape, dtype) in self.layer_states(layer, max_output_factor).items():
                 self.add_state(f"{j}.{key}", torch.zeros(shape, dtype=dtype))
 
     @staticmethod
-    def layer_states(layer: LayerPlan) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
-        """Shape and dtype of each statistic of ``layer``: ``G`` (``out x out``), ``A`` (per conv group
-        ``in x in``, or ``(in,)`` where diagonal) and the number of rows ``A`` is summed over."""
+    def layer_states(layer: LayerPlan, max_output_factor: Optional[int] = None
+                     ) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of each statistic of ``layer``: ``G`` (``out x out``, or ``(out,)`` above
+        ``max_output_factor`` outputs), ``A`` (per conv group ``in x in``, or ``(in,)`` where diagonal) and
+        the number of rows ``A`` is summed over."""
         shape = layer_rule(layer.module).kron_shape(layer.module)
         d = shape.inp
         a = (d,) if shape.diagonal_input else (shape.groups, d, d)
-        return {"g": ((shape.out, shape.out), torch.float64), "a": (a, torch.float64), "rows": ((), torch.int64)}
+        g = (shape.out,) if _diagonal_output(shape, max_output_factor) else (shape.out, shape.out)
+        return {"g": (g, torch.float64), "a": (a, torch.float64), "rows": ((), torch.int64)}
 
     @staticmethod
-    def layer_sums(layer: LayerPlan, a: Tensor, g: Tensor) -> Dict[str, Tensor]:
-        """One batch's statistics of ``layer`` from its recorded input ``a`` and output gradients ``g``."""
-        sums = layer_kron(layer.module, a, g)
+    def layer_sums(layer: LayerPlan, a: Tensor, g: Tensor, max_output_factor: Optional[int] = None
+                   ) -> Dict[str, Tensor]:
+        """One batch's statistics of ``layer`` from its recorded input ``a`` and output gradients ``g``
+        (as :meth:`layer_states` lays them out)."""
+        module = layer.module
+        diagonal = _diagonal_output(layer_rule(module).kron_shape(module), max_output_factor)
+        sums = layer_kron(module, a, g, diagonal)
         return {"g": sums.g, "a": sums.a, "rows": sums.rows}
 
     @classmethod
@@ -150,8 +204,10 @@ class KronStructure(Structure):
         rest = [i for i in range(len(sizes)) if i not in set(kron_indices)]
         structures: List[Structure] = []
         if kron:
-            whole = exchange is None
-            structures.append(cls(kron_indices, sizes, kron) if whole else ShardedStructure(cls, kron, sizes, exchange))
+            limit = options.max_output_factor
+            structures.append(cls(kron_indices, sizes, kron, limit) if exchange is None
+                              else ShardedStructure(cls, kron, sizes, exchange, limit))
+            structures[-1].note = _diagonal_note(cls.name or cls.__name__, kron, limit)
         if rest:
             others = [layer for layer in layers if not is_kron_layer(layer.module)]
             structures.append(DiagStructure(rest, sizes, others, exact))
@@ -162,7 +218,7 @@ class KronStructure(Structure):
         for layer, a, g in batch.layers:
             j = position.get(layer.name)
             if j is not None:
-                self.add_layer(j, self.layer_sums(layer, a, g))
+                self.add_layer(j, self.layer_sums(layer, a, g, self.max_output_factor))
 
     def add_layer(self, j: int, sums: Dict[str, Tensor]) -> None:
         """Add one batch's statistics of layer ``j`` (:meth:`layer_sums`)."""
@@ -177,21 +233,23 @@ class KronStructure(Structure):
     def _factors(self, j: int, role: str = "weight") -> Tuple[Tensor, Tensor]:
         """``G`` and the input factor ``A`` (mean over rows) of layer ``j``, as the block of its ``role`` takes
         them: a pruned tensor's scaled by its masks ``D_r G D_r``, ``D_c A D_c``; else ``G`` is the summed state
-        itself (the same tensor for the weight and the bias, whose eigen-decomposition they then share)."""
+        itself (the same tensor for the weight and the bias, whose eigen-decomposition they then share).
+        A diagonal ``G`` (:attr:`diagonal`) is the vector of its entries."""
         rows = max(int(self.state(f"{j}.rows")), 1)
         g, a = self.state(f"{j}.g"), self.state(f"{j}.a") / rows
         out_mask, in_mask = self.masks[j].get(role, (None, None))
         if out_mask is not None:
-            g = g * torch.outer(out_mask, out_mask).to(g)
+            g = g * (out_mask.pow(2) if g.dim() == 1 else torch.outer(out_mask, out_mask)).to(g)
         if in_mask is not None:
             a = a * torch.outer(in_mask, in_mask).to(a)
         return g, a
 
     def _group_blocks(self, j: int, g: Tensor) -> List[Tensor]:
-        """The output-side factor of every conv group: diagonal sub-blocks of ``G``."""
+        """The output-side factor of every conv group: diagonal sub-blocks of ``G`` (pieces of a diagonal one)."""
         groups = self.shapes[j].groups
         size = g.shape[0] // groups
-        return [g[k * size : (k + 1) * size, k * size : (k + 1) * size] for k in range(groups)]
+        pieces = [slice(k * size, (k + 1) * size) for k in range(groups)]
+        return [g[piece] if g.dim() == 1 else g[piece, piece] for piece in pieces]
 
     def prepare(self) -> None:
         self._weight: List[List[Tuple[Tensor, Tensor, int]]] = []
@@ -244,16 +302,16 @@ class KronStructure(Structure):
         g_bias = self._factors(j, "bias")[0]
         q, u = _eigh(g)
         q_bias, u_bias = (q, u) if g_bias is g else _eigh(g_bias)
-        bases: Dict[str, Bases] = {"bias": (u_bias[None], None, q_bias.reshape(1, -1, 1))}
+        bases: Dict[str, Bases] = {"bias": (_stacked([u_bias]), None, q_bias.reshape(1, -1, 1))}
         if "weight" not in layer.roles:
             return bases
         if shape.diagonal_input:  # kron(A, G) with A diagonal: the basis I (x) U_G
-            bases["weight"] = (None, u[None], torch.outer(a, q)[None])
+            bases["weight"] = (None, _stacked([u]), torch.outer(a, q)[None])
             return bases
         blocks = self._group_blocks(j, g)
         outs = [(q, u)] if len(blocks) == 1 else [_eigh(gk) for gk in blocks]
         ins = [_eigh(ak) for ak in a]
-        bases["weight"] = (torch.stack([u_g for _, u_g in outs]), torch.stack([u_a for _, u_a in ins]),
+        bases["weight"] = (_stacked([u_g for _, u_g in outs]), _stacked([u_a for _, u_a in ins]),
                            torch.stack([torch.outer(q_g, w_a) for (q_g, _), (w_a, _) in zip(outs, ins)]))
         return bases
 
@@ -289,7 +347,7 @@ class KronStructure(Structure):
                 d_w = delta[layer.roles["weight"]]
                 if self.shapes[j].diagonal_input:  # weight (vocabulary, dim): kron(A, G), A diagonal
                     q, vec = _eigh(g)
-                    rotated = jac.reshape(b, c, a.shape[0], -1) @ vec
+                    rotated = _rotate(jac.reshape(b, c, a.shape[0], -1), vec)
                     variance = 1 / (scale * torch.outer(a, q) + d_w)
                     cov += torch.einsum("bcij,ij,bdij->bcd", rotated, variance, rotated)
                 else:
@@ -299,11 +357,12 @@ class KronStructure(Structure):
                     per_group = jac.reshape(b, c, len(blocks), -1, a.shape[-1])
                     for k, (gk, ak) in enumerate(zip(blocks, a)):
                         (q, vec_g), (w, vec_a) = _eigh(gk), _eigh(ak)
-                        rotated = vec_g.T @ per_group[:, :, k] @ vec_a
+                        block = per_group[:, :, k] if vec_g is None else vec_g.T @ per_group[:, :, k]
+                        rotated = block @ vec_a
                         variance = 1 / (scale * torch.outer(q, w) + d_w)
                         cov += torch.einsum("bcij,ij,bdij->bcd", rotated, variance, rotated)
             if "bias" in layer.roles:
                 q, vec = _eigh(self._factors(j, "bias")[0])
-                rotated = jacobians[layer.roles["bias"]] @ vec
+                rotated = _rotate(jacobians[layer.roles["bias"]], vec)
                 cov += torch.einsum("bci,i,bdi->bcd", rotated, 1 / (scale * q + delta[layer.roles["bias"]]), rotated)
         return cov

@@ -124,18 +124,21 @@ class ShardedStructure(Structure):
         layers: Every layer the structure covers, alike on every rank.
         sizes: Sizes of all prior tensors.
         exchange: The pass's collectives.
+        max_output_factor: The class's limit above which a layer holds a diagonal output-side factor.
     """
 
     def __init__(self, cls: Type["KronStructure"], layers: List[LayerPlan], sizes: Sequence[int],
-                 exchange: Exchange) -> None:
+                 exchange: Exchange, max_output_factor: Optional[int] = None) -> None:
         super().__init__(sorted(i for layer in layers for i in layer.roles.values()), sizes)  # no states of its own
         self.cls, self.layers, self.exchange = cls, layers, exchange
-        self.states_of = [cls.layer_states(layer) for layer in layers]
+        self.max_output_factor = max_output_factor
+        self.states_of = [cls.layer_states(layer, max_output_factor) for layer in layers]
         costs = [sum(torch.Size(shape).numel() for shape, _ in states.values()) for states in self.states_of]
         self.owners = balanced_owners(costs, exchange.world_size)
         mine = [j for j, owner in enumerate(self.owners) if owner == exchange.rank]
         self._position = {j: k for k, j in enumerate(mine)}  # a layer's place in this rank's share
-        self.share = cls(sorted(i for j in mine for i in layers[j].roles.values()), sizes, [layers[j] for j in mine])
+        self.share = cls(sorted(i for j in mine for i in layers[j].roles.values()), sizes, [layers[j] for j in mine],
+                         max_output_factor)
         self._device: Optional[torch.device] = None
         self._prepared = False
 
@@ -150,7 +153,7 @@ class ShardedStructure(Structure):
         sent = 0
         try:
             for j, layer in enumerate(self.layers):
-                self._send(j, self.cls.layer_sums(layer, *recorded[layer.name]))
+                self._send(j, self.cls.layer_sums(layer, *recorded[layer.name], self.max_output_factor))
                 sent += 1
         except Exception:
             for j in range(sent, len(self.layers)):  # complete the round, so that no rank waits for this one
