@@ -1,6 +1,7 @@
-"""Any number of outputs at a bounded cost (issue 39): what one estimate costs, in training epochs and
-peak memory, as the number of outputs grows, and how close the sampled GGN's learned precisions are
-to the exact GGN's where that is still affordable.
+"""Any number of outputs at a bounded cost (issues 39 and 54): what one estimate costs, in training epochs
+and peak memory, as the number of outputs grows, how close the sampled GGN's learned precisions are
+to the exact GGN's where that is still affordable, and the output-side Kronecker factor held exact
+or as its diagonal (``max_output_factor``).
 
 Parts (each in a fresh process, so that its peak memory is its own; ``--parts`` selects):
 
@@ -17,11 +18,22 @@ Parts (each in a fresh process, so that its peak memory is its own; ``--parts`` 
 * ``quality-C`` for C in {10, 100}: whole runs (30 epochs, ``MargLikCallback`` defaults: an estimate
   every 10th epoch) with the default estimator (Monte-Carlo seeds 0, 1, 2, and seed 0 once more) and with
   ``mc_samples=0``, on a teacher network's labels: learned log precisions, final ``marglik`` and test NLL.
+* ``factor-C`` for C in {10, 100, 1000, 2000, 5000, 10000, 20000, 50000} (issue 54): the issue's MLP
+  128-512-C, N = 8,192, batch 128, trained 2 epochs (the cost of one: the faster); then at those weights one
+  estimate at the defaults (one Monte-Carlo sample, Newton) with the output-side factor held as its diagonal
+  (``max_output_factor = min(C - 1, 4096)``: above 512 classes the output layer only, at 10 and 100 the
+  512-wide hidden layer too) and, where it still fits (C <= 10,000), exact: estimate CPU in training
+  epochs, peak RSS against training's (the diagonal first, so that its peak is its own), evidence per
+  datum and learned log δ at the optimum.
+* ``gpt2-50257`` and ``gpt2-50257-untied``: the GPT-2 LM of ``gpt2`` with the real 50,257-token vocabulary,
+  64 sequences of 32 tokens, its head tied to the token embedding or a separate trained Linear; 3 epochs,
+  the cost of the fastest, then one estimate at the defaults.
 
 Whole-run ratios at the defaults are computed from the measured parts: 40 epochs with 4 estimates,
 ``(40 t_epoch + 4 t_estimate) / (40 t_epoch)``.
 
-Run: ``python benchmarks/output_size.py`` (about 25 min on one thread), or ``--parts mlp-1000 gpt2``.
+Run: ``python benchmarks/output_size.py`` (about 25 min on one thread for issue 39's parts, about an hour more
+for issue 54's), or ``--parts mlp-1000 gpt2``.
 Results: ``benchmarks/results/output_size.md``.
 """
 from __future__ import annotations
@@ -40,8 +52,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 
 from _common import RESULTS, cpu_name, hand_written, load_avg, now, read_data, timed, write_with_data  # noqa: E402
 
+FACTOR_CLASSES = (10, 100, 1000, 2000, 5000, 10000, 20000, 50000)
 PARTS = ["crossover", "mlp-10", "mlp-100", "mlp-1000", "mlp-10000", "cnn-100", "gpt2", "gpt2-lora", "quality-10",
-         "quality-100"]
+         "quality-100", *(f"factor-{c}" for c in FACTOR_CLASSES), "gpt2-50257", "gpt2-50257-untied"]
+EXACT_FACTOR_MAX = 10_000  # the exact output-side factor beyond: 3.2 GB and ~8x the 10,000-class eigendecomposition
+TARGET_EPOCHS, TARGET_MEMORY = 5.0, 1.3  # issue 54's bound on one default estimate
 RESULT = RESULTS / "output_size.md"
 EPOCHS, ESTIMATES = 40, 4  # the whole-run ratio's run: an estimate every 10th epoch
 
@@ -53,17 +68,19 @@ def peak_mb() -> float:
 # --- models and data --------------------------------------------------------------------------
 
 
-def teacher_data(n: int, classes: int, seed: int = 0):
+def teacher_data(n: int, classes: int, seed: int = 0, dim: int = 256):
+    """Inputs ``(n, dim)`` and a random teacher network's sampled labels, drawn 1,024 rows at a time so that
+    the logits of 50,000 classes do not set the process's peak memory (the same labels as drawn at once)."""
     import torch
     from torch import nn
 
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 256, generator=g)
+    x = torch.randn(n, dim, generator=g)
     torch.manual_seed(seed + 100)  # before the teacher is built: its biases keep their initial draws
-    teacher = nn.Sequential(nn.Linear(256, 64), nn.Tanh(), nn.Linear(64, classes))
+    teacher = nn.Sequential(nn.Linear(dim, 64), nn.Tanh(), nn.Linear(64, classes))
     teacher.apply(lambda m: isinstance(m, nn.Linear) and nn.init.normal_(m.weight, std=1.5 / m.in_features ** 0.5))
     with torch.no_grad():
-        y = torch.distributions.Categorical(logits=3 * teacher(x)).sample()
+        y = torch.cat([torch.distributions.Categorical(logits=3 * teacher(rows)).sample() for rows in x.split(1024)])
     return x, y
 
 
@@ -73,6 +90,13 @@ def mlp(classes: int):
     return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, classes))
 
 
+def wide_mlp(classes: int):
+    """Issue 54's MLP 128-512-C."""
+    from torch import nn
+
+    return nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, classes))
+
+
 def cnn(classes: int):
     from torch import nn
 
@@ -80,14 +104,14 @@ def cnn(classes: int):
                          nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 16, classes))
 
 
-def gpt2(lora: bool):
+def gpt2(lora: bool, vocabulary: int = 8192, sequences: int = 256, tied: bool = True):
     """A GPT-2 LM built from a config, as a module returning logits ``(B, T, V)``, with next-token data."""
     import torch
     import transformers
     from torch import nn
 
-    config = transformers.GPT2Config(vocab_size=8192, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
-                                      eos_token_id=0)
+    config = transformers.GPT2Config(vocab_size=vocabulary, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                      bos_token_id=0, eos_token_id=0, tie_word_embeddings=tied)
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config)
     if lora:
@@ -104,7 +128,7 @@ def gpt2(lora: bool):
             return self.model(input_ids=tokens).logits
 
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 8192, (256, 33), generator=g)
+    tokens = torch.randint(0, vocabulary, (sequences, 33), generator=g)
     labels = tokens[:, 1:].clone()
     labels[::4, 24:] = -100
     return LM(), tokens[:, :-1].contiguous(), labels
@@ -217,6 +241,47 @@ def quality(classes: int) -> Dict[str, Any]:
     return out
 
 
+def factor(classes: int) -> Dict[str, Any]:
+    """Issue 54: the output-side factor as its diagonal and exact, at the same trained weights."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_marglik import CategoricalLikelihood, GaussianPrior, LaplaceEvidence
+    from lightning_marglik.curvature import CurvatureOptions
+    from lightning_marglik.curvature.structures import KronStructure
+
+    x, y = teacher_data(8192, classes, dim=128)
+    torch.manual_seed(0)
+    net = wide_mlp(classes)
+    loader = DataLoader(TensorDataset(x, y), batch_size=128)
+    likelihood, prior = CategoricalLikelihood(), GaussianPrior(net)
+    prior.record_n_data(len(y))
+    run = _epoch(net, loader, likelihood, prior, torch.optim.Adam(net.parameters(), lr=1e-3))
+    epoch_cpu = min(timed(run)[0] for _ in range(2))
+    out: Dict[str, Any] = {"epoch_cpu": epoch_cpu, "peak_training_mb": peak_mb(), "n_data": len(y),
+                           "n_params": sum(p.numel() for p in net.parameters())}
+    arms = [("diagonal", min(classes - 1, CurvatureOptions.max_output_factor))]
+    arms += [("exact", None)] if classes <= EXACT_FACTOR_MAX else []
+    for arm, limit in arms:
+        def estimate():
+            evidence = LaplaceEvidence.fit(net, loader, likelihood, prior, generator=torch.Generator().manual_seed(0),
+                                           max_output_factor=limit)
+            return evidence, evidence.optimize(solver="newton")
+
+        estimate_cpu, _, (evidence, solution) = timed(estimate)
+        structure = next(s for s in evidence.structures if isinstance(s, KronStructure))
+        out[arm] = {
+            "max_output_factor": limit, "estimate_cpu": estimate_cpu, "epochs_per_estimate": estimate_cpu / epoch_cpu,
+            "peak_estimate_mb": peak_mb(), "memory_ratio": peak_mb() / out["peak_training_mb"],
+            "evidence_per_datum": solution.value.item() / len(y),
+            "log_precision": dict(zip(prior.param_names, solution.values["log_precision"].tolist())),
+            "diagonal_layers": [layer.name for layer, d in zip(structure.layers, structure.diagonal) if d],
+            "estimator": evidence.estimator,
+        }
+        del evidence, solution
+    return out
+
+
 def run_part(part: str) -> Dict[str, Any]:
     import torch
 
@@ -244,9 +309,14 @@ def run_part(part: str) -> Dict[str, Any]:
         x, y = teacher_data(8000, classes)
         torch.manual_seed(0)
         return cost(mlp(classes), x, y, 128, 0)
+    if kind == "gpt2" and size.startswith("50257"):  # issue 54: the real vocabulary, its head tied or not
+        net, tokens, labels = gpt2(lora=False, vocabulary=50257, sequences=64, tied=size == "50257")
+        return cost(net, tokens, labels, 32, "auto", epochs=3)
     if kind == "gpt2":
         net, tokens, labels = gpt2(lora=size == "lora")
         return cost(net, tokens, labels, 32, "auto")
+    if kind == "factor":
+        return factor(int(size))
     if kind == "quality":
         return quality(int(size))
     raise ValueError(part)
@@ -309,7 +379,58 @@ def render(data: Dict[str, Any]) -> str:
                          f"{q['default']['test_nll']:.4f} / {q['exact']['test_nll']:.4f} ({q['nll_diff']:+.4f}) | "
                          + (f"{q['seeds_nll_range'][0]:.4f}-{q['seeds_nll_range'][1]:.4f}, {q['seeds_nll_mean_diff']:+.4f} |"
                             f" {q['repeat_nll_diff']:+.4f} |" if "seeds_nll_range" in q else "| |"))
+    lines += _factor_lines(parts)
     return "\n".join(lines) + "\n\n" + hand_written(RESULT)
+
+
+def _factor_lines(parts: Dict[str, Any]) -> List[str]:
+    """Issue 54's tables: the targets at the defaults, then the sweep of the output-side factor."""
+    lines: List[str] = []
+    targets = [(name, part) for name, part in (("MLP 128-512-10,000, N = 8,192", "factor-10000"),
+                                               ("GPT-2, 50,257 tokens, untied head", "gpt2-50257-untied"),
+                                               ("GPT-2, 50,257 tokens, tied head", "gpt2-50257")) if part in parts]
+    if targets:
+        lines += ["", f"## Issue 54's targets: one default estimate (at most {TARGET_EPOCHS:g} training epochs and "
+                  f"{TARGET_MEMORY:g}x training's peak memory)", "",
+                  "| case | epoch CPU s | estimate / epoch | peak MB training / estimate (ratio) | met | library, date |",
+                  "|---|---:|---:|---:|---|---|"]
+        for name, part in targets:
+            r = parts[part]
+            r = dict(r, **r["diagonal"]) if "diagonal" in r else r  # the sweep's row: the defaults' structure
+            if "error" in r:
+                lines.append(f"| {name} | error: {r['error']} | | | | |")
+                continue
+            met = r["epochs_per_estimate"] <= TARGET_EPOCHS and r["memory_ratio"] <= TARGET_MEMORY
+            lines.append(f"| {name} | {r['epoch_cpu']:.2f} | {r['epochs_per_estimate']:.2f} | "
+                         f"{r['peak_training_mb']:.0f} / {r['peak_estimate_mb']:.0f} ({r['memory_ratio']:.2f}) | "
+                         f"{'yes' if met else 'no'} | {r.get('library', '?')}, {r.get('date', '?')} |")
+    sweep = [c for c in FACTOR_CLASSES if f"factor-{c}" in parts]
+    if sweep:
+        lines += ["", "## The output-side factor: its diagonal against exact (MLP 128-512-C, N = 8,192, the same "
+                  "trained weights, one Monte-Carlo sample)", "",
+                  "| classes C | layers with diag(G) | epoch CPU s | estimate / epoch: diagonal / exact | "
+                  "peak MB training / diagonal / exact | evidence per datum: diagonal / exact | "
+                  "learned log δ, largest difference (tensor) |",
+                  "|---:|---|---:|---:|---:|---:|---:|"]
+        for classes in sweep:
+            r = parts[f"factor-{classes}"]
+            if "error" in r:
+                lines.append(f"| {classes:,} | error: {r['error']} | | | | | |")
+                continue
+            d, e = r["diagonal"], r.get("exact")
+            layers = ", ".join(f"'{name}'" for name in d["diagonal_layers"])
+            if e is None:
+                lines.append(f"| {classes:,} | {layers} | {r['epoch_cpu']:.2f} | {d['epochs_per_estimate']:.2f} / – | "
+                             f"{r['peak_training_mb']:.0f} / {d['peak_estimate_mb']:.0f} / – | "
+                             f"{d['evidence_per_datum']:.4f} / – | – |")
+                continue
+            diffs = {k: d["log_precision"][k] - e["log_precision"][k] for k in e["log_precision"]}
+            worst = max(diffs, key=lambda k: abs(diffs[k]))
+            lines.append(f"| {classes:,} | {layers} | {r['epoch_cpu']:.2f} | {d['epochs_per_estimate']:.2f} / "
+                         f"{e['epochs_per_estimate']:.2f} | {r['peak_training_mb']:.0f} / {d['peak_estimate_mb']:.0f} / "
+                         f"{e['peak_estimate_mb']:.0f} | {d['evidence_per_datum']:.4f} / {e['evidence_per_datum']:.4f} | "
+                         f"{diffs[worst]:+.3f} ({worst}) |")
+    return lines
 
 
 def main() -> None:
@@ -329,7 +450,7 @@ def main() -> None:
         names = [part] + ([f"exact-{part}"] if part in ("mlp-10", "mlp-100", "mlp-1000") else [])
         for name in names:
             print(f"{name} ...", flush=True)
-            data["parts"][name] = in_process(name)
+            data["parts"][name] = {**in_process(name), "library": data["library"], "date": data["date"]}
             print(f"  {data['parts'][name]}", flush=True)
             write_with_data(RESULT, render(data), data)
 

@@ -14,6 +14,7 @@ import lightning_marglik.curvature as curvature
 from lightning_marglik import CategoricalLikelihood, GaussianLikelihood, GaussianPrior, LaplaceEvidence
 from lightning_marglik.curvature import CurvatureOptions
 from lightning_marglik.curvature.estimator import EXACT_COLUMNS, resolve_mc_samples
+from lightning_marglik.likelihoods import categorical_traces, sample_classes
 from tests.lightning_models import Classifier, trainer
 
 STRUCTURES = ["kron", "ekfac", "diag", "full"]
@@ -92,6 +93,53 @@ def test_the_engine_records_which_estimator_ran():
     assert evidence.options.mc_samples == 1 and "29 backward passes" in evidence.estimator
     exact = LaplaceEvidence.fit(net, data, CategoricalLikelihood(), GaussianPrior(net), mc_samples=0)
     assert exact.options.mc_samples == 0 and exact.estimator == "as set: the exact GGN"
+
+
+# --- the likelihood's per-class work: draws and traces (issue 54: a 50,257-token vocabulary) -----------
+
+
+def test_sampled_classes_follow_the_probabilities_and_never_take_an_impossible_one():
+    probs = torch.tensor([[0.5, 0.0, 0.3, 0.2], [0.0, 0.0, 0.0, 1.0]], dtype=torch.float64)
+    draws = sample_classes(probs.repeat(50_000, 1), 2, torch.Generator().manual_seed(0)).reshape(50_000, 2, 2)
+    counts = torch.stack([torch.bincount(draws[:, i].reshape(-1), minlength=4) for i in range(2)]).double()
+    expected = probs * 100_000
+    assert torch.all((counts - expected).abs() <= 5 * (expected * (1 - probs)).sqrt() + 1e-9)  # 5 sigma
+    assert counts[0, 1] == 0 and counts[1, :3].sum() == 0
+    again = sample_classes(probs.repeat(50_000, 1), 2, torch.Generator().manual_seed(0)).reshape(50_000, 2, 2)
+    assert torch.equal(draws, again)
+
+
+def test_a_sampled_factor_column_is_the_drawn_class_minus_the_probabilities():
+    logits = torch.randn(6, 4, 9, dtype=torch.float64)
+    labels = torch.randint(0, 9, (6, 4))
+    labels[0, 1] = -100
+    factor = CategoricalLikelihood().hessian_sqrt(logits, labels, "ggn", 3, torch.Generator().manual_seed(1))
+    probs = logits.reshape(-1, 9).softmax(1)
+    draws = sample_classes(probs, 3, torch.Generator().manual_seed(1))
+    expected = (nn.functional.one_hot(draws, 9) - probs[:, None]).transpose(1, 2) / 3 ** 0.5  # (terms, C, k)
+    expected = expected * (labels.reshape(-1) != -100).reshape(-1, 1, 1)
+    assert torch.equal(factor, expected.reshape(6, 4 * 9, 3))
+
+
+def test_the_categorical_traces_stay_accurate_however_confident_the_fit():
+    """Against 60-digit arithmetic, ``1 - p_c`` as the other classes' mass (60 digits cannot hold ``1 - p_c`` at
+    ``p_c = 1 - e^-1000``): ``||y - p||^2`` and ``1 - ||p||^2`` per datum, from logits up to thousands apart
+    (beyond float64's range: 0)."""
+    mpmath = pytest.importorskip("mpmath")
+    mpmath.mp.dps = 60
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(60, 5, generator=g, dtype=torch.float64) * torch.logspace(-1, 3, 60, dtype=torch.float64)[:, None]
+    labels = torch.randint(0, 5, (60,), generator=g)
+    labels[::2] = logits[::2].argmax(1)  # every other datum fit: its residual is the others' mass
+    ef, ggn = categorical_traces(logits, labels)
+    for row, label, got_ef, got_ggn in zip(logits.tolist(), labels.tolist(), ef.tolist(), ggn.tolist()):
+        exps = [mpmath.exp(mpmath.mpf(v)) for v in row]
+        p = [e / sum(exps) for e in exps]
+        rest = [sum(p[:c] + p[c + 1:]) for c in range(len(p))]  # 1 - p_c
+        want_ef = sum((rest[c] if c == label else pc) ** 2 for c, pc in enumerate(p))
+        want_ggn = sum(pc * rest[c] for c, pc in enumerate(p))
+        for got, want in ((got_ef, want_ef), (got_ggn, want_ggn)):  # relative, down to float64's smallest normal
+            assert abs(got - want) <= 1e-13 * want + 1e-307
 
 
 # --- batches in parts: the same statistics -------------------------------------------------------
