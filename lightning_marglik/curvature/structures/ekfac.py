@@ -9,6 +9,8 @@ Embedding's diagonal input factor has the identity basis), and the eigenvalue pr
 (``k`` a loss-Hessian factor column, ``r`` a weight-sharing row), i.e. ``diag(U^T C U)`` of the
 exact curvature block ``C``; a bias takes ``s_i = sum_{n,k} ((U_G^T sum_r g_nkr)_i)^2``. Then
 ``log|s_c C~ + delta I| = sum_ij log(s_c s_ij + delta)`` and ``H^-1 = U (s_c s + delta)^-1 U^T``.
+A layer above ``max_output_factor`` outputs holds only ``G``'s diagonal (:mod:`.kron`): its basis is
+``I (x) U_A``, the moments taken in it alike.
 
 The basis needs the factors first, so the structure reads the data twice (``passes = 2``): the
 first pass accumulates the Kronecker factors exactly as ``kron`` does, the second the second
