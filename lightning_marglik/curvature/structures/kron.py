@@ -14,7 +14,7 @@ log-determinant, its derivatives, ``H^-1`` and the covariance keep their forms w
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = ["KronStructure"]
 
+_TERMS = 1 << 20  # eigenvalue products a log-determinant evaluation forms at a time (8 MiB each array)
 # a Kronecker-type block's left and right eigenbases (None: the identity) and its unit-scale eigenvalues, each a
 # stack over the matrices the tensor is viewed as (_view)
 Bases = Tuple[Optional[Tensor], Optional[Tensor], Tensor]
@@ -128,6 +129,13 @@ def _rotated_inverse(view: Tuple[int, int, int], transposed: bool, bases: Bases,
         return (x.transpose(1, 2) if transposed else x).reshape(-1)
 
     return apply
+
+
+def _products(q: Tensor, w: Tensor, scale: Tensor) -> Iterator[Tensor]:
+    """The products ``s q_i w_j`` in pieces of at most :data:`_TERMS`: each of an evaluation's arrays over them
+    is as large as the layer's weight in float64 (a 50,000-class head on 512 features: 200 MB each)."""
+    for piece in q.split(max(1, _TERMS // max(w.numel(), 1))):
+        yield torch.outer(scale * piece, w)
 
 
 def _add_zero_terms(out: LogDetDerivatives, index: int, zeros: int, log_delta: Tensor) -> None:
@@ -276,7 +284,8 @@ class KronStructure(Structure):
             if pairs:
                 log_delta_w = log_delta[layer.roles["weight"]]
                 for q, w, zeros in pairs:
-                    total = total + torch.log(scale * torch.outer(q, w) + log_delta_w.exp()).sum() + zeros * log_delta_w
+                    total = total + sum(torch.log(p + log_delta_w.exp()).sum() for p in _products(q, w, scale))
+                    total = total + zeros * log_delta_w
             if bias is not None:
                 log_delta_b = log_delta[layer.roles["bias"]]
                 total = total + torch.log(scale * bias[0] + log_delta_b.exp()).sum() + bias[1] * log_delta_b
@@ -287,7 +296,8 @@ class KronStructure(Structure):
         for layer, pairs, bias in zip(self.layers, self._weight, self._bias):
             for q, w, zeros in pairs:
                 index = layer.roles["weight"]
-                out.add_terms(index, *separable_terms(torch.outer(scale * q, w), log_delta[index]))
+                for products in _products(q, w, scale):
+                    out.add_terms(index, *separable_terms(products, log_delta[index]))
                 _add_zero_terms(out, index, zeros, log_delta[index])
             if bias is not None:
                 index = layer.roles["bias"]
