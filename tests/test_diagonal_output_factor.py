@@ -235,3 +235,13 @@ def test_a_log_determinant_taken_in_pieces_is_the_whole_ones(monkeypatch):
     assert rel_err(pieces[1], whole[1]) <= 1e-14
     for name in ("value", "gradient", "rows", "diagonal"):
         assert rel_err(getattr(pieces[0], name), getattr(whole[0], name)) <= 1e-13, name
+
+
+def test_the_callback_holds_the_diagonal_above_the_default_limit_and_its_evidence_says_why():
+    """MargLikCallback runs the default limit: a 4,097-class head holds diag(G), named in the estimate's record."""
+    from tests.test_output_size import _fit
+
+    callback, _ = _fit(classes=4097)
+    (structure,) = [s for s in callback.evidence.structures if isinstance(s, KronStructure)]
+    assert structure.diagonal == [False, True] and structure.state("1.g").shape == (4097,)
+    assert "'net.2' (4,097 outputs), more outputs than max_output_factor=4096" in callback.evidence.estimator
