@@ -29,6 +29,7 @@ from typing import Any, ContextManager, Iterator, List, Optional
 import torch
 from torch import nn
 
+from ..private import fsdp2_recomputing, fsdp_strategy_kwargs
 from .package import MargLikConfigurationError, Trainer
 
 __all__ = ["check_strategy", "shards_parameters", "whole_parameters"]
@@ -59,7 +60,7 @@ def check_strategy(callback: Any, trainer: Trainer) -> None:
         )
     if "ModelParallelStrategy" in names:
         _check_no_tensor_parallel(callback, strategy)
-    if "FSDPStrategy" in names and not getattr(strategy, "kwargs", {}).get("use_orig_params", True):
+    if "FSDPStrategy" in names and not fsdp_strategy_kwargs(strategy).get("use_orig_params", True):
         raise MargLikConfigurationError(
             f"{type(callback).__name__} under FSDPStrategy(use_orig_params=False): the network's parameters are then "
             "FSDP's flat parameters, not the layers' own, which the prior and the curvature are computed from; "
@@ -160,18 +161,12 @@ def _unsharded(modules: List[nn.Module]) -> Iterator[None]:
     collectives whose count would follow each rank's share of the data. In the state FSDP2 gives its modules
     while activation checkpointing recomputes a forward during backward (``TrainingState.PRE_BACKWARD``), the
     hooks only cast the inputs and outputs as a mixed-precision policy says. The modules are resharded after."""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState  # FSDP2's own, no public name
-
-    states = list({id(state): state for state in (module._get_fsdp_state() for module in modules)}.values())
-    before = [state._training_state for state in states]
+    recomputing = fsdp2_recomputing(modules)  # reads FSDP2's private names before any collective
     try:
         for module in modules:  # in the modules' order, alike on every rank: the all-gathers pair up
             module.unshard()
-        for state in states:
-            state._training_state = TrainingState.PRE_BACKWARD
-        yield
+        with recomputing:
+            yield
     finally:
-        for state, training_state in zip(states, before):
-            state._training_state = training_state
         for module in modules:
             module.reshard()
