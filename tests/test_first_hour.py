@@ -156,7 +156,10 @@ def _packages():
     ("MargLikCheckpoint", {"every_n_epochs": 2}, "MargLikCallback(frequency=...) sets how often"),
     ("MargLikEarlyStopping", {"monitor": "val_loss", "mode": "min"},
      "'monitor': MargLikEarlyStopping always watches the evidence (marglik, log evidence per datum, higher is better); "
-     "for another metric use Lightning's EarlyStopping; 'mode': MargLikEarlyStopping always waits for a higher"),
+     "for another metric use Lightning's EarlyStopping; 'mode': MargLikEarlyStopping always waits for a higher evidence "
+     "(marglik, log evidence per datum, higher is better)"),
+    ("MargLikCheckpoint", {"mode": "max"}, "'mode': MargLikCheckpoint always keeps the models of highest evidence (marglik, "
+     "log evidence per datum, higher is better) (MargLikCheckpoint takes"),
     ("MargLikBoundCallback", {"frequency": 2}, "'frequency': use every_k_batches="),
 ])
 def test_an_unknown_keyword_names_the_public_class_and_the_option_meant(package, cls, kwargs, meant):
@@ -169,6 +172,15 @@ def test_an_unknown_keyword_names_the_public_class_and_the_option_meant(package,
     assert meant in message and "Core" not in message
     takes = ", ".join(p for p in __import__("inspect").signature(callback).parameters)
     assert message.endswith(f"({cls} takes {takes})")
+
+
+def test_no_keyword_advice_puts_an_article_where_it_does_not_belong():
+    from lightning_marglik.callbacks import arguments
+
+    advice = [text for table in (arguments.CALLBACK_KEYWORDS, arguments.BOUND_KEYWORDS, arguments.CHECKPOINT_KEYWORDS,
+                                 arguments.STOPPING_KEYWORDS) for text in table.values()]
+    garbled = [text for text in advice if re.search(r"\b(the|a|an|highest|higher) (the|a|an)\b", text)]
+    assert not garbled, garbled  # "keeps the highest the evidence" read as a typo
 
 
 def test_known_keywords_still_construct_and_copy():
