@@ -153,9 +153,9 @@ def notes(model: Any, data: Any, callback: MargLikCallback, marglik: Dict[int, f
         f"evidence: {callback.structure}-{callback.approx} is the Laplace estimate of the log evidence from "
         f"{CURVATURES[callback.structure]} of the {APPROXIMATIONS[callback.approx]} curvature of the P weights "
         f"(MargLikCallback(structure={callback.structure!r}, approx={callback.approx!r})).",
-        f"held: each network's output layer (its last weight and bias) prints {model.prior.initial_precision:g}, "
-        f"{decision['reason']} (output_layer='fixed', the default: for the output layer the evidence's optimum is a "
-        "stronger prior than the one that predicts best); the other layers' precisions are learned."
+        f"held: each network's output layer (its last weight and bias) prints {model.prior.initial_precision:g}: the "
+        "callback holds it at the declared precision (output_layer='fixed', the default: for the output layer the "
+        "evidence's optimum is a stronger prior than the one that predicts best); the other layers' are learned."
         if decision["treatment"] == "fixed" and decision["names"] else f"output layer: {decision['reason']}.",
     ]
     if len(marglik) > 1:
