@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 __all__ = [
     "PrivateAPIError",
+    "WRAPPER_PREFIXES",
     "averaged_module",
     "batches_that_stepped",
     "conv_base",
@@ -54,12 +55,23 @@ def _package(owner: Any) -> str:
     return module.split(".")[0]
 
 
+def _version(package: str) -> str:
+    return getattr(sys.modules.get(package), "__version__", "of unknown version")
+
+
 def _missing(name: str, package: str, consequence: str, alternative: str = "") -> PrivateAPIError:
-    version = getattr(sys.modules.get(package), "__version__", "of unknown version")
     return PrivateAPIError(
-        f"lightning_marglik reads {name}, a private name of {package}, which the installed {package} {version} "
-        f"does not have: {consequence}. Install an earlier {package} (one that has it){alternative}."
+        f"lightning_marglik reads {name}, a private name of {package}, which the installed {package} "
+        f"{_version(package)} does not have: {consequence}. Install an earlier {package} (one that has it)"
+        f"{alternative}."
     )
+
+
+def _fall_back(owner: Any, name: str, instead: str) -> None:
+    """Warn that ``owner`` has no attribute ``name`` and what is done ``instead``."""
+    package = _package(owner)
+    rank_zero_warn(f"lightning_marglik: the installed {package} {_version(package)} has no "
+                   f"{type(owner).__name__}.{name}; {instead}")
 
 
 def averaged_module(callback: Any) -> Optional[nn.Module]:
@@ -97,13 +109,8 @@ def batches_that_stepped(trainer: Any) -> int:
     loop = trainer.fit_loop.epoch_loop
     if hasattr(loop, "_batches_that_stepped"):
         return int(loop._batches_that_stepped)
-    package = _package(trainer)
-    rank_zero_warn(
-        f"lightning_marglik: the installed {package} {sys.modules[package].__version__} has no "
-        f"{type(loop).__name__}._batches_that_stepped; the estimate made when training ends is logged at "
-        "trainer.global_step instead, which differs from Lightning's own steps under manual optimization with "
-        "several optimizers."
-    )
+    _fall_back(loop, "_batches_that_stepped", "the estimate made when training ends is logged at trainer.global_step "
+               "instead, which differs from Lightning's own steps under manual optimization with several optimizers.")
     return int(trainer.global_step)
 
 
@@ -117,12 +124,8 @@ def early_stopping_checks_at_epoch_end(callback: Any, trainer: Any) -> bool:
     """
     rule = trainer.val_check_interval == 1.0 and trainer.check_val_every_n_epoch == 1  # EarlyStopping.setup's
     if not hasattr(callback, "_check_on_train_epoch_end"):
-        package = _package(callback)
-        rank_zero_warn(
-            f"lightning_marglik: the installed {package} {sys.modules[package].__version__} has no "
-            f"{type(callback).__name__}._check_on_train_epoch_end; assuming it checks "
-            f"{'at the end of every training epoch' if rule else 'after validation'}, as Lightning's default does."
-        )
+        when = "at the end of every training epoch" if rule else "after validation"
+        _fall_back(callback, "_check_on_train_epoch_end", f"assuming it checks {when}, as Lightning's default does.")
         return rule
     checks = callback._check_on_train_epoch_end
     return rule if checks is None else bool(checks)
@@ -134,12 +137,8 @@ def fsdp_strategy_kwargs(strategy: Any) -> Dict[str, Any]:
     cannot be checked then."""
     if hasattr(strategy, "kwargs"):
         return dict(strategy.kwargs)
-    package = _package(strategy)
-    rank_zero_warn(
-        f"lightning_marglik: the installed {package} {sys.modules[package].__version__} has no "
-        f"{type(strategy).__name__}.kwargs; use_orig_params=False, which the callbacks cannot follow, is not "
-        "checked: leave it at its default, True."
-    )
+    _fall_back(strategy, "kwargs", "use_orig_params=False, which the callbacks cannot follow, is not checked: leave it "
+               "at its default, True.")
     return {}
 
 
