@@ -102,8 +102,10 @@ def setup_line(callback: Any) -> str:
     Returns:
         One line.
     """
-    kind = f"bound={callback.bound!r}, " if hasattr(callback, "bound") else ""
-    curvature = f"{kind}structure={callback.options.structure!r}, approx={callback.options.approx!r}"
+    bound = getattr(callback, "bound", None)  # MargLikBoundCallback's; "ntk" takes no structure (exact kernels)
+    kind = "" if bound is None else f"bound={bound!r}, "
+    structure = "" if bound == "ntk" else f"structure={callback.options.structure!r}, "
+    curvature = f"{kind}{structure}approx={callback.options.approx!r}"
     return (
         f"{type(callback).__name__}: estimator {callback.estimator}; {curvature}; "
         f"{'; '.join(_decisions(callback))}; {_schedule(callback.schedule)}."
