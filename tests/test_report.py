@@ -55,11 +55,11 @@ def lightning_lines() -> Iterator[List[logging.LogRecord]]:
         logger.setLevel(level)
 
 
-def _fit(callback, module=None, epochs: int = 3):
+def _fit(callback, module=None, epochs: int = 3, classes: int = 3):
     torch.manual_seed(0)
     module = module or Classifier(n_data=60)
     with lightning_lines() as records:
-        trainer([callback], max_epochs=epochs).fit(module, _data())
+        trainer([callback], max_epochs=epochs).fit(module, _data(classes=classes))
     return module, [r.getMessage() for r in records]
 
 
@@ -76,7 +76,8 @@ def test_one_setup_line_names_the_estimator_curvature_held_tensors_and_schedule_
     assert "structure='kron', approx='ggn'" in setup
     decision = callback.output_decision
     assert decision["names"] == ["2.weight", "2.bias"] and decision["treatment"] == "fixed"
-    assert f"output layer (2.weight, 2.bias): {decision['reason']}" in setup
+    assert decision["reason"] == "output layer `net.2`: held at the declared precision"
+    assert f"; {decision['reason']}, as a learned one cost held-out NLL" in setup
     # 2.bias is held as the output layer's: only 0.bias is named as decoupled
     assert module.prior.treated("decoupled") == ["0.bias"]
     assert "biases and normalization parameters (0.bias): decoupled" in setup
@@ -89,10 +90,27 @@ def test_the_setup_line_names_a_learned_output_layer_and_a_scale_invariant_treat
     _, lines = _fit(callback, Classifier(n_data=60, norm=True), epochs=1)
     (setup,) = [line for line in lines if line.startswith("MargLikCallback: estimator")]
     assert callback.output_decision["names"] == ["3.weight", "3.bias"]  # Linear, BatchNorm, Tanh, Linear
-    assert "output layer (3.weight, 3.bias): learned like every other layer" in setup
+    assert "; output layer `net.3`: learned like every other layer;" in setup
     assert "scale-invariant tensors (0.weight): held at the declared precision, as the training loss does not " \
            "change with their scale" in setup
     assert "biases and normalization parameters (1.weight, 1.bias, 3.bias): decoupled" in setup
+
+
+class TiedOutput(Classifier):
+    """Its output is ``h @ W1``: the first layer's weight applied outside its module (tied), no layer of its own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first = self.net[0]
+        return torch.tanh(first(x)) @ first.weight
+
+
+def test_the_setup_line_says_why_no_output_layer_is_held():
+    callback = MargLikCallback(frequency=1)
+    _, lines = _fit(callback, TiedOutput(n_data=60, classes=2), epochs=1, classes=2)
+    (setup,) = [line for line in lines if line.startswith("MargLikCallback: estimator")]
+    decision = callback.output_decision
+    assert decision["names"] == [] and decision["reason"].startswith("nothing treated: ")
+    assert f"; output layer: {decision['reason']};" in setup
 
 
 def test_the_bound_callback_says_its_bound_and_batch_schedule():

@@ -76,12 +76,12 @@ def _decisions(callback: Any) -> List[str]:
     if prior.fixed:
         phrases.append(f"GaussianPrior(fixed=...) ({_names(prior.fixed)}): held at the declared precision")
     output = getattr(callback, "output_decision", None)  # MargLikCallback's (MargLikBoundCallback has none)
-    if output is not None:
-        held = f" ({_names(output['names'])})" if output["names"] else ""
+    if output is not None:  # its reason names the layer and what was decided, or why nothing was held
+        reason = output["reason"]
+        reason = reason if reason.startswith(OUTPUT_LAYER) else f"{OUTPUT_LAYER}: {reason}"
         # why the default holds it: benchmarks/results/never_worse_default.md
-        fixed = bool(held) and output["treatment"] == "fixed"
-        why = ", as a learned one cost held-out NLL (output_layer='learn' learns it)" if fixed else ""
-        phrases.append(f"output layer{held}: {output['reason']}{why}")
+        fixed = bool(output["names"]) and output["treatment"] == "fixed"
+        phrases.append(reason + (", as a learned one cost held-out NLL (output_layer='learn' learns it)" * fixed))
     for reason, (names, treatment) in prior.treatments.items():
         strongest = [name for name in names if name in prior.treated(treatment)]  # not those held for another reason
         if reason != OUTPUT_LAYER and strongest and treatment in _TREATED:
