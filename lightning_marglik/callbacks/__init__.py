@@ -19,6 +19,8 @@ package, shared by both, one job each:
 - :mod:`.training_statistics`: the sums of the training passes (``statistics="training"``);
 - :mod:`.followers`: ``MargLikCheckpoint`` and ``MargLikEarlyStopping``;
 - :mod:`.bound`: ``MargLikBoundCallback``;
+- :mod:`.report` and :mod:`.cost`: what the callbacks say at set-up and when training ends, and the warning
+  for a run that would cost more than twice one without the callback;
 - :mod:`.package` and :mod:`.progress`: what the callbacks know of a Lightning package, and its progress bar.
 """
 from __future__ import annotations
