@@ -19,7 +19,8 @@ prior's norms of sharded tensors (:func:`~lightning_marglik.map_loss` during tra
 reduced across ranks by the prior itself.
 
 Strategies whose parameters the callbacks cannot gather (DeepSpeed; tensor parallelism, which
-splits each layer's computation) are refused at set-up by :func:`check_strategy`.
+splits each layer's computation) are refused at set-up by :func:`check_strategy`, as is a fit that
+torch < 2.14 would crash when it saves a checkpoint (FSDP1 on the CPU with full state dicts).
 """
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ _WORKS = ("strategy='ddp' (every rank holds the whole model), FSDPStrategy (FSDP
 
 
 def check_strategy(callback: Any, trainer: Trainer) -> None:
-    """Refuse a strategy whose sharded parameters the callbacks cannot gather.
+    """Refuse a strategy whose sharded parameters the callbacks cannot gather, or whose checkpoints the installed
+    torch cannot save.
 
     Raises:
         MargLikConfigurationError: Naming the strategy, why, and the strategies that work.
@@ -66,6 +68,32 @@ def check_strategy(callback: Any, trainer: Trainer) -> None:
             "FSDP's flat parameters, not the layers' own, which the prior and the curvature are computed from; "
             "leave use_orig_params at its default, True."
         )
+    if "FSDPStrategy" in names:
+        _check_full_state_dict_save(callback, trainer)
+
+
+# torch < 2.14: FSDP1's FlatParamHandle.to_cpu (a full state dict with offload_to_cpu=True, as Lightning's FSDPStrategy
+# saves it) moves the gathered weights to the CPU and frees the gathered copy; when the weights already lie on the
+# CPU the move is no copy, and the save reads freed memory: the process dies of a segmentation fault, no Python error.
+# torch 2.14 skips the move on the CPU. On a GPU the move copies.
+_CPU_FULL_STATE_DICT_FIXED = (2, 14)
+
+
+def _check_full_state_dict_save(callback: Any, trainer: Trainer) -> None:
+    """Refuse, on torch < 2.14, an FSDP1 fit on the CPU that saves full-state-dict checkpoints: the first save
+    would crash the process. Lightning's ``state_dict_type`` is private: if it is renamed, the fit is refused."""
+    strategy = trainer.strategy
+    if torch.__version__ >= _CPU_FULL_STATE_DICT_FIXED or strategy.root_device.type != "cpu":
+        return
+    if getattr(strategy, "_state_dict_type", "full") != "full" or not trainer.checkpoint_callbacks:
+        return
+    savers = ", ".join(type(c).__name__ for c in trainer.checkpoint_callbacks)
+    raise MargLikConfigurationError(
+        f"{type(callback).__name__} under FSDPStrategy on the CPU with state_dict_type='full' and checkpoints ({savers}): "
+        f"torch {torch.__version__}'s FSDP crashes the process (segmentation fault) saving a full state dict of "
+        "weights on the CPU, fixed in torch 2.14. Use torch>=2.14, FSDPStrategy(state_dict_type='sharded'), "
+        "strategy='ddp', or no checkpoints (Trainer(enable_checkpointing=False), no MargLikCheckpoint)."
+    )
 
 
 def _check_no_tensor_parallel(callback: Any, strategy: Any) -> None:
