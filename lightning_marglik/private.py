@@ -28,6 +28,7 @@ __all__ = [
     "conv_base",
     "early_stopping_checks_at_epoch_end",
     "fsdp2_recomputing",
+    "fsdp_state_dict_type",
     "fsdp_strategy_kwargs",
     "norm_base",
     "pruned_tensors",
@@ -140,6 +141,16 @@ def fsdp_strategy_kwargs(strategy: Any) -> Dict[str, Any]:
     _fall_back(strategy, "kwargs", "use_orig_params=False, which the callbacks cannot follow, is not checked: leave it "
                "at its default, True.")
     return {}
+
+
+def fsdp_state_dict_type(strategy: Any) -> str:
+    """How Lightning's ``FSDPStrategy`` saves checkpoints (its ``_state_dict_type``: ``"full"`` or ``"sharded"``);
+    ``"full"``, with a warning, where the strategy keeps none: the check that needs it then refuses what a full save
+    would crash (torch < 2.14 on the CPU) rather than risk it."""
+    if hasattr(strategy, "_state_dict_type"):
+        return str(strategy._state_dict_type)
+    _fall_back(strategy, "_state_dict_type", "taking it for 'full' (the check of a full save on torch < 2.14 refuses).")
+    return "full"
 
 
 def fsdp2_recomputing(modules: Sequence[nn.Module]) -> ContextManager[None]:

@@ -121,11 +121,10 @@ def test_the_fit_loop_counts_the_batches_that_stepped(package):
     fit = package.Trainer(max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
                           enable_checkpointing=False, accelerator="cpu")
     if package is not pl:
-        from lightning.pytorch import LightningModule
-
         from tests.lightning_models import RegressorSteps
 
-        module = type("Module", (RegressorSteps, LightningModule), {})()
+        lightning_module = pytest.importorskip("lightning.pytorch").LightningModule
+        module = type("Module", (RegressorSteps, lightning_module), {})()
     fit.fit(module, loader(regression_data()))  # 64 examples in batches of 16
     assert private.batches_that_stepped(fit) == 8 == fit.fit_loop.epoch_loop._batches_that_stepped
 
@@ -171,6 +170,20 @@ def test_without_the_fsdp_strategys_keywords_use_orig_params_goes_unchecked_with
     monkeypatch.delattr(strategy, "kwargs")
     with pytest.warns(UserWarning, match=r"has no FSDPStrategy\.kwargs; use_orig_params=False, .* is not checked"):
         assert private.fsdp_strategy_kwargs(strategy) == {}
+
+
+@pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p.__name__)
+def test_the_fsdp_strategy_keeps_its_state_dict_type(package):
+    strategy = package.strategies.FSDPStrategy
+    assert private.fsdp_state_dict_type(strategy(state_dict_type="sharded")) == "sharded"
+    assert private.fsdp_state_dict_type(strategy()) == "full"  # Lightning's default
+
+
+def test_without_the_fsdp_strategys_state_dict_type_a_full_save_is_assumed_with_a_warning(monkeypatch):
+    strategy = pl.strategies.FSDPStrategy(state_dict_type="sharded")
+    monkeypatch.delattr(strategy, "_state_dict_type")
+    with pytest.warns(UserWarning, match=r"has no FSDPStrategy\._state_dict_type; taking it for 'full'"):
+        assert private.fsdp_state_dict_type(strategy) == "full"
 
 
 # --- torch: FSDP2's training state and the wrappers' name prefixes (one process, gloo) ---------------------------

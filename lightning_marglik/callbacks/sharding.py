@@ -30,7 +30,7 @@ from typing import Any, ContextManager, Iterator, List, Optional
 import torch
 from torch import nn
 
-from ..private import fsdp2_recomputing, fsdp_strategy_kwargs
+from ..private import fsdp2_recomputing, fsdp_state_dict_type, fsdp_strategy_kwargs
 from .package import MargLikConfigurationError, Trainer
 
 __all__ = ["check_strategy", "shards_parameters", "whole_parameters"]
@@ -81,11 +81,11 @@ _CPU_FULL_STATE_DICT_FIXED = (2, 14)
 
 def _check_full_state_dict_save(callback: Any, trainer: Trainer) -> None:
     """Refuse, on torch < 2.14, an FSDP1 fit on the CPU that saves full-state-dict checkpoints: the first save
-    would crash the process. Lightning's ``state_dict_type`` is private: if it is renamed, the fit is refused."""
+    would crash the process (Lightning's ``state_dict_type`` is private: :func:`~lightning_marglik.private.fsdp_state_dict_type`)."""
     strategy = trainer.strategy
     if torch.__version__ >= _CPU_FULL_STATE_DICT_FIXED or strategy.root_device.type != "cpu":
         return
-    if getattr(strategy, "_state_dict_type", "full") != "full" or not trainer.checkpoint_callbacks:
+    if fsdp_state_dict_type(strategy) != "full" or not trainer.checkpoint_callbacks:
         return
     savers = ", ".join(type(c).__name__ for c in trainer.checkpoint_callbacks)
     raise MargLikConfigurationError(
