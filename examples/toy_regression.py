@@ -41,6 +41,10 @@ COLUMNS = (
     "predictive (lower is better: calibrated uncertainty as well as fit); gap_rmse = RMSE to sin(3x) inside the gap, "
     "where there are no training points (how the fit interpolates); epochs, seconds = training length and time."
 )
+# what "<structure>-<approx> evidence" in the progress lines means
+CURVATURES = {"full": "the whole P x P matrix", "kron": "Kronecker factors per layer", "ekfac": "eigenvalue-corrected "
+              "Kronecker factors per layer", "diag": "its diagonal"}
+APPROXIMATIONS = {"ggn": "generalized Gauss-Newton", "ef": "empirical Fisher"}
 QUICK = ["--trainer.max_epochs=3", "--trainer.callbacks.init_args.frequency=1", "--trainer.callbacks.init_args.steps=5"]
 
 
@@ -109,6 +113,7 @@ def run(config: str = CONFIG, overrides: Sequence[str] = (), depths: Sequence[in
             "marglik": callback.final_marglik,
             "sigma": model.likelihood.sigma.item(),
             "prior_precision": [round(v, 3) for v in model.prior.precision.tolist()],
+            "held": [name in model.prior.fixed_names() for name in model.prior.param_names],  # not learned
             "applied_precision": [round(v, 3) for v in model.prior.applied_precision.tolist()],  # map_loss's
             "train_rmse": train_rmse,
             "test_rmse": (test.mean - data.y_test).pow(2).mean().sqrt().item(),
@@ -128,14 +133,41 @@ def run(config: str = CONFIG, overrides: Sequence[str] = (), depths: Sequence[in
                                     "gap_rmse", "epochs", "seconds"]))
         print(COLUMNS)
         for r in rows:
-            print(f"  depth {r['depth']} prior precisions (weight, bias per layer): learned {r['prior_precision']}, "
-                  f"applied by map_loss {r['applied_precision']} (biases: the declared one)")
+            marked = (f"{v:g}" + (" held" if held else "") for v, held in zip(r["prior_precision"], r["held"]))
+            learned = ", ".join(marked)
+            print(f"  depth {r['depth']} prior precisions (weight, bias per layer): [{learned}], applied by map_loss "
+                  f"{r['applied_precision']} (biases: the declared one)")
         print(f"evidence prefers depth {best}")
+        print(notes(*next(iter(fits.values())), marglik))
     if plot:
         make_plot(fits, rows, plot)
         if verbose:
             print(f"saved {plot}")
     return {"rows": rows, "marglik": marglik, "best_depth": best}
+
+
+def notes(model: Any, data: Any, callback: MargLikCallback, marglik: Dict[int, float]) -> str:
+    """What the printed figures mean: the evidence estimated, the held precisions, and how large a gap matters."""
+    decision, n_data = callback.output_decision, len(data.x_train)
+    lines = [
+        f"evidence: {callback.structure}-{callback.approx} is the Laplace estimate of the log evidence from "
+        f"{CURVATURES[callback.structure]} of the {APPROXIMATIONS[callback.approx]} curvature of the P weights "
+        f"(MargLikCallback(structure={callback.structure!r}, approx={callback.approx!r})).",
+        f"held: each network's output layer (its last weight and bias) prints {model.prior.initial_precision:g}: the "
+        "callback holds it at the declared precision (output_layer='fixed', the default: for the output layer the "
+        "evidence's optimum is a stronger prior than the one that predicts best); the other layers' are learned."
+        if decision["treatment"] == "fixed" and decision["names"] else f"output layer: {decision['reason']}.",
+    ]
+    if len(marglik) > 1:
+        first, second = sorted(marglik.values(), reverse=True)[:2]
+        gap = first - second
+        lines.append(
+            f"gap: marglik is per datum: a gap of {gap:.3f} is {gap * n_data:.1f} nats of log evidence over the "
+            f"N = {n_data} points (a factor {math.exp(gap * n_data):.3g} in the Laplace estimate). One run's marglik "
+            "also moves with the seed and the machine's floating-point path (here the depth-3 figure by up to 0.1, "
+            "docs/install.md): before a gap under about 0.1 decides, rerun with a few seeds (--seed_everything=N)."
+        )
+    return "\n".join(lines)
 
 
 def make_plot(fits: Dict[int, Any], rows: List[Dict[str, Any]], path: str) -> None:

@@ -410,7 +410,8 @@ class BoundOptimizer:
         Args:
             model: The network at its current weights.
             batch: One ``(inputs, targets)`` batch (or what ``batch_fn`` maps).
-            generator: Random generator of the Monte-Carlo samples.
+            generator: Random generator of the Monte-Carlo samples: one per step for fresh draws, as
+                ``MargLikBoundCallback`` seeds by the step (without one the parametric bound draws seed 0's).
             all_reduce: Sum of a 1-D float64 tensor over processes (default: one process).
 
         Returns:

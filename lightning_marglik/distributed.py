@@ -11,7 +11,6 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable, Dict, Hashable, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
-from lightning_fabric.utilities.distributed import _DatasetSamplerWrapper
 from torch import Tensor
 from torch.utils.data import (
     BatchSampler,
@@ -30,6 +29,7 @@ if TYPE_CHECKING:  # a strategy of either Lightning package: only its collective
 
 from .curvature import CurvatureStatistics
 from .curvature.structures.sharded import Exchange
+from .private import user_sampler
 
 __all__ = ["epoch_keys", "evidence_loader", "reduce_statistics", "run_on_all_ranks", "sharded_pass"]
 
@@ -148,10 +148,10 @@ def epoch_keys(sampler: Union[Sampler, Iterable], batched: bool = False) -> Sequ
     """
     name = type(sampler).__name__
     while isinstance(sampler, DistributedSampler):
-        if not isinstance(sampler.dataset, _DatasetSamplerWrapper):
+        inner = user_sampler(sampler.dataset)  # Lightning's DistributedSamplerWrapper keeps the user's sampler there
+        if inner is None:
             return range(len(sampler.dataset))  # type: ignore[arg-type]  # the whole data set, before padding
-        # Lightning's DistributedSamplerWrapper keeps the user's sampler there (lightning_fabric)
-        sampler = sampler.dataset._sampler
+        sampler = inner
         name = type(sampler).__name__
     if isinstance(sampler, SequentialSampler):
         return range(len(sampler))

@@ -123,7 +123,8 @@ class LaplaceEvidence:
                 (default): exact while it takes at most 10 backward passes per batch (up to 11 classes), one
                 sample beyond, so that the pass's backward passes do not grow with the number of outputs
                 (:mod:`.curvature.estimator`; which ran and why: :attr:`estimator`).
-            generator: Random generator for the Monte-Carlo samples.
+            generator: Random generator for the Monte-Carlo samples (default: one seeded 0, so that the same
+                call gives the same evidence, whether ``mc_samples=k`` or ``"auto"`` chose to sample).
             batch_fn: Maps a batch to ``(inputs, targets)``; inputs a tensor, tuple or dict.
             max_memory: Bytes the ``full`` structure may allocate for its ``P x P`` matrices.
             backend: ``"hooks"`` or ``"backpack"`` (optional extra, see :mod:`.curvature.backpack`).

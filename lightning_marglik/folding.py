@@ -29,13 +29,14 @@ from typing import Any, Dict, List, Optional
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _NormBase
-from torch.nn.modules.conv import _ConvNd
 
 from .curvature.batches import Inputs
 from .curvature.scale_invariance import find_scale_invariant
 from .hyperparameters import GaussianPrior
+from .private import conv_base, norm_base
 from .symmetries import OUTPUT_TOLERANCE, eval_outputs, reference_outputs, relative_change
+
+_ConvNd, _NormBase = conv_base(), norm_base()  # torch's private base classes: lightning_marglik.private
 
 __all__ = ["Folded", "fold_batchnorm"]
 

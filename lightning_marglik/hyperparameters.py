@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import fnmatch
 import math
-import re
 import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -26,10 +25,8 @@ from torch import Tensor, nn
 
 from .hyperpriors import GammaHyperprior, Hyperprior, LogNormalHyperprior
 from .likelihoods import CategoricalLikelihood, GaussianLikelihood, Likelihood, log_buffer
+from .private import WRAPPER_PREFIXES, strip_wrapper_prefixes, unknown_wrappers
 from .validators import choice
-
-# the name prefixes that torch's FSDP and activation-checkpoint wrappers add to the parameters of the layers they wrap
-_WRAPPER_PREFIXES = re.compile(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module)\.")
 
 __all__ = [
     "BIAS_NORMALIZATION",
@@ -123,7 +120,7 @@ class GaussianPrior(nn.Module):
             )
         self.hyperprior = hyperprior
         structure = choice(structure, PRIOR_STRUCTURES, "structure", elsewhere=_curvature_elsewhere())
-        named = [(_WRAPPER_PREFIXES.sub("", n), p) for n, p in model.named_parameters() if p.requires_grad]
+        named = [(strip_wrapper_prefixes(n), p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("GaussianPrior: the model has no parameters that require grad.")
         object.__setattr__(self, "model", model)  # a plain reference: not a submodule
@@ -296,10 +293,14 @@ class GaussianPrior(nn.Module):
     def params(self) -> List[Tensor]:
         """The covered parameter tensors, in ``param_names`` order (also once FSDP or activation checkpointing
         has wrapped some of the model's layers, which puts their wrappers' names into the parameters')."""
-        found = {_WRAPPER_PREFIXES.sub("", n): p for n, p in self.model.named_parameters()}
+        found = {strip_wrapper_prefixes(n): p for n, p in self.model.named_parameters()}
         missing = [n for n in self.param_names if n not in found]
         if missing:
-            raise RuntimeError(f"GaussianPrior: parameters {missing} are no longer in the model.")
+            renamed = unknown_wrappers(missing, list(found))  # a wrapper's name that torch renamed, say
+            raise RuntimeError(f"GaussianPrior: parameters {missing} are no longer in the model" + (
+                f"; it has {sorted(renamed)} instead: a wrapper's name that lightning_marglik does not strip "
+                f"(it strips {', '.join(WRAPPER_PREFIXES)}; lightning_marglik.private.strip_wrapper_prefixes)."
+                if renamed else "."))
         return [found[n] for n in self.param_names]
 
     @property

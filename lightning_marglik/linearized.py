@@ -39,13 +39,13 @@ from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jvp
-from torch.optim.lbfgs import _strong_wolfe  # the line search of torch.optim.LBFGS: the same in both paths
 
 from .curvature import CurvatureOptions, collect_statistics, eval_mode, locate
 from .curvature.batches import BatchFn, move, split_batch
 from .curvature.statistics import Structure
 from .evidence import LaplaceEvidence
 from .hyperparameters import GaussianPrior, Likelihood
+from .private import strong_wolfe
 from .validators import flag, integer, number, optional
 
 __all__ = ["LinearizedEvidence", "linearized_evidence"]
@@ -257,6 +257,7 @@ def _preconditioned_lbfgs(evaluate: Callable[[Tensor], Tuple[float, Tensor]], po
     Returns:
         The last point and the iterations taken.
     """
+    line_search = strong_wolfe()  # torch.optim.LBFGS's: the same in both paths
     pairs: List[Tuple[Tensor, Tensor, float]] = []  # (step s, gradient change y, 1 / y.s), oldest first
     gamma, iterations, evaluations = 1.0, 0, 1
     while iterations < steps and float(gradient.abs().max()) > threshold:
@@ -265,8 +266,8 @@ def _preconditioned_lbfgs(evaluate: Callable[[Tensor], Tuple[float, Tensor]], po
         if not slope < -TOLERANCE_CHANGE:  # no descent left at the objective's precision (or a non-finite H)
             break
         last = value
-        value, new_gradient, length, used = _strong_wolfe(lambda x, t, d: evaluate(x + t * d), point, 1.0, direction,
-                                                          value, gradient, slope, tolerance_change=TOLERANCE_CHANGE)
+        value, new_gradient, length, used = line_search(lambda x, t, d: evaluate(x + t * d), point, 1.0, direction,
+                                                        value, gradient, slope, tolerance_change=TOLERANCE_CHANGE)
         step, change = direction * length, new_gradient - gradient
         point, gradient = point + step, new_gradient
         iterations, evaluations = iterations + 1, evaluations + used

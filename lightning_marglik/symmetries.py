@@ -40,13 +40,14 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _NormBase
-from torch.nn.modules.conv import _ConvNd
 
 from .curvature import eval_mode
 from .curvature.batches import Inputs, call_model
 from .curvature.scale_invariance import find_scale_invariant
 from .hyperparameters import GaussianPrior
+from .private import conv_base, norm_base
+
+_ConvNd, _NormBase = conv_base(), norm_base()  # torch's private base classes: lightning_marglik.private
 
 __all__ = ["Canonicalization", "canonicalize", "eval_outputs", "reference_outputs", "relative_change"]
 

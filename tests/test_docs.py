@@ -5,6 +5,7 @@ file (docs/hooks.py); a strict build fails on a broken link or anchor and on an 
 """
 from __future__ import annotations
 
+import inspect
 import math
 import re
 import subprocess
@@ -117,10 +118,15 @@ def test_readme_lightning_example_trains_and_reads_the_result(tmp_path, monkeypa
     # learned, but the output layer's (the last two tensors), held at the declared precision by default
     assert module.prior.precision[:-2].ne(1.0).all() and module.prior.precision[-2:].eq(1.0).all()
     assert module.likelihood.sigma.item() != 1.0
-    assert "0.weight: prior precision" in printed and "test_rmse" in printed
-    # what map_loss applies: the learned δ on weights, the declared δ = 1 on biases (biases="decoupled")
-    assert re.search(r"^2\.weight: prior precision (\S+), applied \1$", printed, flags=re.MULTILINE), printed[-2000:]
-    assert re.search(r"^2\.bias: prior precision \S+, applied 1$", printed, flags=re.MULTILINE), printed[-2000:]
+    assert "test_rmse" in printed
+    # each tensor says whether its δ is learned or held, and what map_loss applies: the learned δ on the hidden weight,
+    # the declared δ = 1 on its bias (biases="decoupled"); the output layer held at the declared δ = 1
+    assert module.prior.learned_names() == ["0.weight", "0.bias"] == module.prior.param_names[:2]
+    assert callback.output_decision["names"] == ["2.weight", "2.bias"] and callback.output_decision["treatment"] == "fixed"
+    lines = [line for line in printed.splitlines() if ": prior precision " in line]
+    assert len(lines) == 4 and re.fullmatch(r"0\.weight: prior precision (\S+) learned, applied \1", lines[0]), lines
+    assert re.fullmatch(r"0\.bias: prior precision \S+ learned, applied 1", lines[1]) and "precision 1 learned" not in lines[1]
+    assert lines[2:] == ["2.weight: prior precision 1 held, applied 1", "2.bias: prior precision 1 held, applied 1"], lines
     assert re.search(r"^sigma \d\.\d{3} \(true: 0\.1\)$", printed, flags=re.MULTILINE), printed[-2000:]
 
 
@@ -155,6 +161,25 @@ def test_the_front_pages_terms_are_defined_once_before_the_options_use_them():
     assert start < text.index("## Options")  # before the options and the recommendation that use them
     for word, definition in TERMS.items():
         assert terms.count(definition) == 1, word
+
+
+def test_the_terms_say_which_precisions_the_defaults_hold_and_decouple():
+    from lightning_marglik import MargLikCallback
+
+    text = README.read_text()
+    start = text.index("**Terms.**")
+    terms = " ".join(text[start:text.index("\n\n", start)].split())
+    defaults = {name: p.default for name, p in inspect.signature(MargLikCallback).parameters.items()}
+    assert defaults["output_layer"] == "fixed" and "the output layer's, held at the declared δ (`output_layer=\"fixed\"`, " \
+        "the default; `callback.output_decision` names the layer)" in terms, terms
+    assert "(`biases=\"decoupled\"`, the default)" in terms and "learned δ (≈" not in terms  # no figure of a held δ
+
+
+def test_the_front_page_says_to_train_small_models_on_one_thread_next_to_the_trainer():
+    text = README.read_text()
+    after_example = text[text.index("trainer = pl.Trainer("):text.index("**Terms.**")]
+    assert "train small models like this one on one thread (`torch.set_num_threads(1)` before the `Trainer`, or " \
+        "`OMP_NUM_THREADS=1`)" in after_example
 
 
 def test_the_selection_page_opens_with_its_command_and_defines_its_steps():

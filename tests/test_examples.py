@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,14 @@ def test_example_quick_writes_only_to_its_output_dir(name, tmp_path):
     assert "GPU available" not in done.stdout + done.stderr  # Lightning's banners stay quiet
     if name == "toy_regression":  # the main job says what its table's columns are
         assert all(f"{column} = " in done.stdout for column in ("marglik", "sigma", "test_nll", "gap_rmse")), done.stdout
+        # ... what its evidence is, why the output layer prints the declared precision, and what a gap is worth
+        assert "evidence: full-ggn is the Laplace estimate of the log evidence from the whole P x P matrix of the " \
+               "generalized Gauss-Newton curvature" in done.stdout, done.stdout
+        assert "held: each network's output layer (its last weight and bias) prints 1: the callback holds it at the " \
+               "declared precision (output_layer='fixed', the default" in done.stdout, done.stdout
+        assert "prior precisions (weight, bias per layer): [" in done.stdout and ", 1 held, 1 held]" in done.stdout
+        assert re.search(r"^gap: marglik is per datum: a gap of (\S+) is (\S+) nats of log evidence over the N = 100 "
+                         r"points .* rerun with a few seeds", done.stdout, flags=re.MULTILINE), done.stdout
     for file in files:
         assert (tmp_path / file).stat().st_size > 100, file
     assert _tree_digest(ROOT / "examples" / "results") == committed  # the committed results are untouched

@@ -82,16 +82,39 @@ def test_the_readme_gives_no_test_count_that_goes_stale():
 
 @pytest.mark.skipif(not os.environ.get("MARGLIK_SLOW_TESTS"), reason="the main job, 20 s to minutes: MARGLIK_SLOW_TESTS=1")
 def test_the_main_jobs_figures_in_the_install_page_are_what_it_prints(tmp_path):
-    text = " ".join((ROOT / "docs" / "install.md").read_text().split())
-    quoted = re.search(r"What the main job prints, .*?marglik (\S+) for depth 1 and (\S+) for depth 3 .*?σ (\S+) and "
-                       r"(\S+?)[ ,]", text)
-    assert quoted, "docs/install.md no longer quotes the main job's figures"
+    ranges, quoted = _main_job_figures()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
     done = subprocess.run([sys.executable, "examples/toy_regression.py", f"--output-dir={tmp_path}"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    printed = {int(d): (m, s) for d, m, s in re.findall(r"^depth (\d): marglik (\S+)  sigma (\S+)", done.stdout, re.M)}
-    assert [printed[1][0], printed[3][0], printed[1][1], printed[3][1]] == list(quoted.groups()), done.stdout
+    printed = {(int(d), what): float(value) for d, m, s in re.findall(r"^depth (\d): marglik (\S+)  sigma (\S+)",
+                                                                       done.stdout, re.M)
+               for what, value in (("marglik", m), ("σ", s))}
+    outside = {key: value for key, value in printed.items() if not ranges[key][0] <= value <= ranges[key][1]}
+    assert len(printed) == 4 and not outside, f"printed {printed}, outside docs/install.md's ranges {ranges}: {outside}"
+
+
+def _main_job_figures():
+    """docs/install.md's checked ranges of the main job's figures, ``{(depth, "marglik" or "σ"): (low, high)}``, and
+    the figures it quotes as printed on this project's machine."""
+    text = " ".join((ROOT / "docs" / "install.md").read_text().split())
+    quoted = re.search(r"What the main job prints, .*?marglik (\S+) for depth 1 and (\S+) for depth 3 .*?σ (\S+) and "
+                       r"(\S+?)[ ,]", text)
+    number = r"(\d\.\d+)"
+    checked = re.search(r"checks what it prints against these ranges: depth 1 marglik {0}–{0} and σ {0}–{0}, depth 3 "
+                        r"marglik {0}–{0} and σ {0}–{0}\.".format(number), text)
+    assert quoted and checked, "docs/install.md no longer quotes the main job's figures and their checked ranges"
+    bounds = [float(v) for v in checked.groups()]
+    keys = [(1, "marglik"), (1, "σ"), (3, "marglik"), (3, "σ")]
+    ranges = {key: (bounds[2 * i], bounds[2 * i + 1]) for i, key in enumerate(keys)}
+    m1, m3, s1, s3 = (float(v) for v in quoted.groups())
+    return ranges, {(1, "marglik"): m1, (3, "marglik"): m3, (1, "σ"): s1, (3, "σ"): s3}
+
+
+def test_the_install_pages_figures_of_the_main_job_lie_in_its_checked_ranges():
+    ranges, quoted = _main_job_figures()
+    assert all(low < high for low, high in ranges.values()), ranges
+    assert all(ranges[key][0] <= value <= ranges[key][1] for key, value in quoted.items()), (quoted, ranges)
 
 
 # --- the two `structure` options --------------------------------------------------------------------------------
@@ -156,7 +179,10 @@ def _packages():
     ("MargLikCheckpoint", {"every_n_epochs": 2}, "MargLikCallback(frequency=...) sets how often"),
     ("MargLikEarlyStopping", {"monitor": "val_loss", "mode": "min"},
      "'monitor': MargLikEarlyStopping always watches the evidence (marglik, log evidence per datum, higher is better); "
-     "for another metric use Lightning's EarlyStopping; 'mode': MargLikEarlyStopping always waits for a higher"),
+     "for another metric use Lightning's EarlyStopping; 'mode': MargLikEarlyStopping always waits for a higher evidence "
+     "(marglik, log evidence per datum, higher is better)"),
+    ("MargLikCheckpoint", {"mode": "max"}, "'mode': MargLikCheckpoint always keeps the models of highest evidence (marglik, "
+     "log evidence per datum, higher is better) (MargLikCheckpoint takes"),
     ("MargLikBoundCallback", {"frequency": 2}, "'frequency': use every_k_batches="),
 ])
 def test_an_unknown_keyword_names_the_public_class_and_the_option_meant(package, cls, kwargs, meant):
@@ -169,6 +195,15 @@ def test_an_unknown_keyword_names_the_public_class_and_the_option_meant(package,
     assert meant in message and "Core" not in message
     takes = ", ".join(p for p in __import__("inspect").signature(callback).parameters)
     assert message.endswith(f"({cls} takes {takes})")
+
+
+def test_no_keyword_advice_puts_an_article_where_it_does_not_belong():
+    from lightning_marglik.callbacks import arguments
+
+    advice = [text for table in (arguments.CALLBACK_KEYWORDS, arguments.BOUND_KEYWORDS, arguments.CHECKPOINT_KEYWORDS,
+                                 arguments.STOPPING_KEYWORDS) for text in table.values()]
+    garbled = [text for text in advice if re.search(r"\b(the|a|an|highest|higher) (the|a|an)\b", text)]
+    assert not garbled, garbled  # "keeps the highest the evidence" read as a typo
 
 
 def test_known_keywords_still_construct_and_copy():

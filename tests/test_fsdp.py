@@ -31,6 +31,8 @@ pytestmark = pytest.mark.skipif(
 WORKER = Path(fsdp_worker.__file__)
 LOG_DELTA_TOL = 1e-4  # the issue's target; FSDP keeps float32 buffers (Lightning's '32-true' casts them)
 SHARDED = ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "full_shard_wrapped", "diag_full_shard"]
+# torch < 2.14's FSDP1 crashes saving a full state dict of weights on the CPU, where these runs train: refused there
+FULL_SAVE_ON_CPU = torch.__version__ >= (2, 14)
 
 
 class FSDPRun(Run):
@@ -127,6 +129,8 @@ def test_bound_callback_under_fsdp_equals_ddp(ranks):
         assert fsdp["log_precision"] != [0.0] * len(fsdp["log_precision"])
 
 
+@pytest.mark.skipif(not FULL_SAVE_ON_CPU, reason=f"torch {torch.__version__}'s FSDP1 crashes saving a full state dict "
+                    "on the CPU (fixed in 2.14): refused at set-up (test_full_state_dict_save_on_the_cpu_refused_before_torch_2_14)")
 def test_best_checkpoint_under_fsdp_loads_into_a_plain_module(ranks):
     """MargLikCheckpoint under FULL_SHARD writes the best-evidence epoch (full state dict) and last.ckpt; both
     load into a plain single-process module, with the whole weights and hyperparameters of their epochs."""
@@ -154,6 +158,21 @@ def _assert_refused(got: Dict[str, Any], names: List[str]) -> None:
     assert got["type"] == "MargLikConfigurationError", got
     for word in names:
         assert word in got["message"], (word, got["message"])
+
+
+def test_full_state_dict_save_on_the_cpu_refused_before_torch_2_14(ranks):
+    """torch < 2.14's FSDP1 crashed the process (a segmentation fault, no Python error) at the first save of a full
+    state dict of weights on the CPU, MargLikCheckpoint's best-evidence file: there such a fit is refused at set-up
+    on both ranks, before its first epoch, naming the torch version and what works. From torch 2.14 it trains
+    (test_best_checkpoint_under_fsdp_loads_into_a_plain_module)."""
+    for rank in ranks:
+        refused = rank["train"].get("refused")
+        if FULL_SAVE_ON_CPU:
+            assert refused is None
+            continue
+        _assert_refused(refused, [f"torch {torch.__version__}'s FSDP", "segmentation fault", "torch>=2.14",
+                                  "state_dict_type='sharded'", "strategy='ddp'", "MargLikCheckpoint"])
+        assert refused["epochs"] == []
 
 
 def test_unsupported_sharding_refused_at_setup(ranks, fsdp2_ranks):

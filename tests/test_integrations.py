@@ -34,8 +34,8 @@ class Logits(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+    def forward(self, **inputs: Tensor) -> Tensor:
+        return self.model(**inputs).logits
 
 
 def tokens(n: int = N, seed: int = 0) -> Dict[str, Tensor]:

@@ -1,8 +1,10 @@
 """Any number of outputs at a bounded cost (issue 39): the GGN estimator chosen from the output size,
-batches taken in parts where an exact factor is large, and the warning before an explicit setting
-breaks the cost bound."""
+batches taken in parts where an exact factor is large, and the warning when a run would cost more than twice
+a plain one, whatever chose the estimator, with the same Monte-Carlo samples for ``"auto"`` and an explicit
+count (issue 51)."""
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -10,8 +12,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import lightning_marglik.callbacks.cost as cost_module
 import lightning_marglik.curvature as curvature
 from lightning_marglik import CategoricalLikelihood, GaussianLikelihood, GaussianPrior, LaplaceEvidence
+from lightning_marglik.callbacks.cost import cost_message
 from lightning_marglik.curvature import CurvatureOptions
 from lightning_marglik.curvature.estimator import EXACT_COLUMNS, resolve_mc_samples
 from lightning_marglik.likelihoods import categorical_traces, sample_classes
@@ -189,14 +193,14 @@ def test_parts_are_sized_by_the_factor_and_gradients_of_all_columns(monkeypatch)
 # --- the callback ----------------------------------------------------------------------------
 
 
-def _fit(classes: int, **options):
+def _fit(classes: int, n: int = 40, **options):
     from lightning_marglik import MargLikCallback
 
-    module = Classifier(n_data=40, classes=classes)
+    module = Classifier(n_data=n, classes=classes)
     g = torch.Generator().manual_seed(0)
-    data = DataLoader(TensorDataset(torch.randn(40, 2, generator=g), torch.randint(0, classes, (40,), generator=g)),
+    data = DataLoader(TensorDataset(torch.randn(n, 2, generator=g), torch.randint(0, classes, (n,), generator=g)),
                       batch_size=20)
-    callback = MargLikCallback(frequency=1, **options)
+    callback = MargLikCallback(**{"frequency": 1, **options})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer([callback], max_epochs=1).fit(module, data)
@@ -207,18 +211,115 @@ def test_the_callback_samples_the_ggn_for_many_classes_and_says_why():
     callback, cost = _fit(classes=200)
     assert callback.options.mc_samples == 1 and callback.mc_samples == "auto"
     assert "199 backward passes" in callback.estimator
-    assert not cost
+    assert not cost  # a toy's estimate: under MIN_SECONDS
 
 
-def test_an_explicit_exact_ggn_over_many_classes_is_warned_about_with_its_cost():
+def test_an_explicit_exact_ggn_over_many_classes_is_warned_about_with_its_cost(monkeypatch):
+    monkeypatch.setattr(cost_module, "MIN_SECONDS", 0.0)  # a toy's estimate: its ratio counts here
     callback, cost = _fit(classes=200, mc_samples=0)
     assert callback.options.mc_samples == 0 and callback.estimator == "as set: the exact GGN"
     assert len(cost) == 1
-    assert "199 backward passes" in cost[0] and "mc_samples='auto'" in cost[0]
+    assert "(as set: the exact GGN;" in cost[0]
+    assert "mc_samples=1 (one backward pass per batch instead of 199)" in cost[0]
     epochs = float(cost[0].split("costs about ")[1].split(" training epochs")[0])
-    assert epochs > 1  # frequency=1
+    assert epochs > 1 and f"frequency={math.ceil(epochs)}." in cost[0]  # frequency=1
 
 
-def test_an_exact_ggn_over_few_classes_is_not_warned_about():
+def test_a_toys_estimate_is_not_warned_about_whatever_its_ratio():
     callback, cost = _fit(classes=3, mc_samples=0)
     assert callback.options.mc_samples == 0 and not cost
+    assert callback._cost.estimate_epochs is not None  # measured: the first estimate took under MIN_SECONDS
+
+
+# --- the cost warning, whatever chose the estimator (issue 51 item 3) -----------------------------
+
+EXACT = CurvatureOptions("kron", "ggn", 0)
+
+
+@pytest.mark.parametrize(
+    "options, columns, frequency, epochs, seconds, cheaper",
+    [
+        (EXACT, 10, 1, 2.5, 30.0, ["mc_samples=1 (one backward pass per batch instead of 10)", "frequency=3"]),
+        (EXACT, 10, 2, 2.5, 30.0, ["mc_samples=1", "frequency=3"]),
+        (EXACT, 10, 3, 2.5, 30.0, None),  # 2.5 / 3 + 1 < 2
+        (EXACT, 10, 5, 5.0, 30.0, None),  # exactly twice a plain run: within the bound
+        (EXACT, 10, 1, 2.5, 0.5, None),  # under MIN_SECONDS
+        (CurvatureOptions("kron", "ggn", 1), 1, 1, 4.2, 30.0, ["frequency=5"]),  # already one backward pass
+        (CurvatureOptions("kron", "ef"), 1, 1, 4.2, 30.0, ["frequency=5"]),
+        (CurvatureOptions("kron", "ef"), 1, 1, 4.2, 30.0, ["solver='newton' (a few Newton steps, not 2000 Adam steps)",
+                                                           "frequency=5"]),
+        (CurvatureOptions("full", "ggn", 1), 1, 10, 40.0, 30.0, ["structure='kron'", "frequency=40"]),
+        (CurvatureOptions("ekfac", "ggn", 0), 2, 1, 3.0, 30.0,
+         ["mc_samples=1", "structure='kron' (one pass", "frequency=3"]),
+    ],
+)
+def test_a_run_predicted_above_twice_a_plain_one_is_warned_with_the_cheaper_settings_that_apply(
+    options, columns, frequency, epochs, seconds, cheaper
+):
+    adam_steps = 2000 if cheaper and any("solver" in c for c in cheaper) else 0
+    message = cost_message("MargLikCallback", "auto: the exact GGN (10 backward passes per batch, at most 10)", options,
+                           columns, frequency, epochs, seconds, "measured", adam_steps)
+    if cheaper is None:
+        assert message is None
+        return
+    assert message is not None and f"one estimate costs about {epochs:.1f} training epochs, {seconds:.3g} s" in message
+    assert f"costs about {epochs / frequency + 1:.1f}x one without the callback" in message
+    offered = message.split("cheaper: ")[1]
+    assert all(setting in offered for setting in cheaper), offered
+    assert ("mc_samples=1" in offered) == any(c.startswith("mc_samples") for c in cheaper)
+    assert ("structure=" in offered) == any(c.startswith("structure") for c in cheaper)
+    assert ("solver=" in offered) == bool(adam_steps)
+
+
+def _mlp_fit(classes: int, frequency: int, width: int, n: int, epochs: int = 1):
+    from lightning_marglik import MargLikCallback
+
+    torch.manual_seed(0)
+    module = Classifier(n_data=n, classes=classes, in_features=64, width=width)
+    g = torch.Generator().manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(n, 64, generator=g), torch.randint(0, classes, (n,), generator=g)),
+                      batch_size=128)
+    callback = MargLikCallback(frequency=frequency)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer([callback], max_epochs=epochs).fit(module, data)
+    return callback, [str(w.message) for w in caught if "training epochs" in str(w.message)]
+
+
+def test_autos_exact_ggn_at_11_classes_and_frequency_1_is_warned_about(monkeypatch):
+    """The exact GGN's 10 backward passes per batch cost more than one training epoch per estimate, so a run at
+    frequency=1 costs more than twice a plain one; "auto" chose it, and it is named with the cheaper settings."""
+    monkeypatch.setattr(cost_module, "MIN_SECONDS", 0.0)  # the ratio, not the machine's speed, decides here
+    callback, cost = _mlp_fit(classes=11, frequency=1, width=512, n=1024)
+    assert callback.estimator == "auto: the exact GGN (10 backward passes per batch, at most 10)"
+    assert len(cost) == 1, cost
+    assert f"({callback.estimator};" in cost[0]
+    assert "mc_samples=1 (one backward pass per batch instead of 10)" in cost[0] and ", or frequency=" in cost[0]
+    assert callback._cost.estimate_epochs > 1
+
+
+def test_the_default_on_a_10_class_mlp_is_not_warned_about():
+    callback, cost = _mlp_fit(classes=10, frequency=10, width=16, n=512, epochs=10)
+    assert callback.estimator.startswith("auto: the exact GGN (9 backward passes") and not cost
+    assert callback._cost.epoch_seconds is not None and callback._cost.estimate_epochs is not None  # measured
+
+
+# --- the same samples, whatever chose to sample (issue 51 item 3) ---------------------------------
+
+
+def test_the_engine_draws_the_same_samples_for_auto_and_an_explicit_count():
+    net, data = _classification(classes=30)
+    auto = LaplaceEvidence.fit(net, data, CategoricalLikelihood(), GaussianPrior(net))
+    torch.manual_seed(123)  # the global generator is not what draws them
+    explicit = LaplaceEvidence.fit(net, data, CategoricalLikelihood(), GaussianPrior(net), mc_samples=1)
+    assert auto.options == explicit.options and auto.log_marglik().item() == explicit.log_marglik().item()
+
+
+def test_the_callback_learns_the_same_precisions_for_auto_and_an_explicit_count():
+    runs = {}
+    for mc_samples in ("auto", 1):
+        torch.manual_seed(0)
+        callback, _ = _fit(classes=30, mc_samples=mc_samples)
+        runs[mc_samples] = (callback.options.mc_samples, callback.prior.log_precision.clone())
+    assert runs["auto"][0] == runs[1][0] == 1
+    assert torch.equal(runs["auto"][1], runs[1][1])

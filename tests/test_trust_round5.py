@@ -384,6 +384,7 @@ def test_channels_last_gives_the_evidence_of_the_contiguous_network(structure):
 
 
 def test_ema_weight_averaging_of_the_lightning_package_keeps_the_hyperparameters_out_of_the_average():
+    pytest.importorskip("lightning.pytorch", reason="the `lightning` package is not installed (the `integrations` extra)")
     from lightning.pytorch import LightningModule, Trainer
     from lightning.pytorch.callbacks import EMAWeightAveraging as LightningEMA
 

@@ -19,6 +19,8 @@ package, shared by both, one job each:
 - :mod:`.training_statistics`: the sums of the training passes (``statistics="training"``);
 - :mod:`.followers`: ``MargLikCheckpoint`` and ``MargLikEarlyStopping``;
 - :mod:`.bound`: ``MargLikBoundCallback``;
+- :mod:`.report` and :mod:`.cost`: what the callbacks say at set-up and when training ends, and the warning
+  for a run that would cost more than twice one without the callback;
 - :mod:`.package` and :mod:`.progress`: what the callbacks know of a Lightning package, and its progress bar.
 """
 from __future__ import annotations
@@ -171,10 +173,12 @@ class MargLikCallback(MargLikCallbackCore, Callback):
             CPU arithmetic can be many times slower (an Adam step, ``sqrt``); flushing changes results by
             less than float resolution (:mod:`lightning_marglik.denormals`). No effect on GPUs.
             ``False``: leave the mode alone.
-        output_layer: Treatment of the output layer's tensors (the layer whose forward output is the
-            network's output, found from one forward when training starts; none where a function or tied
-            weights make the output): ``"fixed"`` (held at the prior's declared ``precision``),
-            ``"decoupled"`` or ``"learn"`` (learned like every other layer: the plain evidence). What set-up
+        output_layer: Treatment of the output layer's tensors: walking back from the network's output
+            in one forward when training starts, the first module on each path that applies a weight matrix
+            of its own (none where a weight tied to another module or applied outside its module makes the
+            output; :func:`~lightning_marglik.callbacks.output_layer.find_output_layer`): ``"fixed"`` (held
+            at the prior's declared ``precision``), ``"decoupled"`` or ``"learn"`` (learned like every other
+            layer: the plain evidence). What set-up
             decided, and why, is in ``output_decision`` and on the prior (``prior.treatments["output layer"]``);
             a scalar prior learns its one precision. ``GaussianPrior(fixed=...)`` wins for the tensors it names.
             See ``benchmarks/results/never_worse_default.md``.

@@ -18,7 +18,7 @@ __all__ = ["CALLBACK_KEYWORDS", "BOUND_KEYWORDS", "CHECKPOINT_KEYWORDS", "STOPPI
 _SCHEDULE = "use frequency= (an estimate after every frequency-th epoch)"
 _PRIOR = ("the prior and the likelihood are modules of your LightningModule (GaussianPrior, GaussianLikelihood or "
           "CategoricalLikelihood), which the callback finds there")
-_EVIDENCE = "the evidence (marglik, log evidence per datum, higher is better)"
+_EVIDENCE = "evidence (marglik, log evidence per datum, higher is better)"
 # the options of the other callbacks, given to the wrong one
 _STOPPING = "an option of MargLikEarlyStopping (patience counted in estimates), a callback of its own next to this one"
 _CHECKPOINT = "an option of MargLikCheckpoint (keeps the best-evidence models), a callback of its own next to this one"
@@ -52,8 +52,8 @@ _SAVES = "MargLikCheckpoint saves after the epochs with an estimate: MargLikCall
 CHECKPOINT_KEYWORDS: Mapping[str, str] = {
     "patience": _STOPPING,
     "min_delta": _STOPPING,
-    "monitor": f"MargLikCheckpoint always monitors {_EVIDENCE}; for another metric use Lightning's ModelCheckpoint",
-    "mode": f"MargLikCheckpoint always keeps the highest {_EVIDENCE}",
+    "monitor": f"MargLikCheckpoint always monitors the {_EVIDENCE}; for another metric use Lightning's ModelCheckpoint",
+    "mode": f"MargLikCheckpoint always keeps the models of highest {_EVIDENCE}",
     "every_n_epochs": _SAVES,
     "every_n_train_steps": _SAVES,
     "train_time_interval": _SAVES,
@@ -64,7 +64,7 @@ STOPPING_KEYWORDS: Mapping[str, str] = {
     "save_last": _CHECKPOINT,
     "dirpath": _CHECKPOINT,
     "filename": _CHECKPOINT,
-    "monitor": f"MargLikEarlyStopping always watches {_EVIDENCE}; for another metric use Lightning's EarlyStopping",
+    "monitor": f"MargLikEarlyStopping always watches the {_EVIDENCE}; for another metric use Lightning's EarlyStopping",
     "mode": f"MargLikEarlyStopping always waits for a higher {_EVIDENCE}",
     "check_finite": "MargLikEarlyStopping always stops on a non-finite evidence",
     "check_on_train_epoch_end": "MargLikEarlyStopping checks after the epochs with an estimate, never on validation",

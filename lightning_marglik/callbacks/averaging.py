@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..hyperparameters import GaussianPrior, Likelihood
+from ..private import averaged_module
 from .package import MONITOR, MargLikConfigurationError, Trainer
 
 __all__ = ["WeightAveragingFollower", "averaging_callbacks"]
@@ -47,13 +48,6 @@ def averaging_callbacks(trainer: Trainer) -> List[Any]:
     return [c for c in trainer.callbacks if any(name in _AVERAGING for name in _class_names(c))]
 
 
-def _averaged_copy(callback: Any) -> nn.Module:
-    """The module that holds ``callback``'s averages: ``WeightAveraging``'s ``AveragedModel`` wraps a copy
-    of the LightningModule, ``StochasticWeightAveraging`` keeps a copy itself (``None`` before set-up)."""
-    average = getattr(callback, "_average_model", None)
-    return getattr(average, "module", average)
-
-
 class WeightAveragingFollower:
     """Keeps the hyperparameters out of the trainer's weight averages, for one estimating callback."""
 
@@ -67,11 +61,14 @@ class WeightAveragingFollower:
         Raises:
             MargLikConfigurationError: If an averaging callback is listed after ``estimator`` in the
                 Trainer's callbacks, or ``WeightAveraging`` meets a checkpoint that monitors ``marglik``.
+            PrivateAPIError: If the installed Lightning's averaging callbacks keep their average elsewhere
+                (:func:`~lightning_marglik.private.averaged_module`).
         """
         callbacks = list(trainer.callbacks)
         self.callbacks = averaging_callbacks(trainer)
         who = type(estimator).__name__
         for callback in self.callbacks:
+            averaged_module(callback)  # Lightning's private name, read now: if it is gone, fail before training
             name = type(callback).__name__
             if callbacks.index(callback) > callbacks.index(estimator):
                 raise MargLikConfigurationError(
@@ -105,7 +102,7 @@ class WeightAveragingFollower:
         hyperparameters = [(name, module) for name, module in pl_module.named_modules()
                            if isinstance(module, (GaussianPrior, Likelihood))]
         for callback in self.callbacks:
-            average = _averaged_copy(callback)
+            average = averaged_module(callback)
             if average is None:
                 continue
             with torch.no_grad():

@@ -23,6 +23,7 @@ from .arguments import BOUND_KEYWORDS
 from .averaging import averaging_callbacks
 from .core import EstimatorCore
 from .package import LightningModule, MargLikConfigurationError, Trainer
+from .report import announce_end
 from .schedule import BatchSchedule
 from .sharding import whole_parameters
 
@@ -79,8 +80,6 @@ class MargLikBoundCallbackCore(EstimatorCore):
             )
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        super().on_train_start(trainer, pl_module)  # set-up checks, N on the prior, a changed set of learnables
-        prior, likelihood = self._hyperparameters()
         batches = trainer.num_training_batches
         if math.isfinite(batches) and batches < self.every_k_batches:
             raise MargLikConfigurationError(
@@ -88,6 +87,9 @@ class MargLikBoundCallbackCore(EstimatorCore):
                 f"batches: the count restarts every epoch, so no hyperparameter step would ever be taken; choose "
                 f"every_k_batches <= {int(batches)}."
             )
+        # set-up checks, N on the prior, a changed set of learnables, the set-up line (after every refusal)
+        super().on_train_start(trainer, pl_module)
+        prior, likelihood = self._hyperparameters()
         self._optimizer = BoundOptimizer(
             likelihood, prior, bound=self.bound, structure=self.structure, approx=self.approx,
             mc_samples=self.mc_samples, subset_size=self.subset_size, lr=self.lr,
@@ -123,6 +125,7 @@ class MargLikBoundCallbackCore(EstimatorCore):
         if self._epoch_values:  # training stopped within an epoch (max_steps, max_time)
             self._close_epoch(trainer, epoch=trainer.current_epoch + 1)
         self.final_marglik = self.last_marglik
+        self.summary = announce_end(self)
 
     def _close_epoch(self, trainer: Trainer, epoch: int) -> float:
         """The mean of the epoch's bound estimates per datum as its ``marglik`` (NaN if none is finite)."""

@@ -16,6 +16,7 @@ from ..curvature.batches import call_model, move, split_batch
 from ..curvature.scale_invariance import NORMS, find_scale_invariant
 from ..curvature.structures import structure_class, structures_with
 from ..hyperparameters import BIAS_NORMALIZATION, GaussianPrior, Likelihood, no_decay_names
+from ..private import early_stopping_checks_at_epoch_end
 from ..validators import choice, number
 from .data import BatchFn
 from .package import MONITOR, LightningModule, LightningPackage, MargLikConfigurationError, Trainer
@@ -58,9 +59,7 @@ def check_stock_early_stopping(trainer: Trainer, who: str, every_epoch: bool) ->
         names = [cls.__name__ for cls in type(callback).__mro__]
         if "EarlyStopping" not in names or "EarlyStoppingCore" in names or callback.monitor != MONITOR:
             continue
-        at_epoch_end = getattr(callback, "_check_on_train_epoch_end", None)  # None: Lightning decides at its set-up
-        if at_epoch_end is None:
-            at_epoch_end = trainer.val_check_interval == 1.0 and trainer.check_val_every_n_epoch == 1
+        at_epoch_end = early_stopping_checks_at_epoch_end(callback, trainer)
         if every_epoch and at_epoch_end:
             continue
         when = (f"after every training epoch, but {who} does not estimate it after every epoch" if at_epoch_end else

@@ -36,7 +36,7 @@ from ..validators import choice, flag, integer, number, optional
 from . import checks
 from .arguments import CALLBACK_KEYWORDS, KnownKeywords
 from .averaging import WeightAveragingFollower
-from .cost import cost_warning, training_step_seconds
+from .cost import CostCheck
 from .data import count_data, evidence_batches, isolate_rng, named_loader_method
 from .epoch_loss import EpochLoss
 from .fit_record import FitRecord
@@ -45,6 +45,7 @@ from .output_layer import treat_output_layer
 from .package import MONITOR, LightningModule, LightningPackage, MargLikConfigurationError, Trainer, check_package, find_hyperparameters
 from .prior_in_loss import PriorInLossCheck
 from .progress import progress
+from .report import announce_end, announce_setup
 from .resume import follow_changed_learnables
 from .schedule import EpochSchedule, Schedule, SettledSchedule
 from .sharding import check_strategy, shards_parameters, whole_parameters
@@ -126,6 +127,7 @@ class EstimatorCore(KnownKeywords):
         self.best_epoch = -1
         self.final_marglik = math.nan
         self.history: List[Dict[str, float]] = []
+        self.summary: Optional[Dict[str, Any]] = None  # the facts of the fit's end (report.summarize)
         self._counted_loader: Any = None  # the training loader N was counted on (a reload counts again)
         self._target_like: Optional[torch.Tensor] = None  # outputs of one evidence batch, for the target checks
         self._warned_runaway: Set[str] = set()  # the tensors a run-away warning named in this fit
@@ -194,6 +196,7 @@ class EstimatorCore(KnownKeywords):
         self._fit_record.drop()
         self._count_data(trainer, pl_module, lambda: self._check_setup(trainer, pl_module))
         self._follow_changed_learnables()  # after the set-up check, which decides the scale-invariant treatment
+        announce_setup(self)
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # reload_dataloaders_every_n_epochs: the N of the loss follows the loader this epoch draws from
@@ -439,6 +442,7 @@ class MargLikCallbackCore(EstimatorCore):
         self.evidence: Optional[LaplaceEvidence] = None
         self._warned_ef = False  # the empirical Fisher's curvature check warns once per fit
         self._epoch_loss = EpochLoss()  # the epoch's training loss, for a settle rule
+        self._cost = CostCheck()  # warns once if a run would cost more than twice one without the callback
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -449,13 +453,8 @@ class MargLikCallbackCore(EstimatorCore):
 
     def _check_setup(self, trainer: Trainer, pl_module: LightningModule) -> torch.Tensor:
         output = super()._check_setup(trainer, pl_module)
-        prior, likelihood = self._hyperparameters()
-        message = cost_warning(
-            self.requested_options, self.options, likelihood, prior, output.shape, self.frequency,
-            self._setup_seconds, lambda: training_step_seconds(pl_module, self._scale_inputs, prior.params),
-        )
-        if message:
-            rank_zero_warn(message)
+        prior, _ = self._hyperparameters()
+        self._cost.setup(self, trainer, pl_module, output.shape)
         # declared when training starts, as the scale-invariant treatment: resumes get them again
         checks.treat_biases(prior, self.biases)
         self.output_decision = treat_output_layer(pl_module, prior, self._scale_inputs, self.output_layer)
@@ -472,22 +471,24 @@ class MargLikCallbackCore(EstimatorCore):
     # --- Algorithm 1 -------------------------------------------------------------------------
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._cost.epoch_end(self)
         if self.schedule.needs_loss:  # the epoch's mean training loss over every rank (one collective, all ranks)
             strategy = trainer.strategy
             # an epoch without a loss (every step skipped) is NaN: it never counts as settled
             mean = torch.tensor(self._epoch_loss.mean, device=strategy.root_device)
             self.schedule.observe_loss(float(strategy.reduce(mean, reduce_op="mean")))
         if self.schedule.is_due(trainer):
-            self._log(pl_module, self.estimate(trainer, pl_module, epoch=trainer.current_epoch + 1))
+            with self._cost.estimating(self):
+                self._log(pl_module, self.estimate(trainer, pl_module, epoch=trainer.current_epoch + 1))
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # weight averaging wrote the weights the fit returns (its callbacks run first): their evidence is owed
         if self.schedule.is_current(trainer) and not self._averaging.active:
             self.final_marglik = self.last_marglik
-            return
-        # trainer.current_epoch counts the completed epochs here
-        self.final_marglik = self.estimate(trainer, pl_module, epoch=trainer.current_epoch)
-        log_after_training(trainer, self.logged_values(self.final_marglik), trainer.current_epoch)
+        else:  # trainer.current_epoch counts the completed epochs here
+            self.final_marglik = self.estimate(trainer, pl_module, epoch=trainer.current_epoch)
+            log_after_training(trainer, self.logged_values(self.final_marglik), trainer.current_epoch)
+        self.summary = announce_end(self)
 
     def estimate(self, trainer: Trainer, pl_module: LightningModule, epoch: int) -> float:
         """Evidence pass, all-reduce, ``steps`` hyperparameter steps; returns log evidence / N.
@@ -668,6 +669,7 @@ class MargLikCallbackCore(EstimatorCore):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        self._cost.batch_start()
         if self._training is not None:
             self._training.batch_start(trainer, batch, batch_idx)
 

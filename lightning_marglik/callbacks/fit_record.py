@@ -1,6 +1,6 @@
 """The record of the previous fit, kept through a fit that trains nothing.
 
-Every fit starts its record afresh at ``setup`` (history, last and best evidence, ``final_marglik``).
+Every fit starts its record afresh at ``setup`` (history, last and best evidence, ``final_marglik``, ``summary``).
 ``trainer.fit`` again on a Trainer that has finished (``max_epochs`` or ``max_steps`` reached) runs
 ``setup`` and ``teardown`` but trains nothing: without this keeper it would leave ``final_marglik``
 NaN (the docs' sign of a diverged evidence), ``best_marglik`` ``-inf`` and ``history`` empty.
@@ -14,7 +14,7 @@ from .package import Trainer
 __all__ = ["FitRecord"]
 
 # what the estimating callbacks hold beyond their checkpoint state
-_EXTRA = ("final_marglik", "evidence")
+_EXTRA = ("final_marglik", "evidence", "summary")
 
 
 class FitRecord:

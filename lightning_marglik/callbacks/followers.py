@@ -124,8 +124,10 @@ class CheckpointCore(_FollowsEstimates):
 
 
 def _all_finite(module: torch.nn.Module) -> bool:
-    """Whether every floating-point parameter and buffer of ``module`` is finite (one sync)."""
-    tensors = [t for t in itertools.chain(module.parameters(), module.buffers()) if t.is_floating_point()]
+    """Whether every floating-point parameter and buffer of ``module`` is finite on this rank (one sync): of a
+    sharded tensor (FSDP2's DTensor) its local shard, as FSDP1's flat shards; the caller combines the ranks."""
+    tensors = [t.to_local() if hasattr(t, "to_local") else t
+               for t in itertools.chain(module.parameters(), module.buffers()) if t.is_floating_point()]
     return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all()) if tensors else True
 
 

@@ -15,6 +15,7 @@ from typing import Dict
 import torch
 
 from ..hyperparameters import GaussianPrior, Likelihood
+from ..private import batches_that_stepped
 from .package import MONITOR, Trainer
 
 __all__ = ["log_after_training", "logged_values"]
@@ -46,6 +47,6 @@ def log_after_training(trainer: Trainer, values: Dict[str, float], epoch: int) -
     trainer.callback_metrics.update({key: torch.tensor(value) for key, value in values.items()})
     # Lightning logs an epoch's end at its batch count less one (its logger connector); global_step counts
     # optimizer steps instead, which differ under manual optimization with several optimizers
-    batches = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
+    batches = batches_that_stepped(trainer)
     for logger in trainer.loggers:
         logger.log_metrics({**values, "epoch": epoch - 1}, step=max(batches - 1, 0))

@@ -19,7 +19,8 @@ prior's norms of sharded tensors (:func:`~lightning_marglik.map_loss` during tra
 reduced across ranks by the prior itself.
 
 Strategies whose parameters the callbacks cannot gather (DeepSpeed; tensor parallelism, which
-splits each layer's computation) are refused at set-up by :func:`check_strategy`.
+splits each layer's computation) are refused at set-up by :func:`check_strategy`, as is a fit that
+torch < 2.14 would crash when it saves a checkpoint (FSDP1 on the CPU with full state dicts).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from typing import Any, ContextManager, Iterator, List, Optional
 import torch
 from torch import nn
 
+from ..private import fsdp2_recomputing, fsdp_state_dict_type, fsdp_strategy_kwargs
 from .package import MargLikConfigurationError, Trainer
 
 __all__ = ["check_strategy", "shards_parameters", "whole_parameters"]
@@ -45,7 +47,8 @@ _WORKS = ("strategy='ddp' (every rank holds the whole model), FSDPStrategy (FSDP
 
 
 def check_strategy(callback: Any, trainer: Trainer) -> None:
-    """Refuse a strategy whose sharded parameters the callbacks cannot gather.
+    """Refuse a strategy whose sharded parameters the callbacks cannot gather, or whose checkpoints the installed
+    torch cannot save.
 
     Raises:
         MargLikConfigurationError: Naming the strategy, why, and the strategies that work.
@@ -59,12 +62,38 @@ def check_strategy(callback: Any, trainer: Trainer) -> None:
         )
     if "ModelParallelStrategy" in names:
         _check_no_tensor_parallel(callback, strategy)
-    if "FSDPStrategy" in names and not getattr(strategy, "kwargs", {}).get("use_orig_params", True):
+    if "FSDPStrategy" in names and not fsdp_strategy_kwargs(strategy).get("use_orig_params", True):
         raise MargLikConfigurationError(
             f"{type(callback).__name__} under FSDPStrategy(use_orig_params=False): the network's parameters are then "
             "FSDP's flat parameters, not the layers' own, which the prior and the curvature are computed from; "
             "leave use_orig_params at its default, True."
         )
+    if "FSDPStrategy" in names:
+        _check_full_state_dict_save(callback, trainer)
+
+
+# torch < 2.14: FSDP1's FlatParamHandle.to_cpu (a full state dict with offload_to_cpu=True, as Lightning's FSDPStrategy
+# saves it) moves the gathered weights to the CPU and frees the gathered copy; when the weights already lie on the
+# CPU the move is no copy, and the save reads freed memory: the process dies of a segmentation fault, no Python error.
+# torch 2.14 skips the move on the CPU. On a GPU the move copies.
+_CPU_FULL_STATE_DICT_FIXED = (2, 14)
+
+
+def _check_full_state_dict_save(callback: Any, trainer: Trainer) -> None:
+    """Refuse, on torch < 2.14, an FSDP1 fit on the CPU that saves full-state-dict checkpoints: the first save
+    would crash the process (Lightning's ``state_dict_type`` is private: :func:`~lightning_marglik.private.fsdp_state_dict_type`)."""
+    strategy = trainer.strategy
+    if torch.__version__ >= _CPU_FULL_STATE_DICT_FIXED or strategy.root_device.type != "cpu":
+        return
+    if fsdp_state_dict_type(strategy) != "full" or not trainer.checkpoint_callbacks:
+        return
+    savers = ", ".join(type(c).__name__ for c in trainer.checkpoint_callbacks)
+    raise MargLikConfigurationError(
+        f"{type(callback).__name__} under FSDPStrategy on the CPU with state_dict_type='full' and checkpoints ({savers}): "
+        f"torch {torch.__version__}'s FSDP crashes the process (segmentation fault) saving a full state dict of "
+        "weights on the CPU, fixed in torch 2.14. Use torch>=2.14, FSDPStrategy(state_dict_type='sharded'), "
+        "strategy='ddp', or no checkpoints (Trainer(enable_checkpointing=False), no MargLikCheckpoint)."
+    )
 
 
 def _check_no_tensor_parallel(callback: Any, strategy: Any) -> None:
@@ -160,18 +189,12 @@ def _unsharded(modules: List[nn.Module]) -> Iterator[None]:
     collectives whose count would follow each rank's share of the data. In the state FSDP2 gives its modules
     while activation checkpointing recomputes a forward during backward (``TrainingState.PRE_BACKWARD``), the
     hooks only cast the inputs and outputs as a mixed-precision policy says. The modules are resharded after."""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState  # FSDP2's own, no public name
-
-    states = list({id(state): state for state in (module._get_fsdp_state() for module in modules)}.values())
-    before = [state._training_state for state in states]
+    recomputing = fsdp2_recomputing(modules)  # reads FSDP2's private names before any collective
     try:
         for module in modules:  # in the modules' order, alike on every rank: the all-gathers pair up
             module.unshard()
-        for state in states:
-            state._training_state = TrainingState.PRE_BACKWARD
-        yield
+        with recomputing:
+            yield
     finally:
-        for state, training_state in zip(states, before):
-            state._training_state = training_state
         for module in modules:
             module.reshard()

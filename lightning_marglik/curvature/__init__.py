@@ -103,8 +103,8 @@ def collect_statistics(
             ``"ekfac"`` reads ``dataloader`` twice.
         approx: ``"ggn"`` or ``"ef"`` (ignored if ``options`` is given).
         mc_samples: Monte-Carlo samples per example for the GGN, 0 for exact (ignored if ``options`` is given).
-        generator: Random generator for the Monte-Carlo samples (default: the global one, or seed 0 where
-            ``mc_samples="auto"`` chose to sample).
+        generator: Random generator for the Monte-Carlo samples (default: one seeded 0 per call, so that a call
+            draws the same samples whether ``mc_samples=k`` or ``"auto"`` chose to sample).
         batch_fn: Maps a batch to ``(inputs, targets)``; default: batches are such pairs.
         on_batch: Called with the batch index after every batch (progress).
         options: The curvature options as one object.
@@ -160,7 +160,7 @@ def collect_statistics(
             if plan is None:
                 assert output is not None
                 mc_samples, estimator = resolve_mc_samples(options.mc_samples, options.approx, likelihood, output.shape)
-                if mc_samples and generator is None and options.mc_samples == "auto":  # the same draws every call
+                if mc_samples and generator is None:  # the same draws every call, whatever chose to sample
                     generator = torch.Generator().manual_seed(0)
                 options = dataclasses.replace(options, mc_samples=mc_samples)
                 leading = (size,)

@@ -47,14 +47,19 @@ def resolve_mc_samples(
         ``(mc_samples, reason)``: the count (0 for the exact GGN) and a sentence for the record.
     """
     if mc_samples != AUTO:
-        what = "the exact GGN" if not mc_samples else f"the Monte-Carlo GGN ({mc_samples} samples)"
+        what = "the exact GGN" if not mc_samples else f"the Monte-Carlo GGN ({_count(int(mc_samples), 'sample')})"
         return int(mc_samples), f"as set: {what}" if approx == "ggn" else "as set: the empirical Fisher"
     if approx != "ggn":
         return 0, "auto: the empirical Fisher (one backward pass per batch)"
     columns = likelihood.factor_columns(output_shape, approx, 0)
     if columns <= EXACT_COLUMNS:
-        return 0, f"auto: the exact GGN ({columns} backward passes per batch, at most {EXACT_COLUMNS})"
+        return 0, f"auto: the exact GGN ({_count(columns, 'backward pass')} per batch, at most {EXACT_COLUMNS})"
     return AUTO_MC_SAMPLES, (
-        f"auto: the Monte-Carlo GGN ({AUTO_MC_SAMPLES} sample) as the exact GGN would take {columns} backward passes "
-        f"per batch (more than {EXACT_COLUMNS}; outputs {tuple(output_shape[1:])})"
+        f"auto: the Monte-Carlo GGN ({_count(AUTO_MC_SAMPLES, 'sample')}) as the exact GGN would take {columns} backward "
+        f"passes per batch (more than {EXACT_COLUMNS}; outputs {tuple(output_shape[1:])})"
     )
+
+
+def _count(number: int, noun: str) -> str:
+    """``"1 sample"``, ``"2 samples"``."""
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}{'es' if noun.endswith('s') else 's'}"

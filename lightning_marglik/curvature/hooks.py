@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import Tensor, nn
 
+from ..private import tensor_version
 from .batches import Inputs, batch_size, call_model
 from .layers import check_rule, layer_rule
 
@@ -113,7 +114,7 @@ class Recorder:
                     return output.clone()
                 self.inputs[name] = inputs[0].detach()
                 self.outputs[name] = output
-                self._versions[name] = (inputs[0]._version, output._version)
+                self._versions[name] = (tensor_version(inputs[0]), tensor_version(output))
             return None
 
         return hook
@@ -154,7 +155,8 @@ class Recorder:
         return {
             name
             for name, (v_in, v_out) in self._versions.items()
-            if name in self.outputs and (self.inputs[name]._version, self.outputs[name]._version) != (v_in, v_out)
+            if name in self.outputs
+            and (tensor_version(self.inputs[name]), tensor_version(self.outputs[name])) != (v_in, v_out)
         }
 
     def _record(self, inputs: Inputs) -> Tensor:

@@ -55,9 +55,10 @@ from typing import Dict, Iterable, Optional, Tuple, Type
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
-from torch.nn.utils import parametrize, prune
+from torch.nn.utils import parametrize
 
 from ..modules import FixupBias, FixupScale
+from ..private import pruned_tensors
 from .rows import contributing_rows, embedding_diagonal, gram, output_factor, unfold
 
 __all__ = [
@@ -236,7 +237,7 @@ def layer_rule(module: nn.Module) -> Optional[LayerRule]:
         if rule is None:
             continue
         if base is cls_ or rule.applies_to_subclasses or cls_.forward is base.forward:
-            pruned = _pruned(module)
+            pruned = pruned_tensors(module)
             return _PrunedRule(rule, module, pruned) if pruned and type(rule) in _BUILT_IN else rule
         return _Refused(
             f"{cls_.__name__} overrides the forward of {base.__name__}, whose hook rule it would inherit, and may "
@@ -268,20 +269,10 @@ def hook_reason(module: nn.Module, roles: Iterable[str] = ()) -> Optional[str]:
     return reason
 
 
-def _pruned(module: nn.Module) -> Dict[str, str]:
-    """The tensors ``torch.nn.utils.prune`` computes in ``module``'s forward, each to the parameter it
-    multiplies by ``<name>_mask``: e.g. ``{"weight": "weight_orig"}``."""
-    return {
-        hook._tensor_name: f"{hook._tensor_name}_orig"
-        for hook in module._forward_pre_hooks.values()
-        if isinstance(hook, prune.BasePruningMethod)  # a PruningContainer (pruned again) is one too
-    }
-
-
 def computed_role(module: nn.Module, role: str) -> str:
     """The role a layer rule computes for ``module``'s parameter ``role``: ``"weight"`` for the
     ``"weight_orig"`` that ``torch.nn.utils.prune`` multiplies by ``weight_mask``; else ``role``."""
-    return {orig: name for name, orig in _pruned(module).items()}.get(role, role)
+    return {orig: name for name, orig in pruned_tensors(module).items()}.get(role, role)
 
 
 def _outer_factors(mask: Tensor) -> Optional[Tuple[Tensor, Tensor]]:

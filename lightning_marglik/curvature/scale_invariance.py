@@ -26,11 +26,12 @@ from typing import Dict, Iterator, List, Mapping, Optional, Set, Tuple
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _NormBase
-from torch.nn.modules.conv import _ConvNd
 
+from ..private import conv_base, norm_base
 from .batches import Inputs, call_model
 from .hooks import graph_uses
+
+_ConvNd, _NormBase = conv_base(), norm_base()  # torch's private base classes: lightning_marglik.private
 
 __all__ = ["ScaleInvariantLayer", "find_scale_invariant", "training_modes"]
 
