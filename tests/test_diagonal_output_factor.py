@@ -245,3 +245,4 @@ def test_the_callback_holds_the_diagonal_above_the_default_limit_and_its_evidenc
     (structure,) = [s for s in callback.evidence.structures if isinstance(s, KronStructure)]
     assert structure.diagonal == [False, True] and structure.state("1.g").shape == (4097,)
     assert "'net.2' (4,097 outputs), more outputs than max_output_factor=4096" in callback.evidence.estimator
+    assert "max_output_factor=4096" in callback.estimator  # the callback's record, which its set-up line prints

@@ -276,6 +276,7 @@ class EstimatorCore(KnownKeywords):
             stats = self._collect(pl_module, [batch], self.options, torch.Generator().manual_seed(self.seed))
         except (ValueError, RuntimeError) as err:
             raise MargLikConfigurationError(f"MargLikCallback, one evidence batch through the evidence pass: {err}") from err
+        self.estimator = "; ".join([self.estimator] + [s.note for s in stats.structures if s.note])  # e.g. a diagonal factor
         # sums as large as the curvature: kept through training only where the training statistics take their layout
         self._setup_plan = stats if self._training is not None else None
         self._setup_seconds = time.perf_counter() - started
