@@ -271,7 +271,8 @@ class RunSpec:
     inputs; with it the final and best-evidence models are scored by :func:`assess` (ECE, OOD AUROC, the
     linearized predictive) besides accuracy and NLL. ``augment``: training batches randomly shifted (up to
     ``SHIFT`` pixels each way); ``evidence``: the evidence on ``"plain"`` or ``"augmented"`` batches.
-    ``temperature``: the likelihood temperature ``T`` (``T < 1`` up-weights the data, as under augmentation).
+    ``temperature``: the likelihood temperature ``T`` (``T < 1`` up-weights the data, as under augmentation);
+    ``learn_temperature``: the evidence learns ``T`` with the prior.
     ``prior``: the ``GaussianPrior`` structure (``"layerwise"``, ``"scalar"``). ``linearized``: whether
     :func:`assess` also scores the linearized predictive (off where its Jacobians do not fit in memory).
     """
@@ -301,6 +302,7 @@ class RunSpec:
     augment: bool = False
     evidence: str = "plain"
     temperature: float = 1.0
+    learn_temperature: bool = False
     prior: str = "layerwise"
     device: str = "cpu"
     linearized: bool = True
@@ -474,7 +476,7 @@ class Recipe(Candidate):
 
     def __init__(self, net: nn.Module, spec: RunSpec, n_data: int, steps_per_epoch: int) -> None:
         super().__init__(net, n_data, spec.lr, spec.precision, spec.prior)
-        self.likelihood = CategoricalLikelihood(temperature=spec.temperature)
+        self.likelihood = CategoricalLikelihood(temperature=spec.temperature, learn_temperature=spec.learn_temperature)
         self.optimizer_class, self.optimizer_options = optimizer_of(spec)
         self.factor = lr_factor(spec, steps_per_epoch)
 
