@@ -20,7 +20,7 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn  # one rank state for both packages
 from torch.utils.data import DataLoader
 
-from ..curvature import CurvatureOptions, check_model, collect_statistics
+from ..curvature import CurvatureOptions, check_model, collect_statistics, with_notes
 from ..curvature.batches import move, split_batch
 from ..curvature.estimator import resolve_mc_samples
 from ..curvature.scale_invariance import training_modes
@@ -276,7 +276,7 @@ class EstimatorCore(KnownKeywords):
             stats = self._collect(pl_module, [batch], self.options, torch.Generator().manual_seed(self.seed))
         except (ValueError, RuntimeError) as err:
             raise MargLikConfigurationError(f"MargLikCallback, one evidence batch through the evidence pass: {err}") from err
-        self.estimator = "; ".join([self.estimator] + [s.note for s in stats.structures if s.note])  # e.g. a diagonal factor
+        self.estimator = with_notes(self.estimator, stats.structures)  # e.g. a diagonal output factor
         # sums as large as the curvature: kept through training only where the training statistics take their layout
         self._setup_plan = stats if self._training is not None else None
         self._setup_seconds = time.perf_counter() - started

@@ -22,7 +22,7 @@ from .estimator import resolve_mc_samples
 from .hooks import Recorder, graph_uses
 from .options import APPROXIMATIONS, BACKENDS, STRUCTURES, CurvatureOptions
 from .plan import LayerLayout, Plan, candidates, check_model, locate, make_plan
-from .statistics import BatchCurvature, CurvatureStatistics, LayerPlan, Structure
+from .statistics import BatchCurvature, CurvatureStatistics, LayerPlan, Structure, with_notes
 from .structures.sharded import Exchange, ShardedStructure
 
 #: Largest size in bytes of one part of a batch's loss-Hessian factor and output gradients (:func:`_part_size`).
@@ -41,6 +41,7 @@ __all__ = [
     "collect_statistics",
     "eval_mode",
     "locate",
+    "with_notes",
 ]
 
 
@@ -170,7 +171,7 @@ def collect_statistics(
                 }
                 plan = make_plan(prior, owners, options, dict(recorder.counts), graph_uses(output, params), layouts,
                                  exchange)
-                estimator = "; ".join([estimator] + [s.note for s in plan.structures if s.note])
+                estimator = with_notes(estimator, plan.structures)
                 stats = CurvatureStatistics(
                     options, names, [s.to(device) for s in plan.structures], slow=plan.slow, estimator=estimator
                 )

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from ..hyperparameters import GaussianPrior
     from .structures.derivatives import LogDetDerivatives
 
-__all__ = ["BatchCurvature", "CurvatureStatistics", "LayerPlan", "Structure"]
+__all__ = ["BatchCurvature", "CurvatureStatistics", "LayerPlan", "Structure", "with_notes"]
 
 SumFn = Callable[[Tensor], Tensor]
 GatherFn = Callable[[Tensor], List[Tensor]]
@@ -238,6 +238,11 @@ class Structure:
     def _guard(matrix: Tensor) -> bool:
         """Whether ``matrix`` is finite (a decomposition of non-finite curvature would raise)."""
         return bool(torch.isfinite(matrix).all())
+
+
+def with_notes(estimator: str, structures: Sequence["Structure"]) -> str:
+    """The estimator's record followed by the structures' own choices (:attr:`Structure.note`), ``"; "``-separated."""
+    return "; ".join([estimator] + [s.note for s in structures if s.note])
 
 
 @dataclass
