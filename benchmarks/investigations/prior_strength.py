@@ -39,7 +39,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -405,18 +405,19 @@ def _mean(values: Sequence[float]) -> float:
     return float(np.mean(values)) if len(values) else math.nan
 
 
-def cross_validation(member: Member) -> Tuple[List[float], List[Dict[str, Any]], List[float]]:
+def cross_validation(run_of: Callable[[int, str], _zoo.RunSpec], grid: Sequence[float]
+                     ) -> Tuple[List[float], List[Dict[str, Any]], List[float]]:
     """Per seed: the grid delta with the lowest validation NLL on the 80 % split, its run on all the data, and
-    the process CPU of the split runs and that run."""
+    the process CPU of the split runs and that run (``run_of(seed, arm)``: the run of an arm ``"cv delta=<d>"`` or
+    ``"delta=<d>"``)."""
     chosen, picked, cpu = [], [], []
-    for i, s in enumerate(SEEDS):
-        val = {d: _zoo.cached(spec(member, s, f"cv delta={d:g}"), cache_dir())["validation"]["nll"] for d in CV_GRID}
-        best = min(val, key=val.get)
-        run = _zoo.cached(spec(member, s, f"delta={best:g}"), cache_dir())
+    for s in SEEDS:
+        split = {d: _zoo.cached(run_of(s, f"cv delta={d:g}"), cache_dir()) for d in grid}
+        best = min(split, key=lambda d: split[d]["validation"]["nll"])
+        run = _zoo.cached(run_of(s, f"delta={best:g}"), cache_dir())
         chosen.append(best)
         picked.append(run)
-        cpu.append(run["cpu_seconds"] + sum(_zoo.cached(spec(member, s, f"cv delta={d:g}"), cache_dir())["cpu_seconds"]
-                                            for d in CV_GRID))
+        cpu.append(run["cpu_seconds"] + sum(r["cpu_seconds"] for r in split.values()))
     return chosen, picked, cpu
 
 
@@ -450,7 +451,7 @@ def member_table(member: Member) -> List[str]:
              "cost | targets missed |", "|---|---:|---:|---:|---:|---|---:|---|"]
     cv = None
     if member in CV_MEMBERS:
-        chosen, picked, cpu = cross_validation(member)
+        chosen, picked, cpu = cross_validation(lambda seed, arm: spec(member, seed, arm), CV_GRID)
         cv_text, cv_row = _row("cross-validation (chose " + ", ".join(f"{d:g}" for d in chosen) + ")", picked, one, cpu)
         cv = {**cv_row, "overfits": sum(d > 1.0 for d in chosen) * 2 > len(chosen)}
     for arm in (a for a in arms_of(member) if not a.startswith("cv ")):
@@ -517,14 +518,7 @@ def study_table() -> List[str]:
         runs = {arm: [_zoo.cached(study_spec(dataset, network, s, arm), cache_dir()) for s in SEEDS] for arm in STUDY_ARMS}
         cv = None
         if (dataset, network) == ("bars", "mlp"):
-            chosen, picked, cpu = [], [], []
-            for s in SEEDS:
-                val = {d: _zoo.cached(study_spec(dataset, network, s, study.fixed(d, cv=True)), cache_dir()) for d in study.GRID}
-                best = min(val, key=lambda d: val[d]["validation"]["nll"])
-                run = _zoo.cached(study_spec(dataset, network, s, study.fixed(best)), cache_dir())
-                chosen.append(best)
-                picked.append(run)
-                cpu.append(run["cpu_seconds"] + sum(v["cpu_seconds"] for v in val.values()))
+            chosen, picked, cpu = cross_validation(lambda seed, arm: study_spec(dataset, network, seed, arm), study.GRID)
             cv_text, row = _row("cross-validation (chose " + ", ".join(f"{d:g}" for d in chosen) + ")", picked,
                                 runs["delta=1"], cpu)
             cv = {**row, "overfits": sum(d > 1.0 for d in chosen) * 2 > len(chosen)}
