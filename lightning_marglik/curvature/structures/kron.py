@@ -156,6 +156,8 @@ class KronStructure(Structure):
         layers: The layers, each with the prior index of its covered parameters by role.
         max_output_factor: A layer with more outputs holds only the diagonal of its output-side
             factor (:attr:`diagonal`); ``None``: every factor exact.
+        sum_dtype: The dtype the factors are summed in. float32 halves their memory (a sharded
+            share's, :class:`.ShardedStructure`); each layer's are decomposed in float64 all the same.
     """
 
     name = "kron"
@@ -164,7 +166,7 @@ class KronStructure(Structure):
     layer_owned = True
 
     def __init__(self, indices: Sequence[int], sizes: Sequence[int], layers: List[LayerPlan],
-                 max_output_factor: Optional[int] = None) -> None:
+                 max_output_factor: Optional[int] = None, sum_dtype: torch.dtype = torch.float64) -> None:
         super().__init__(indices, sizes)
         self.layers = layers
         self.max_output_factor = max_output_factor
@@ -173,20 +175,20 @@ class KronStructure(Structure):
         self.diagonal = [_diagonal_output(shape, max_output_factor) for shape in self.shapes]
         self.masks: List[Dict[str, FactorMasks]] = [kron_masks(layer.module) for layer in layers]  # as planned
         for j, layer in enumerate(layers):
-            for key, (shape, dtype) in self.layer_states(layer, max_output_factor).items():
+            for key, (shape, dtype) in self.layer_states(layer, max_output_factor, sum_dtype).items():
                 self.add_state(f"{j}.{key}", torch.zeros(shape, dtype=dtype))
 
     @staticmethod
-    def layer_states(layer: LayerPlan, max_output_factor: Optional[int] = None
+    def layer_states(layer: LayerPlan, max_output_factor: Optional[int] = None, sum_dtype: torch.dtype = torch.float64
                      ) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
         """Shape and dtype of each statistic of ``layer``: ``G`` (``out x out``, or ``(out,)`` above
-        ``max_output_factor`` outputs), ``A`` (per conv group ``in x in``, or ``(in,)`` where diagonal) and
-        the number of rows ``A`` is summed over."""
+        ``max_output_factor`` outputs), ``A`` (per conv group ``in x in``, or ``(in,)`` where diagonal), both in
+        ``sum_dtype``, and the number of rows ``A`` is summed over."""
         shape = layer_rule(layer.module).kron_shape(layer.module)
         d = shape.inp
         a = (d,) if shape.diagonal_input else (shape.groups, d, d)
         g = (shape.out,) if _diagonal_output(shape, max_output_factor) else (shape.out, shape.out)
-        return {"g": (g, torch.float64), "a": (a, torch.float64), "rows": ((), torch.int64)}
+        return {"g": (g, sum_dtype), "a": (a, sum_dtype), "rows": ((), torch.int64)}
 
     @staticmethod
     def layer_sums(layer: LayerPlan, a: Tensor, g: Tensor, max_output_factor: Optional[int] = None
@@ -259,10 +261,18 @@ class KronStructure(Structure):
         pieces = [slice(k * size, (k + 1) * size) for k in range(groups)]
         return [g[piece] if g.dim() == 1 else g[piece, piece] for piece in pieces]
 
-    def prepare(self) -> None:
+    def prepare(self, release: bool = False) -> None:
+        """Cache each layer's eigenvalues, decomposed in float64 whatever dtype summed its factors.
+
+        Args:
+            release: Free each layer's sums once decomposed, so that a float32 share holds at most one
+                layer in float64 (the sharded share: its evidence reads eigenvalues only).
+        """
         self._weight: List[List[Tuple[Tensor, Tensor, int]]] = []
         self._bias: List[Optional[Tuple[Tensor, int]]] = []
         for j, layer in enumerate(self.layers):
+            for key in ("g", "a"):
+                self._states[f"{j}.{key}"] = self._states[f"{j}.{key}"].to(torch.float64)
             g, a = self._factors(j)
             g_bias = self._factors(j, "bias")[0]
             blocks = self._group_blocks(j, g)
@@ -277,6 +287,10 @@ class KronStructure(Structure):
             q_bias = q_full if g_bias is g else _eigvalsh(g_bias)
             nonzero = q_bias[q_bias != 0]
             self._bias.append((nonzero, q_bias.numel() - nonzero.numel()) if "bias" in layer.roles else None)
+            if release:
+                del g, a, g_bias, blocks
+                for key in ("g", "a", "rows"):
+                    del self._states[f"{j}.{key}"]
 
     def log_det(self, scale: Tensor, log_delta: List[Tensor]) -> Tensor:
         total = scale.new_zeros(())
