@@ -47,6 +47,7 @@ def _eigvalsh(matrix: Tensor) -> Tensor:
     Those contribute exact zero eigenvalues; the eigen-solve runs on the rest only, which cuts
     resnet18's 4608-wide factors to 512.
     """
+    matrix = matrix.to(torch.float64)  # float32 sums (a sharded share's) are decomposed in float64 all the same
     if not Structure._guard(matrix):
         return torch.full(matrix.shape[:1], float("nan"), dtype=matrix.dtype, device=matrix.device)
     if matrix.dim() == 1:
@@ -60,6 +61,7 @@ def _eigvalsh(matrix: Tensor) -> Tensor:
 
 def _eigh(matrix: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
     """Clamped eigenvalues and eigenvectors; a diagonal factor's (a vector): its entries and ``None`` (the identity)."""
+    matrix = matrix.to(torch.float64)
     if matrix.dim() == 1:
         return matrix.clamp(min=0), None
     values, vectors = torch.linalg.eigh(matrix)
@@ -246,7 +248,7 @@ class KronStructure(Structure):
         itself (the same tensor for the weight and the bias, whose eigen-decomposition they then share).
         A diagonal ``G`` (:attr:`diagonal`) is the vector of its entries."""
         rows = max(int(self.state(f"{j}.rows")), 1)
-        g, a = self.state(f"{j}.g"), self.state(f"{j}.a") / rows
+        g, a = self.state(f"{j}.g"), self.state(f"{j}.a").to(torch.float64, copy=True).div_(rows)
         out_mask, in_mask = self.masks[j].get(role, (None, None))
         if out_mask is not None:
             g = g * (out_mask.pow(2) if g.dim() == 1 else torch.outer(out_mask, out_mask)).to(g)
@@ -271,8 +273,6 @@ class KronStructure(Structure):
         self._weight: List[List[Tuple[Tensor, Tensor, int]]] = []
         self._bias: List[Optional[Tuple[Tensor, int]]] = []
         for j, layer in enumerate(self.layers):
-            for key in ("g", "a"):
-                self._states[f"{j}.{key}"] = self._states[f"{j}.{key}"].to(torch.float64)
             g, a = self._factors(j)
             g_bias = self._factors(j, "bias")[0]
             blocks = self._group_blocks(j, g)
