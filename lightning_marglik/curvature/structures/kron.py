@@ -243,18 +243,29 @@ class KronStructure(Structure):
             self.state(f"{j}.g").mul_(factor)
 
     def _factors(self, j: int, role: str = "weight") -> Tuple[Tensor, Tensor]:
-        """``G`` and the input factor ``A`` (mean over rows) of layer ``j``, as the block of its ``role`` takes
-        them: a pruned tensor's scaled by its masks ``D_r G D_r``, ``D_c A D_c``; else ``G`` is the summed state
-        itself (the same tensor for the weight and the bias, whose eigen-decomposition they then share).
-        A diagonal ``G`` (:attr:`diagonal`) is the vector of its entries."""
-        rows = max(int(self.state(f"{j}.rows")), 1)
-        g, a = self.state(f"{j}.g"), self.state(f"{j}.a").to(torch.float64, copy=True).div_(rows)
-        out_mask, in_mask = self.masks[j].get(role, (None, None))
+        """``G`` and the input factor ``A`` of layer ``j`` as the block of its ``role`` takes them
+        (:meth:`_output_factor`, :meth:`_input_factor`)."""
+        return self._output_factor(j, role), self._input_factor(j, role)
+
+    def _output_factor(self, j: int, role: str = "weight") -> Tensor:
+        """``G`` of layer ``j`` as the block of its ``role`` takes it: a pruned tensor's scaled by its masks,
+        ``D_r G D_r``; else the summed state itself (the same tensor for the weight and the bias, whose
+        eigen-decomposition they then share). A diagonal ``G`` (:attr:`diagonal`) is the vector of its entries."""
+        g = self.state(f"{j}.g")
+        out_mask = self.masks[j].get(role, (None, None))[0]
         if out_mask is not None:
             g = g * (out_mask.pow(2) if g.dim() == 1 else torch.outer(out_mask, out_mask)).to(g)
+        return g
+
+    def _input_factor(self, j: int, role: str = "weight") -> Tensor:
+        """``A`` of layer ``j`` (the mean over rows, float64) as the block of its ``role`` takes it: a pruned
+        tensor's scaled by its masks, ``D_c A D_c``."""
+        rows = max(int(self.state(f"{j}.rows")), 1)
+        a = self.state(f"{j}.a").to(torch.float64, copy=True).div_(rows)
+        in_mask = self.masks[j].get(role, (None, None))[1]
         if in_mask is not None:
             a = a * torch.outer(in_mask, in_mask).to(a)
-        return g, a
+        return a
 
     def _group_blocks(self, j: int, g: Tensor) -> List[Tensor]:
         """The output-side factor of every conv group: diagonal sub-blocks of ``G`` (pieces of a diagonal one)."""
@@ -273,10 +284,12 @@ class KronStructure(Structure):
         self._weight: List[List[Tuple[Tensor, Tensor, int]]] = []
         self._bias: List[Optional[Tuple[Tensor, int]]] = []
         for j, layer in enumerate(self.layers):
-            g, a = self._factors(j)
-            g_bias = self._factors(j, "bias")[0]
+            g, g_bias = self._output_factor(j), self._output_factor(j, "bias")
             blocks = self._group_blocks(j, g)
             q_full = _eigvalsh(g)
+            q_bias = q_full if g_bias is g else _eigvalsh(g_bias)
+            del g, g_bias
+            a = self._input_factor(j)  # once G is decomposed: one float64 factor at a time
             if self.shapes[j].diagonal_input:
                 pairs = [(q_full, a if Structure._guard(a) else a * float("nan"))]
             elif len(blocks) == 1:  # one group: the weight's output factor is G itself
@@ -284,11 +297,10 @@ class KronStructure(Structure):
             else:
                 pairs = [(_eigvalsh(gk), _eigvalsh(ak)) for gk, ak in zip(blocks, a)]
             self._weight.append([_nonzero_products(q, w) for q, w in pairs] if "weight" in layer.roles else [])
-            q_bias = q_full if g_bias is g else _eigvalsh(g_bias)
             nonzero = q_bias[q_bias != 0]
             self._bias.append((nonzero, q_bias.numel() - nonzero.numel()) if "bias" in layer.roles else None)
             if release:
-                del g, a, g_bias, blocks
+                del a, blocks
                 for key in ("g", "a", "rows"):
                     del self._states[f"{j}.{key}"]
 
@@ -323,7 +335,7 @@ class KronStructure(Structure):
         """Layer ``j``'s eigenbases and eigenvalue products by role, as :meth:`covariance` takes them."""
         layer, shape = self.layers[j], self.shapes[j]
         g, a = self._factors(j)
-        g_bias = self._factors(j, "bias")[0]
+        g_bias = self._output_factor(j, "bias")
         q, u = _eigh(g)
         q_bias, u_bias = (q, u) if g_bias is g else _eigh(g_bias)
         bases: Dict[str, Bases] = {"bias": (_stacked([u_bias]), None, q_bias.reshape(1, -1, 1))}
@@ -386,7 +398,7 @@ class KronStructure(Structure):
                         variance = 1 / (scale * torch.outer(q, w) + d_w)
                         cov += torch.einsum("bcij,ij,bdij->bcd", rotated, variance, rotated)
             if "bias" in layer.roles:
-                q, vec = _eigh(self._factors(j, "bias")[0])
+                q, vec = _eigh(self._output_factor(j, "bias"))
                 rotated = _rotate(jacobians[layer.roles["bias"]], vec)
                 cov += torch.einsum("bci,i,bdi->bcd", rotated, 1 / (scale * q + delta[layer.roles["bias"]]), rotated)
         return cov
