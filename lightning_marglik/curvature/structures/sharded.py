@@ -132,13 +132,18 @@ class ShardedStructure(Structure):
         super().__init__(sorted(i for layer in layers for i in layer.roles.values()), sizes)  # no states of its own
         self.cls, self.layers, self.exchange = cls, layers, exchange
         self.max_output_factor = max_output_factor
-        self.states_of = [cls.layer_states(layer, max_output_factor) for layer in layers]
+        # a float32 model's factors summed in float32: a rank's owned factors and the layer in flight take half the
+        # memory of float64 (decomposed in float64 at prepare; the evidence moves by under 1e-4 relative,
+        # tests/test_distributed_sharded.py); a float64 model keeps float64 sums
+        float64 = any(p.dtype == torch.float64 for layer in layers for p in layer.module.parameters())
+        self.sum_dtype = torch.float64 if float64 else torch.float32
+        self.states_of = [cls.layer_states(layer, max_output_factor, self.sum_dtype) for layer in layers]
         costs = [sum(torch.Size(shape).numel() for shape, _ in states.values()) for states in self.states_of]
         self.owners = balanced_owners(costs, exchange.world_size)
         mine = [j for j, owner in enumerate(self.owners) if owner == exchange.rank]
         self._position = {j: k for k, j in enumerate(mine)}  # a layer's place in this rank's share
         self.share = cls(sorted(i for j in mine for i in layers[j].roles.values()), sizes, [layers[j] for j in mine],
-                         max_output_factor)
+                         max_output_factor, self.sum_dtype)
         self._device: Optional[torch.device] = None
         self._prepared = False
 
@@ -180,8 +185,7 @@ class ShardedStructure(Structure):
         """Decompose this rank's layers once, then free their sums: the evidence reads the eigenvalues only
         (the covariance, which would read the factors, is refused here)."""
         if not self._prepared:
-            self.share.prepare()
-            self.share.states().clear()
+            self.share.prepare(release=True)
             self._prepared = True
 
     def rescale(self, factor: float) -> None:
