@@ -19,7 +19,7 @@ from .curvature import eval_mode, locate
 from .curvature.batches import batch_size, call_model, move
 from .curvature.functional import jacobian_rows
 from .evidence import LaplaceEvidence
-from .hyperparameters import CategoricalLikelihood, GaussianLikelihood
+from .hyperparameters import CategoricalLikelihood, GaussianLikelihood, GaussianPrior
 from .validators import choice
 
 __all__ = ["RegressionPrediction", "linearized_outputs", "predict", "predict_regression", "predict_classification"]
@@ -64,7 +64,16 @@ def linearized_outputs(evidence: LaplaceEvidence, model: nn.Module, x: Tensor) -
             "that diverged): the linearized predictive has no posterior to use. Check the weights, or fit the "
             "evidence again at finite ones."
         )
-    prior = evidence.prior
+    mean, jacobians = output_jacobians(evidence.prior, model, x)
+    return mean, evidence.jacobian_covariance(jacobians)
+
+
+def output_jacobians(prior: GaussianPrior, model: nn.Module, x: Any) -> "tuple[Tensor, Tensor]":
+    """The eval-mode outputs ``f(x)`` ``(B, C)`` and their Jacobians ``(B, C, P)`` in the prior's tensors (its order).
+
+    Raises:
+        ValueError: If the forward fails on ``x`` or its outputs are not ``(B, C)``.
+    """
     names, _ = locate(model, prior)  # any graph: the Jacobian comes from torch.func
     params = prior.params
     x = move(x, params[0].device, params[0].dtype)
@@ -83,7 +92,7 @@ def linearized_outputs(evidence: LaplaceEvidence, model: nn.Module, x: Tensor) -
     identity = torch.eye(c, dtype=mean.dtype, device=mean.device).expand(b, c, c)
     with eval_mode(model):
         jacobians = jacobian_rows(model, names, params, x, identity).reshape(b, c, -1)
-    return mean, evidence.jacobian_covariance(jacobians)
+    return mean, jacobians
 
 
 def predict_regression(evidence: LaplaceEvidence, model: nn.Module, x: Tensor) -> RegressionPrediction:
@@ -131,6 +140,13 @@ def predict_classification(
     if not isinstance(samples, int) or samples < 1:
         raise ValueError(f"`samples` must be an int >= 1, got {samples!r}.")
     mean, cov = linearized_outputs(evidence, model, x)
+    return class_probabilities(mean, cov, method, samples, generator)
+
+
+def class_probabilities(mean: Tensor, cov: Tensor, method: str = "probit", samples: int = 100,
+                        generator: Optional[torch.Generator] = None) -> Tensor:
+    """Class probabilities ``(B, C)`` of Gaussian logits ``N(mean, cov)`` (``(B, C)``, ``(B, C, C)``): the probit
+    approximation ``softmax(mean / sqrt(1 + pi/8 diag(cov)))`` or the average softmax of ``samples`` draws."""
     cov = cov.to(mean)
     if method == "probit":
         variance = torch.diagonal(cov, dim1=1, dim2=2)
