@@ -84,19 +84,26 @@ def brute_force_covariance(module: Net, x_test: torch.Tensor):
     return f_test, j_test @ torch.linalg.inv(h) @ j_test.transpose(1, 2)
 
 
-def test_classification_in_trainer_predict_equals_the_brute_force_probit():
+def probit(f: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(f / torch.sqrt(1 + math.pi / 8 * torch.diagonal(cov, dim1=1, dim2=2)), 1)
+
+
+def test_classification_in_trainer_predict_equals_the_brute_force_centered_probit():
     module, callback, trainer = fitted("classification")
     test = data("classification", 20, 1)
     batches = trainer.predict(module, DataLoader(test, batch_size=8))
     probs = torch.cat(batches)
     f, cov = brute_force_covariance(module, test.tensors[0])
-    expected = torch.softmax(f / torch.sqrt(1 + math.pi / 8 * torch.diagonal(cov, dim1=1, dim2=2)), 1)
+    center = torch.eye(3, dtype=f.dtype) - 1 / 3  # the default: the probit of the centred logits P f, P cov P
+    expected = probit(f @ center, center @ cov @ center)
     assert probs.dtype == torch.float64 and probs.shape == (20, 3)
     assert torch.allclose(probs, expected, rtol=1e-8, atol=1e-10)
     assert (probs - f.softmax(1)).abs().max() > 1e-3  # the posterior's variance changed them: not the softmax
-    # the same as the function on the callback's evidence, outside inference mode too
-    assert torch.equal(predict(callback, module, test.tensors[0]), predict_classification(callback.evidence, module,
-                                                                                        test.tensors[0]))
+    assert (probs - probit(f, cov)).abs().max() > 1e-3  # not laplace-torch's probit, which counts the shared variance
+    # laplace-torch's probit on request, the same as the function on the callback's evidence (outside inference mode)
+    plain = predict(callback, module, test.tensors[0], method="probit")
+    assert torch.allclose(plain, probit(f, cov), rtol=1e-8, atol=1e-10)
+    assert torch.equal(plain, predict_classification(callback.evidence, module, test.tensors[0]))
 
 
 def test_regression_in_trainer_predict_equals_the_brute_force_gaussian():
