@@ -17,7 +17,8 @@ from torch.utils.data import DataLoader
 
 from ..curvature import CurvatureOptions
 from ..diagnostics import ef_ratio_of, ef_unreliable_message
-from ..distributed import reduce_statistics, run_on_all_ranks, sharded_pass
+from ..curvature.exchange import sharded_pass
+from ..distributed import reduce_statistics, run_on_all_ranks
 from ..evidence import SOLVERS, LaplaceEvidence
 from ..folding import Folded
 from ..hyperparameters import TREATMENTS

@@ -16,7 +16,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn  # one rank state 
 from torch.utils.data import DataLoader
 
 from ..curvature import CurvatureOptions, collect_statistics
-from ..curvature.structures.sharded import Exchange
+from ..curvature.exchange import Exchange
 from ..denormals import DenormalFlush
 from ..distributed import run_on_all_ranks
 from ..evidence import require_data

@@ -4,8 +4,8 @@ Two moments. :func:`check_fit` runs in Lightning's ``setup`` (before the optimiz
 model, the processes, the strategy's sharding, stock early stopping, the model's ``forward``, a named
 evidence loader, weight averaging and the training statistics' needs. :func:`analyse_setup` runs when
 training starts, on one evidence batch: the hyperparameters are finite, the batch goes through ``forward``
-and fits the targets, the scale-invariant tensors are treated, ``mc_samples="auto"`` is resolved into the
-estimator the estimates run, the evidence pass runs on the batch, and (``MargLikCallback``) the cost is
+and fits the targets, the scale-invariant tensors are treated, the evidence pass runs on the batch (and
+resolves ``mc_samples="auto"`` into the estimator every later pass is given), and (``MargLikCallback``) the cost is
 checked and the biases and the output layer are treated. Its :class:`SetupAnalysis` records what it
 decided, as :func:`.report.setup_line` prints it, and the first training batch follows its
 scale-invariance decision into the modes training really runs (:meth:`SetupAnalysis.follow_training_modes`).
@@ -18,8 +18,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ..curvature import CurvatureOptions, check_model, with_notes
-from ..curvature.estimator import resolve_mc_samples
+from ..curvature import CurvatureOptions, check_model
 from ..curvature.scale_invariance import training_modes
 from . import checks
 from .cost import CostCheck
@@ -37,7 +36,8 @@ class SetupAnalysis:
 
     Attributes:
         options: The curvature the estimates run: the requested one, ``mc_samples="auto"`` resolved.
-        estimator: Which GGN estimator the estimates run, and why (with the structures' notes).
+        estimator: Which GGN estimator the estimates run, and why (with the structures' notes), as the set-up
+            batch's pass resolved it.
         batch: The set-up batch, as the evidence data yield it.
         inputs: Its model inputs, on the prior's device and dtype.
         output: The set-up batch's eval-mode outputs (the target checks' shape).
@@ -130,7 +130,7 @@ def analyse_setup(
             treated, nor are the biases).
 
     Returns:
-        The record of what was decided.
+        The record of what was decided (``callback.options`` is set to its ``options``).
 
     Raises:
         MargLikConfigurationError: On hyperparameters, a batch, outputs or an evidence pass the evidence
@@ -143,17 +143,15 @@ def analyse_setup(
     inputs, output = checks.check_forward(pl_module, likelihood, batch, callback._batch_fn(pl_module), device, dtype)
     # decided in Lightning's training modes; the first training batch re-checks them (follow_training_modes)
     scale_note = checks.treat_scale_invariant(pl_module, prior, inputs, callback.scale_invariant)
-    requested = callback.requested_options
-    mc_samples, estimator = resolve_mc_samples(requested.mc_samples, requested.approx, likelihood, output.shape)
-    options = dataclasses.replace(requested, mc_samples=mc_samples)
-    callback.options = options  # what the set-up batch's pass, the cost check and the estimates run
     started = time.perf_counter()
     try:  # the evidence pass itself on this batch, exact per-example path included (e.g. what vmap refuses)
-        stats = callback._collect(pl_module, [batch], options, torch.Generator().manual_seed(callback.seed))
+        stats = callback._collect(pl_module, [batch], callback.requested_options, torch.Generator().manual_seed(callback.seed))
     except (ValueError, RuntimeError) as err:
         raise MargLikConfigurationError(f"MargLikCallback, one evidence batch through the evidence pass: {err}") from err
+    # the pass resolved mc_samples="auto" from the outputs (curvature.estimator): the estimates run what it ran
+    callback.options = stats.options
     analysis = SetupAnalysis(
-        options, with_notes(estimator, stats.structures), batch, inputs, output,  # notes: e.g. a diagonal output factor
+        stats.options, stats.estimator, batch, inputs, output,
         # sums as large as the curvature: kept through training only where the training statistics take their layout
         stats if callback._training is not None else None, time.perf_counter() - started, scale_note=scale_note,
     )
