@@ -1,4 +1,5 @@
-"""The evidence pass across processes: unpadded data shards and one reduction of the statistics.
+"""The evidence pass across processes: unpadded data shards and one reduction of the statistics (a sharded
+pass's exchange is :mod:`.curvature.exchange`'s).
 
 Every function here runs the same collectives in the same order on every rank; decisions that
 lead to a collective depend only on values that are identical on all ranks.
@@ -7,10 +8,9 @@ from __future__ import annotations
 
 import itertools
 import operator
-from typing import TYPE_CHECKING, Any, Callable, Dict, Hashable, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Hashable, Iterable, Iterator, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
-from torch import Tensor
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # a strategy of either Lightning package: only its collective
     from pytorch_lightning.strategies import Strategy
 
 from .curvature import CurvatureStatistics
-from .curvature.exchange import FAILED_ELSEWHERE, strategy_sum
+from .curvature.exchange import FAILED_ELSEWHERE, Collectives
 from .private import user_sampler
 
 __all__ = ["epoch_keys", "evidence_loader", "reduce_statistics", "run_on_all_ranks"]
@@ -287,9 +287,5 @@ def reduce_statistics(stats: CurvatureStatistics, strategy: Strategy) -> Curvatu
     """
     if strategy.world_size == 1:
         return stats
-    device = strategy.root_device
-
-    def gather_fn(tensor: Tensor) -> List[Tensor]:
-        return list(strategy.all_gather(tensor.to(device)).unbind(0))
-
-    return stats.reduce(strategy_sum(strategy), gather_fn)
+    collectives = Collectives(strategy)
+    return stats.reduce(collectives.sum, collectives.gather)

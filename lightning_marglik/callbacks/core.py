@@ -202,12 +202,13 @@ class MargLikCallbackCore(TrainedModuleQueries, EstimatorCore):
             taken_training = taken is not None
             if taken is not None:
                 return taken
-            with sharded_pass(trainer.strategy, shards_parameters(trainer)) as sharded:  # FSDP: layers owned by rank
+            with sharded_pass(trainer.strategy, sharded) as exchange:
                 batches = self._evidence_batches(trainer, pl_module)
                 with isolate_rng(), progress(trainer, batches, self._package) as on_batch:  # as _first_batch draws
-                    return self._collect(model, batches, options, generator, on_batch, prior, sharded)
+                    return self._collect(model, batches, options, generator, on_batch, prior, exchange)
 
         own = self._training is not None and options is self.options and folded is None
+        sharded = shards_parameters(trainer)  # FSDP: each layer's curvature summed onto one rank (the exchange)
         with whole_parameters(trainer):  # under FSDP: the pass and the prior's norms read whole weights
             stats = reduce_statistics(run_on_all_ranks(trainer.strategy, lambda: local_pass(own)), trainer.strategy)
             if taken_training and int(stats.n_data) != int(prior.n_data):  # summed over ranks: the same on every rank

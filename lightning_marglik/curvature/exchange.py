@@ -9,9 +9,15 @@ place for the pass (:func:`~lightning_marglik.curvature.collect_statistics`) and
   begins with a round (:meth:`Exchange.round`) in which the ranks agree whether any still sends and whether any
   failed; a rank that has run out sends zeros while another sends (:meth:`Exchange.finish`);
 * reduce: each layer's batch sums are summed onto its owner (``Exchange.reduce``), every evaluation of the
-  evidence sums the ranks' shares (``Exchange.sum``); :func:`sharded_pass` takes both from the trainer's strategy;
+  evidence sums the ranks' shares (``Exchange.sum``); :func:`sharded_pass` takes both from the trainer's strategy
+  (:class:`Collectives`);
 * failure: a failure on one rank ends the exchange on all (:meth:`Exchange.ending`, :func:`sharded_pass`), so
   that none waits for a partner, and the others raise :data:`FAILED_ELSEWHERE`.
+
+Every function here runs the same collectives in the same order on every rank; decisions that lead to a
+collective depend only on values that are identical on all ranks. An unsharded pass has only the collectives
+of every evidence pass (:mod:`lightning_marglik.distributed`: one rank's failure told to all, one reduction of
+the statistics), over the same :class:`Collectives`.
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ from .statistics import ReduceFn, SumFn
 if TYPE_CHECKING:
     from pytorch_lightning.strategies import Strategy
 
-__all__ = ["FAILED_ELSEWHERE", "Exchange", "balanced_owners", "sharded_pass", "strategy_sum"]
+__all__ = ["FAILED_ELSEWHERE", "Collectives", "Exchange", "balanced_owners", "sharded_pass"]
 
 #: What a rank raises when the evidence pass failed on another.
 FAILED_ELSEWHERE = "The evidence pass failed on another process; see that process's error."
@@ -118,33 +124,43 @@ class Exchange:
         self.finish(failed=False)
 
 
-def strategy_sum(strategy: "Strategy") -> SumFn:
-    """The strategy's all-reduce (sum) of a tensor, on its device."""
+class Collectives:
+    """The collectives of the trainer's strategy that an evidence pass uses, on the strategy's device.
 
-    def sum_fn(flat: Tensor) -> Tensor:
-        return strategy.reduce(flat.to(strategy.root_device), reduce_op="sum")
+    Args:
+        strategy: The trainer's strategy (either Lightning package's).
+    """
 
-    return sum_fn
+    def __init__(self, strategy: "Strategy") -> None:
+        self.strategy = strategy
+
+    def sum(self, flat: Tensor) -> Tensor:
+        """All-reduce (sum) of ``flat`` over every rank."""
+        return self.strategy.reduce(flat.to(self.strategy.root_device), reduce_op="sum")
+
+    def gather(self, tensor: Tensor) -> List[Tensor]:
+        """Every rank's ``tensor`` (of one shape), in rank order."""
+        return list(self.strategy.all_gather(tensor.to(self.strategy.root_device)).unbind(0))
+
+    def reduce_onto(self, tensor: Tensor, dst: int) -> None:
+        """Sum every rank's ``tensor`` into rank ``dst``'s, in place there: torch's reduce in the default process
+        group, which Lightning's strategies do not offer."""
+        moved = tensor.to(self.strategy.root_device)
+        torch.distributed.reduce(moved, dst=dst)
+        if moved is not tensor and dst == self.strategy.global_rank:
+            tensor.copy_(moved)
 
 
 @contextmanager
 def sharded_pass(strategy: "Strategy", sharded: bool) -> Iterator[Optional[Exchange]]:
-    """The collectives of one sharded evidence pass (``None`` where ``sharded`` is false): the strategy's
-    all-reduce, and torch's reduce onto one rank (which Lightning's strategies do not offer) in the default
-    process group. A failure before the pass began its rounds is told to the other ranks, which would otherwise
-    wait for this one; the pass tells its own (:meth:`Exchange.ending`)."""
+    """The exchange of one sharded evidence pass over the strategy's :class:`Collectives` (``None`` where
+    ``sharded`` is false). A failure before the pass began its rounds is told to the other ranks, which would
+    otherwise wait for this one; the pass tells its own (:meth:`Exchange.ending`)."""
     if not sharded:
         yield None
         return
-    device = strategy.root_device
-
-    def reduce_fn(tensor: Tensor, dst: int) -> None:
-        moved = tensor.to(device)
-        torch.distributed.reduce(moved, dst=dst)
-        if moved is not tensor and dst == strategy.global_rank:
-            tensor.copy_(moved)
-
-    exchange = Exchange(strategy.global_rank, strategy.world_size, reduce_fn, strategy_sum(strategy))
+    collectives = Collectives(strategy)
+    exchange = Exchange(strategy.global_rank, strategy.world_size, collectives.reduce_onto, collectives.sum)
     try:
         yield exchange
     except BaseException:
