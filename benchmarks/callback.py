@@ -6,6 +6,7 @@ against the same cost of the peer library laplace-torch's ``marglik_training``.
     python benchmarks/callback.py --models cnn         # measures the CNN, keeps the MLP's rows
     python benchmarks/callback.py --render             # rewrite callback.md from its embedded data
     python benchmarks/callback.py --setup LABEL        # set-up time alone, kept under LABEL beside earlier labels
+    python benchmarks/callback.py --setup LABEL --library DIR   # the same with the library in DIR (another commit)
 
 Same models and synthetic data as ``benchmarks/engine.py`` (MLP 784-256-256-10 on N=10,000, small
 CNN on N=5,000, batch size 256, SGD lr 1e-2), F=5, 10 epochs (estimates after epochs 5 and 10),
@@ -33,6 +34,7 @@ import io
 import logging
 import os
 import pstats
+import shlex
 import statistics
 import sys
 import time
@@ -42,6 +44,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# --library DIR: the library of another commit (e.g. `git archive COMMIT lightning_marglik | tar -x -C DIR`) instead
+# of this checkout's, to time its set-up in the same conditions; read before the library is imported
+LIBRARY = next((sys.argv[i + 1] for i, arg in enumerate(sys.argv[:-1]) if arg == "--library"), None)
+if LIBRARY:
+    sys.path.insert(0, LIBRARY)
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import pytorch_lightning as pl  # noqa: E402
@@ -470,6 +477,7 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=None, help="results file (default benchmarks/results/callback.md)")
     parser.add_argument("--render", action="store_true", help="measure nothing: rewrite the results file from its data")
     parser.add_argument("--setup", metavar="LABEL", help="time only the callback's set-up; kept under LABEL")
+    parser.add_argument("--library", metavar="DIR", help="import lightning_marglik from DIR (another commit's)")
     args = parser.parse_args()
     if args.render:
         path = args.output or OUTPUT
@@ -487,7 +495,9 @@ def main() -> None:
         stored = read_data(output) if output is not None else {}
         for model in [m.strip() for m in args.models.split(",") if m.strip()]:
             res = setup_cost(model, QUICK_SIZES[model] if args.quick else SIZES[model], 3 if args.quick else 7)
-            res.update(date=now(), load=load_avg(), command=f"python benchmarks/callback.py --setup {args.setup} --models {model}")
+            library = f" --library {shlex.quote(args.library)}" if args.library else ""
+            res.update(date=now(), load=load_avg(),
+                       command=f"python benchmarks/callback.py --setup {shlex.quote(args.setup)} --models {model}{library}")
             stored.setdefault("setup", {}).setdefault(args.setup, {})[model] = res
             print(f"{model} set-up ({args.setup}): {res['setup']:.3f}s = {res['ratio']:.1f} training steps, "
                   f"{res['forwards']:.0f} forwards", flush=True)
