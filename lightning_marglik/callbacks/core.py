@@ -96,12 +96,8 @@ class MargLikCallbackCore(TrainedModuleQueries, EstimatorCore):
         self._epoch_loss = EpochLoss()  # the epoch's training loss, for a settle rule
         self._cost = CostCheck()  # warns once if a run would cost more than twice one without the callback
 
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        if stage == "fit":
-            self._averaging.setup(trainer, self)
-        if stage == "fit" and self._training is not None:
-            checks.check_training_statistics(trainer, pl_module)
+    def _fit_checks(self) -> Dict[str, Any]:
+        return dict(averaging=self._averaging, training_statistics=self._training is not None)
 
     def _setup_decisions(self) -> Dict[str, Any]:
         return dict(cost=self._cost, biases=self.biases, output_layer=self.output_layer)

@@ -145,7 +145,7 @@ class EstimatorCore(KnownKeywords):
         self._fit_record.keep(self)
         self._reset_state()
         self.prior, self.likelihood = find_hyperparameters(pl_module)
-        check_fit(self, trainer, pl_module)
+        check_fit(self, trainer, pl_module, **self._fit_checks())
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         checks.check_weight_decay(trainer, self._hyperparameters()[0])  # before training: the optimizers exist
@@ -229,6 +229,10 @@ class EstimatorCore(KnownKeywords):
         that batch's outputs."""
         self.setup_analysis = analyse_setup(self, trainer, pl_module, **self._setup_decisions())
         return self.setup_analysis.output
+
+    def _fit_checks(self) -> Dict[str, Any]:
+        """The checks of this callback's fit beyond the shared ones (:func:`.setup_analysis.check_fit`)."""
+        return {}
 
     def _setup_decisions(self) -> Dict[str, Any]:
         """The set-up decisions of this callback beyond the shared ones (:func:`.setup_analysis.analyse_setup`)."""

@@ -2,13 +2,14 @@
 
 Two moments. :func:`check_fit` runs in Lightning's ``setup`` (before the optimizers and data exist): the
 model, the processes, the strategy's sharding, stock early stopping, the model's ``forward``, a named
-evidence loader, weight averaging and the training statistics' needs. :func:`analyse_setup` runs when
-training starts, on one evidence batch: the hyperparameters are finite, the batch goes through ``forward``
-and fits the targets, the scale-invariant tensors are treated, the evidence pass runs on the batch (and
-resolves ``mc_samples="auto"`` into the estimator every later pass is given), and (``MargLikCallback``) the cost is
-checked and the biases and the output layer are treated. Its :class:`SetupAnalysis` records what it
-decided, as :func:`.report.setup_line` prints it, and the first training batch follows its
-scale-invariance decision into the modes training really runs (:meth:`SetupAnalysis.follow_training_modes`).
+evidence loader, and (``MargLikCallback``) weight averaging and the training statistics' needs.
+:func:`analyse_setup` runs when training starts, on one evidence batch: the hyperparameters are finite, the
+batch goes through ``forward`` and fits the targets, the scale-invariant tensors are treated, the evidence
+pass runs on the batch (and resolves ``mc_samples="auto"`` into the estimator every later pass is given),
+and (``MargLikCallback``) the cost is checked and the biases and the output layer are treated. Its
+:class:`SetupAnalysis` records what it decided, as :func:`.report.setup_line` prints it, and the first
+training batch follows its scale-invariance decision into the modes training really runs
+(:meth:`SetupAnalysis.follow_training_modes`).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 from ..curvature import CurvatureOptions, check_model
 from ..curvature.scale_invariance import training_modes
 from . import checks
+from .averaging import WeightAveragingFollower
 from .cost import CostCheck
 from .data import named_loader_method
 from .output_layer import treat_output_layer
@@ -89,13 +91,19 @@ class SetupAnalysis:
         return note
 
 
-def check_fit(callback: Any, trainer: Trainer, pl_module: LightningModule) -> None:
+def check_fit(
+    callback: Any, trainer: Trainer, pl_module: LightningModule, averaging: Optional[WeightAveragingFollower] = None,
+    training_statistics: bool = False,
+) -> None:
     """What Lightning's ``setup`` of a fit can check before the optimizers and data exist.
 
     Args:
         callback: The estimating callback, its prior and likelihood found.
         trainer: The trainer of the fit.
         pl_module: The module it trains.
+        averaging: ``MargLikCallback``'s follower of Lightning's weight averaging, set up on the trainer's
+            averaging callbacks (``None``: none).
+        training_statistics: Whether the estimates take the training passes' sums (``statistics="training"``).
 
     Raises:
         MargLikConfigurationError: On a model, strategy, callback order or setting the evidence cannot take,
@@ -112,6 +120,10 @@ def check_fit(callback: Any, trainer: Trainer, pl_module: LightningModule) -> No
     checks.check_model_forward(pl_module, callback._package)
     if isinstance(callback.dataloader, str):
         named_loader_method(callback.dataloader, trainer, pl_module)  # a wrong name fails now, not after burn-in
+    if averaging is not None:
+        averaging.setup(trainer, callback)
+    if training_statistics:
+        checks.check_training_statistics(trainer, pl_module)
 
 
 def analyse_setup(
