@@ -16,7 +16,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_marglik import GaussianLikelihood, GaussianPrior, LaplaceEvidence
 from lightning_marglik.curvature import collect_statistics
 from lightning_marglik.curvature.options import CurvatureOptions
-from lightning_marglik.curvature.structures.sharded import Exchange, ShardedStructure, balanced_owners
+from lightning_marglik.curvature.exchange import Exchange, balanced_owners
+from lightning_marglik.curvature.structures.sharded import ShardedStructure
 
 
 def _evidences(max_output_factor=4096, net=None, n=23, sum_dtypes=None):

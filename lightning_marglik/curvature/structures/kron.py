@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequ
 import torch
 from torch import Tensor
 
+from ..exchange import Exchange
 from ..layers import FactorMasks, KronShape, is_kron_layer, kron_masks, layer_kron, layer_rule
 from ..options import CurvatureOptions
 from ..statistics import BatchCurvature, InverseFn, LayerPlan, Structure
 from .derivatives import LogDetDerivatives, separable_terms
 from .diag import DiagStructure
-from .sharded import Exchange, ShardedStructure
+from .sharded import ShardedStructure
 
 if TYPE_CHECKING:
     from ...hyperparameters import GaussianPrior
