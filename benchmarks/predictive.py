@@ -112,20 +112,20 @@ def analyse_run(spec_: _zoo.RunSpec, cache: str) -> Dict[str, Any]:
     everything = [True] * len(names)
     variants: Dict[str, Tuple[LaplaceEvidence, List[bool], str]] = {
         "as trained (issue's default), probit": (trained_evidence, everything, "probit"),
-        "as trained, centered probit (the one call's default)": (trained_evidence, everything, "centered_probit"),
+        "as trained, tempered (the one call's default)": (trained_evidence, everything, "tempered"),
         "as trained, MC": (trained_evidence, everything, "mc"),
         "as trained, body only (output layer at MAP)": (trained_evidence, body, "probit"),
         "as trained, output layer only": (trained_evidence, output, "probit"),
         "post hoc precisions, probit": (fitted, everything, "probit"),
-        "post hoc precisions, centered probit": (fitted, everything, "centered_probit"),
+        "post hoc precisions, tempered": (fitted, everything, "tempered"),
         "post hoc precisions, MC": (fitted, everything, "mc"),
         "post hoc, last layer (= last-layer Laplace), probit": (fitted, output, "probit"),
-        "post hoc, last layer, centered probit": (fitted, output, "centered_probit"),
+        "post hoc, last layer, tempered": (fitted, output, "tempered"),
         "post hoc, last layer, MC": (fitted, output, "mc"),
         "post hoc scalar precision, probit": (scalar, everything, "probit"),
     }
     probs: Dict[str, List[Tensor]] = {name: [[], []] for name in ["network alone", *variants]}
-    variance: Dict[str, List[float]] = {name: [] for name in variants if "probit" in name and "centered" not in name}
+    variance: Dict[str, List[float]] = {name: [] for name in variants if "MC" not in name and "tempered" not in name}
     generator = torch.Generator().manual_seed(spec_.seed)
     for part, inputs in enumerate((x, ood)):
         for i in range(0, len(inputs), CHUNK):

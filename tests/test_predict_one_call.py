@@ -88,18 +88,20 @@ def probit(f: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
     return torch.softmax(f / torch.sqrt(1 + math.pi / 8 * torch.diagonal(cov, dim1=1, dim2=2)), 1)
 
 
-def test_classification_in_trainer_predict_equals_the_brute_force_centered_probit():
+def test_classification_in_trainer_predict_equals_the_brute_force_tempered_probit():
     module, callback, trainer = fitted("classification")
     test = data("classification", 20, 1)
     batches = trainer.predict(module, DataLoader(test, batch_size=8))
     probs = torch.cat(batches)
     f, cov = brute_force_covariance(module, test.tensors[0])
-    center = torch.eye(3, dtype=f.dtype) - 1 / 3  # the default: the probit of the centred logits P f, P cov P
-    expected = probit(f @ center, center @ cov @ center)
+    center = torch.eye(3, dtype=f.dtype) - 1 / 3  # the default: one scale per input, the centred logits' mean variance
+    v = torch.diagonal(center @ cov @ center, dim1=1, dim2=2).mean(1, keepdim=True)
+    expected = torch.softmax(f / torch.sqrt(1 + math.pi / 8 * v), 1)
     assert probs.dtype == torch.float64 and probs.shape == (20, 3)
     assert torch.allclose(probs, expected, rtol=1e-8, atol=1e-10)
     assert (probs - f.softmax(1)).abs().max() > 1e-3  # the posterior's variance changed them: not the softmax
     assert (probs - probit(f, cov)).abs().max() > 1e-3  # not laplace-torch's probit, which counts the shared variance
+    assert torch.equal(probs.argmax(1), f.argmax(1))  # the network's predicted class
     # laplace-torch's probit on request, the same as the function on the callback's evidence (outside inference mode)
     plain = predict(callback, module, test.tensors[0], method="probit")
     assert torch.allclose(plain, probit(f, cov), rtol=1e-8, atol=1e-10)
@@ -147,7 +149,7 @@ def test_states_once_what_it_used(caplog):
         predict(callback, module, x, method="mc", samples=10)
     lines = [r.getMessage() for r in caplog.records if r.name == "lightning_marglik.predictive"]
     assert len(lines) == 1, lines
-    assert "probit" in lines[0] and "full-ggn" in lines[0] and "epoch 30" in lines[0]
+    assert "tempered" in lines[0] and "full-ggn" in lines[0] and "epoch 30" in lines[0]
     # the output layer (net.2: the prior names 2.*) is held at its declared precision by the callback's default
     assert "held at their declared value (2.weight, 2.bias)" in lines[0]
 
