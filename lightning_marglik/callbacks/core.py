@@ -205,7 +205,7 @@ class MargLikCallbackCore(TrainedModuleQueries, EstimatorCore):
 
         own = self._training is not None and options is self.options and folded is None
         sharded = shards_parameters(trainer)  # FSDP: each layer's curvature summed onto one rank (the exchange)
-        with whole_parameters(trainer):  # under FSDP: the pass and the prior's norms read whole weights
+        with whole_parameters(trainer):  # under FSDP: the pass reads whole weights
             stats = reduce_statistics(run_on_all_ranks(trainer.strategy, lambda: local_pass(own)), trainer.strategy)
             if taken_training and int(stats.n_data) != int(prior.n_data):  # summed over ranks: the same on every rank
                 rank_zero_warn(
@@ -214,6 +214,9 @@ class MargLikCallbackCore(TrainedModuleQueries, EstimatorCore):
                     "processes): this estimate runs the evidence pass instead."
                 )
                 stats = reduce_statistics(run_on_all_ranks(trainer.strategy, lambda: local_pass(False)), trainer.strategy)
+        if sharded:  # the owned factors' decomposition reads no weight: with the whole weights released (FSDP's peak)
+            run_on_all_ranks(trainer.strategy, stats.prepare)
+        with whole_parameters(trainer):  # the prior's norms read whole weights
             return LaplaceEvidence.from_statistics(stats, likelihood, prior)
 
     # --- statistics from the training passes (statistics="training") ---------------------------
