@@ -124,7 +124,8 @@ class EvidenceBound:
             )
         prior = self.prior
         with torch.no_grad():
-            self._sq_norms = prior.group_sq_norms([p.detach().double() for p in prior.params]).to(prior.log_precision.device)
+            self._sq_norms = prior.group_sq_norms([p.detach() for p in prior.params], torch.float64).to(
+                prior.log_precision.device)
 
     @classmethod
     def fit(

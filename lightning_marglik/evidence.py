@@ -100,7 +100,7 @@ class LaplaceEvidence:
         self._lik_stats = {k: v.to(device) for k, v in stats.likelihood.items()}
         with torch.no_grad():
             weights = prior.params if params is None else params
-            self._sq_norms = prior.group_sq_norms([p.detach().double() for p in weights]).to(device)
+            self._sq_norms = prior.group_sq_norms([p.detach() for p in weights], torch.float64).to(device)
             self._fingerprint = weights_fingerprint(prior.params)  # the weights the statistics were gathered at
         self._group_sizes = prior.group_sizes().to(torch.float64)
         self._tensor_groups = self._groups_of_tensors()

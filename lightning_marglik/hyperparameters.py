@@ -318,13 +318,15 @@ class GaussianPrior(nn.Module):
             return sizes
         return torch.ones_like(self.log_precision)
 
-    def group_sq_norms(self, params: Optional[List[Tensor]] = None) -> Tensor:
+    def group_sq_norms(self, params: Optional[List[Tensor]] = None, dtype: Optional[torch.dtype] = None) -> Tensor:
         """Squared norms ``||theta_g||^2`` per group, shape ``(G,)``, those of the whole tensors also where
-        FSDP2 holds a tensor as a sharded DTensor (:func:`_sq_norm`)."""
+        FSDP2 holds a tensor as a sharded DTensor (:func:`_sq_norm`); in ``dtype`` if given, each tensor
+        converted on its own (one float64 copy at a time, not the model's)."""
         params = self.params if params is None else params
+        convert = (lambda p: p) if dtype is None else (lambda p: p.to(dtype))
         if self.structure == "diagonal":
-            return torch.cat([_whole(p).reshape(-1) for p in params]).pow(2)
-        norms = torch.stack([_sq_norm(p) for p in params])
+            return torch.cat([convert(_whole(p)).reshape(-1) for p in params]).pow(2)
+        norms = torch.stack([_sq_norm(convert(p)) for p in params])
         return norms.sum().reshape(1) if self.structure == "scalar" else norms
 
     def per_tensor(self, log_precision: Tensor) -> Tensor:

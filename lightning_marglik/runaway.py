@@ -51,7 +51,7 @@ def runaway_precisions(prior: GaussianPrior, threshold: float = RUNAWAY_LOG_RISE
     if prior.structure == "scalar":
         value = float(rise[0])
         return {"every parameter": value} if prior.learn and value > threshold else {}
-    per_tensor = prior.per_parameter(rise).split(prior.param_sizes)  # as the callback logs them
+    per_tensor = prior.tensor_log_precisions(rise)  # not expanded per scalar: a model's size in float64
     learned = set(prior.learned_names())
     rises = {name: float(values.max()) for name, values in zip(prior.param_names, per_tensor)}
     return {name: value for name, value in rises.items() if name in learned and value > threshold}

@@ -28,7 +28,7 @@ def logged_values(prior: GaussianPrior, likelihood: Likelihood, marglik: float) 
     if prior.structure == "scalar":
         out["prior_precision"] = prior.precision.item()
     else:
-        per_tensor = torch.split(prior.per_parameter(prior.log_precision), prior.param_sizes)
+        per_tensor = prior.tensor_log_precisions(prior.log_precision)
         for name, log_prec in zip(prior.param_names, per_tensor):
             out[f"prior_precision/{name}"] = log_prec.mean().exp().item()
     for name, log_value in likelihood.hyperparameters().items():
