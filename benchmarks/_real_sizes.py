@@ -293,7 +293,8 @@ def measure(model: str, size: Size, device: torch.device) -> Dict[str, Any]:
     module = module_of(model, n_data)
     callback = MargLikCallback()
     default = fit(module, data, batch, meter, callback)
-    epoch, with_callback, estimate = plain["epoch"]["seconds"], default["epoch"]["seconds"], default["estimate"]["seconds"]
+    epoch, with_callback = plain["epoch"]["seconds"], default["epoch"]["seconds"]
+    estimate = default["estimate"]["seconds"]
     plain_peak = max(row["peak_mib"] for row in plain.values())
     default_peak = max(row["peak_mib"] for row in default.values())
     return {
@@ -319,10 +320,14 @@ def run_ratio(epoch: float, epoch_with_callback: float, estimate: float, frequen
 def measure_all(models: Sequence[str], size: Size, device: torch.device,
                 save: Optional[Callable[[str, Dict[str, Any]], None]] = None) -> Dict[str, Any]:
     """:func:`measure` of each model (``save(model, record)`` after each, so that a run cut short keeps what it
-    measured)."""
-    records = {}
+    measured). A model that fails is recorded as ``{"model", "error"}`` and the others still run: a lent device's
+    minutes are not spent twice for one missing package."""
+    records: Dict[str, Any] = {}
     for model in models:
-        records[model] = measure(model, size, device)
+        try:
+            records[model] = measure(model, size, device)
+        except Exception as err:  # noqa: BLE001  (recorded, the next model runs)
+            records[model] = {"model": model, "error": f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"}
         if save is not None:
             save(model, records[model])
     return records

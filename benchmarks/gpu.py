@@ -5,10 +5,13 @@
     python benchmarks/gpu.py --real-sizes full     # on CUDA: part 4 alone at issue 54's sizes (written per model)
     python benchmarks/gpu.py --real-sizes small --device cpu   # part 4 on the CPU at a small size (~5 min)
 
-The device run of part 4 (one prepared command: the lent machine gives at most 10 minutes a call and 15 in all;
-the results file is written after each model, so a run cut short by ``timeout`` keeps the models it measured)::
+The device run of part 4: one prepared command (``run`` with ``timeout_s=590``; a lent machine gives at most 10
+minutes a call and 15 in all, start-up included). The results file is written after each model, so a run cut
+short by ``timeout`` keeps the models it measured; a second call with ``--models`` and the models left measures
+the rest, once the returned ``gpu.md`` is back in ``benchmarks/results/``::
 
-    timeout 540 python benchmarks/gpu.py --real-sizes full; cp benchmarks/results/gpu.md "$OUT"/
+    LIGHTNING_MARGLIK_COMMIT="HEAD <commit> (working tree sent to the device)" timeout 540 \
+        python3 benchmarks/gpu.py --real-sizes full; cp benchmarks/results/gpu.md "$OUT"/
 
 Without CUDA (and without ``--device cpu``) it prints ``skipped: no CUDA`` and exits 0.
 
@@ -376,7 +379,11 @@ def real_sizes_markdown(runs: Dict[str, Dict[str, Any]]) -> List[str]:
                   "(in plain epochs) | whole run / plain | peak MiB plain / default (ratio) | estimator | "
                   "output layer held |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
-        for model, r in run["models"].items():
+        failed = {model: r["error"] for model, r in run["models"].items() if "error" in r}
+        measured = {model: r for model, r in run["models"].items() if "error" not in r}
+        for model, error in failed.items():
+            lines.append(f"| {model} | not run: {error.replace('|', '/')} | | | | | | | | |")
+        for model, r in measured.items():
             target = "" if not run["cuda"] else (" (met)" if r["run_ratio"] <= TARGET else " (**missed**)")
             layer = ", ".join(r["output_layer"]["names"]) if r.get("output_layer") else "–"
             lines.append(
@@ -390,16 +397,18 @@ def real_sizes_markdown(runs: Dict[str, Dict[str, Any]]) -> List[str]:
                   "| model | classes | exact GGN: columns a batch | batches | training steps s | exact pass / steps | "
                   "one-sample pass / steps | `\"auto\"` takes |",
                   "|---|---:|---:|---:|---:|---:|---:|---|"]
-        for model, r in run["models"].items():
+        for model, r in measured.items():
             for c in r["crossover"]:
                 chosen = "exact" if c["columns"] <= EXACT_COLUMNS else "one sample"
-                lines.append(f"| {model} | {c['classes']:,} | {c['columns']:,} | {c['batches']} | {_f(c['steps_seconds'])} | "
+                lines.append(f"| {model} | {c['classes']:,} | {c['columns']:,} | {c['batches']} | "
+                             f"{_f(c['steps_seconds'])} | "
                              f"{_f(c['exact_steps'], 1) if not math.isnan(c['exact_steps']) else 'not run'} | "
                              f"{_f(c['sampled_steps'], 1)} | {chosen} |")
     return lines
 
 
-def real_sizes(device: torch.device, size: str, models: List[str], output: Optional[Path], command: str) -> Dict[str, Any]:
+def real_sizes(device: torch.device, size: str, models: List[str], output: Optional[Path],
+               command: str) -> Dict[str, Any]:
     """Part 4: :func:`_real_sizes.measure_all`, each model's record written to ``output`` as it is measured."""
     from _real_sizes import SIZES, Meter, measure_all
 
@@ -412,8 +421,8 @@ def real_sizes(device: torch.device, size: str, models: List[str], output: Optio
 
     def save(model: str, record: Dict[str, Any]) -> None:
         run["models"][model] = record
-        print(f"{model}: " + "; ".join(f"{k} {record[k]:.3g}" for k in ("epoch", "estimate_epochs", "run_ratio", "memory_ratio")),
-              flush=True)
+        print(f"{model}: " + (record.get("error") or "; ".join(
+            f"{k} {record[k]:.3g}" for k in ("epoch", "estimate_epochs", "run_ratio", "memory_ratio"))), flush=True)
         if output is not None:  # read again: the file may have changed since this run started
             data = results_data(output)
             data.setdefault("real_sizes", {})[key] = run
@@ -449,7 +458,8 @@ def main() -> int:
         unknown = sorted(set(models) - set(MODELS))
         if unknown:
             parser.error(f"--models: unknown {unknown}; expected some of {list(MODELS)}")
-        real_sizes(device, args.real_sizes, models, args.output or OUTPUT, "python benchmarks/gpu.py " + " ".join(sys.argv[1:]))
+        command = "python benchmarks/gpu.py " + " ".join(sys.argv[1:])
+        real_sizes(device, args.real_sizes, models, args.output or OUTPUT, command)
         return 0
     output = args.output or (OUTPUT if device.type == "cuda" and not args.quick else None)
     started = time.perf_counter()

@@ -123,3 +123,13 @@ def test_the_results_file_keeps_the_checks_report_and_each_run(tmp_path, records
     gpu.write_results(path, again)
     assert read_data(path)["real_sizes"]["CPU (test), tiny size"]["models"]["gpt2_lora"]["estimations"] == 1
     assert path.read_text().startswith("# new checks\n")
+
+
+def test_a_model_that_fails_is_recorded_and_the_others_still_run(tmp_path):
+    saved = []
+    records = rs.measure_all(["no_such_model"], TINY, torch.device("cpu"), save=lambda m, r: saved.append(m))
+    assert saved == ["no_such_model"] and records["no_such_model"]["error"].startswith("KeyError")
+    path = tmp_path / "gpu.md"
+    gpu.write_results(path, {"real_sizes": {"k": {"date": "d", "command": "c", "library": "l", "torch": "t", "meter": "m",
+                                                  "cuda": True, "models": records}}})
+    assert "| no_such_model | not run: KeyError: 'no_such_model' |" in path.read_text()
