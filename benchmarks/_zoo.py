@@ -167,12 +167,15 @@ class Data:
         return (({k: v[index] for k, v in x.items()} if isinstance(x, dict) else x[index]), y[index])
 
 
-def draw_bars(n: int, seed: int, size: int = 14, noise: float = 0.45) -> Tuple[Tensor, Tensor]:
-    """``n`` images of 6 balanced classes drawn on Gaussian noise: horizontal bar, vertical bar, the two
-    diagonals, a hollow square, a plus sign; random position, length, thickness and intensity."""
+def draw_bars(n: int, seed: int, size: int = 14, noise: float = 0.45, classes: int = 6) -> Tuple[Tensor, Tensor]:
+    """``n`` images of ``classes`` balanced classes (6 or 8) drawn on Gaussian noise: horizontal bar, vertical bar,
+    the two diagonals, a hollow square, a plus sign, and with 8 a cross (both diagonals) and a corner (an L); random
+    position, length, thickness and intensity."""
+    if classes not in (6, 8):
+        raise ValueError(f"draw_bars draws 6 or 8 classes, got {classes}")
     rng = np.random.default_rng(seed)
     images = np.zeros((n, size, size), dtype=np.float32)
-    labels = np.arange(n) % 6
+    labels = np.arange(n) % classes
     rng.shuffle(labels)
     for i, c in enumerate(labels):
         img = images[i]
@@ -191,10 +194,17 @@ def draw_bars(n: int, seed: int, size: int = 14, noise: float = 0.45) -> Tuple[T
         elif c == 4:
             img[r0, c0:c0 + length] = img[r0 + length - 1, c0:c0 + length] = value
             img[r0:r0 + length, c0] = img[r0:r0 + length, c0 + length - 1] = value
-        else:
+        elif c == 5:
             mid = length // 2
             img[r0 + mid, c0:c0 + length] = value
             img[r0:r0 + length, c0 + mid] = value
+        elif c == 6:
+            for k in range(length):
+                img[r0 + k, c0 + k: min(c0 + k + width, size)] = value
+                img[r0 + k, c0 + length - 1 - k: min(c0 + length - 1 - k + width, size)] = value
+        else:
+            img[r0:r0 + length, c0:c0 + width] = value
+            img[r0 + length - width: r0 + length, c0:c0 + length] = value
     images += rng.normal(0.0, noise, images.shape).astype(np.float32)
     return torch.from_numpy(images).unsqueeze(1), torch.from_numpy(labels).long()
 

@@ -5,6 +5,8 @@ against the same cost of the peer library laplace-torch's ``marglik_training``.
     python benchmarks/callback.py --models mlp         # measures the MLP (and the peer), updates the results
     python benchmarks/callback.py --models cnn         # measures the CNN, keeps the MLP's rows
     python benchmarks/callback.py --render             # rewrite callback.md from its embedded data
+    python benchmarks/callback.py --setup LABEL        # set-up time alone, kept under LABEL beside earlier labels
+    python benchmarks/callback.py --setup LABEL --library DIR   # the same with the library in DIR (another commit)
 
 Same models and synthetic data as ``benchmarks/engine.py`` (MLP 784-256-256-10 on N=10,000, small
 CNN on N=5,000, batch size 256, SGD lr 1e-2), F=5, 10 epochs (estimates after epochs 5 and 10),
@@ -32,6 +34,7 @@ import io
 import logging
 import os
 import pstats
+import shlex
 import statistics
 import sys
 import time
@@ -41,6 +44,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# --library DIR: the library of another commit (e.g. `git archive COMMIT lightning_marglik | tar -x -C DIR`) instead
+# of this checkout's, to time its set-up in the same conditions; read before the library is imported
+LIBRARY = next((sys.argv[i + 1] for i, arg in enumerate(sys.argv[:-1]) if arg == "--library"), None)
+if LIBRARY:
+    sys.path.insert(0, LIBRARY)
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import pytorch_lightning as pl  # noqa: E402
@@ -136,6 +144,45 @@ def fit_seconds(name: str, n: int, epochs: int, quick: bool, callback: Optional[
             setattr(callback, hook, wrapped)
     cpu, _, _ = timed(lambda: trainer(epochs, callback).fit(module, data))
     return cpu, inside[0]
+
+
+# --- the set-up on the first batch ------------------------------------------------------------
+
+
+class _SetUp(Exception):
+    """Ends a fit once the set-up has been timed."""
+
+
+def setup_cost(name: str, n: int, repeats: int) -> Dict[str, Any]:
+    """The callback's set-up at training start (its checks and decisions on the set-up batch) against one training
+    step of that batch, in the same process: wall seconds (medians of ``repeats``), their ratio, and the forwards
+    through the network that the set-up makes."""
+    from lightning_marglik.callbacks.cost import training_step_seconds
+
+    setups, steps, forwards = [], [], []
+    for _ in range(repeats):
+        net, data, _ = make_problem(name, n, 256, seed=0, quick=False)
+        module, callback = Module(net, n), make_callback(CONFIGS[0][1], "newton")
+        calls = [0]
+        net.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        inner = callback.on_train_start
+
+        def start(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            calls[0], started = 0, time.perf_counter()
+            inner(trainer, pl_module)
+            setups.append(time.perf_counter() - started)
+            forwards.append(calls[0])
+            x, _ = next(iter(data))
+            steps.append(training_step_seconds(pl_module, x, list(net.parameters())))
+            raise _SetUp  # nothing past the set-up runs
+
+        callback.on_train_start = start
+        try:
+            trainer(1, callback).fit(module, data)
+        except _SetUp:
+            pass
+    setup, step = statistics.median(setups), statistics.median(steps)
+    return dict(setup=setup, step=step, ratio=setup / step, forwards=statistics.median(forwards), repeats=repeats)
 
 
 # --- the peer ---------------------------------------------------------------------------------
@@ -353,7 +400,37 @@ def report(data: Dict[str, Any], quick: bool) -> str:
             for label, value in p["categories"]:
                 lines.append(f"| {label} | {value:.3f} | {value / p['estimate_cpu']:.0%} |")
             lines += ["", "```", *p["top"], "```"]
+    lines += setup_report(data.get("setup", {}))
     return "\n".join(lines) + "\n"
+
+
+def setup_report(runs: Dict[str, Dict[str, Any]]) -> List[str]:
+    """The set-up's cost, one column per labelled run (``--setup LABEL``, e.g. before and after a change)."""
+    if not runs:
+        return []
+    lines = [
+        "",
+        "## The set-up on the first batch",
+        "",
+        "Wall time of the callback's `on_train_start` (the set-up checks and decisions on one evidence batch; "
+        "`MargLikCallback(frequency=5, solver='newton')`, kron exact GGN) against one forward and backward pass of "
+        "that batch in the same process (the ratio is robust to the machine's load), medians of the repeats; "
+        "forwards = calls of the network's forward during the set-up.",
+        "",
+        "| model | " + " | ".join(runs) + " |",
+        "|---|" + "---:|" * len(runs),
+    ]
+    for model in ("mlp", "cnn"):
+        cells = [runs[label].get(model) for label in runs]
+        if any(cells):
+            lines.append(f"| {model.upper()} | " + " | ".join(
+                "" if c is None else f"{c['setup']:.3f} s = {c['ratio']:.1f} steps, {c['forwards']:.0f} forwards"
+                for c in cells) + " |")
+    for label, models in runs.items():
+        for model, c in models.items():
+            lines.append(f"- {label}, {model.upper()}: `{c['command']}` on {c['date']}, load {c['load']:.1f}, "
+                         f"{c['repeats']} repeats")
+    return lines
 
 
 NOTES = """
@@ -399,6 +476,8 @@ def main() -> None:
     parser.add_argument("--no-profile", action="store_true", help="skip the profiles of missed targets")
     parser.add_argument("--output", type=Path, default=None, help="results file (default benchmarks/results/callback.md)")
     parser.add_argument("--render", action="store_true", help="measure nothing: rewrite the results file from its data")
+    parser.add_argument("--setup", metavar="LABEL", help="time only the callback's set-up; kept under LABEL")
+    parser.add_argument("--library", metavar="DIR", help="import lightning_marglik from DIR (another commit's)")
     args = parser.parse_args()
     if args.render:
         path = args.output or OUTPUT
@@ -410,10 +489,24 @@ def main() -> None:
     logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
+    output = args.output or (None if args.quick else OUTPUT)
+    if args.setup:  # no peer: laplace-torch need not be installed
+        freeze_startup()
+        stored = read_data(output) if output is not None else {}
+        for model in [m.strip() for m in args.models.split(",") if m.strip()]:
+            res = setup_cost(model, QUICK_SIZES[model] if args.quick else SIZES[model], 3 if args.quick else 7)
+            library = f" --library {shlex.quote(args.library)}" if args.library else ""
+            res.update(date=now(), load=load_avg(),
+                       command=f"python benchmarks/callback.py --setup {shlex.quote(args.setup)} --models {model}{library}")
+            stored.setdefault("setup", {}).setdefault(args.setup, {})[model] = res
+            print(f"{model} set-up ({args.setup}): {res['setup']:.3f}s = {res['ratio']:.1f} training steps, "
+                  f"{res['forwards']:.0f} forwards", flush=True)
+        if output is not None:
+            write_with_data(output, report(stored, False), stored)
+        return
     import laplace  # noqa: F401  (before freezing)
 
     freeze_startup()
-    output = args.output or (None if args.quick else OUTPUT)
     sizes = QUICK_SIZES if args.quick else SIZES
     epochs = 5 if args.quick else args.epochs
     stored = read_data(output) if output is not None else {}

@@ -45,7 +45,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
-    import lightning_marglik.callbacks.core as callbacks_module  # where the callbacks call collect_statistics
+    import lightning_marglik.callbacks.estimating as callbacks_module  # where the callbacks call collect_statistics
     from lightning_marglik import CategoricalLikelihood, GaussianPrior, MargLikCallback, map_loss
 
     class MLP(pl.LightningModule):

@@ -8,7 +8,7 @@ from .denormals import DenormalFlush
 from .diagnostics import ef_curvature_ratio
 from .evidence import LaplaceEvidence
 from .modules import FixupBias, FixupScale
-from .predictive import RegressionPrediction, linearized_outputs, predict_classification, predict_regression
+from .predictive import RegressionPrediction, linearized_outputs, predict, predict_classification, predict_regression
 from .selection import CandidateResult, NegativeLogLikelihood, select_models
 from .hyperparameters import (
     CategoricalLikelihood,
@@ -57,6 +57,7 @@ __all__ = [
     "linearized_outputs",
     "map_loss",
     "no_decay_names",
+    "predict",
     "predict_classification",
     "predict_regression",
     "RegressionPrediction",

@@ -1,4 +1,5 @@
-"""The evidence pass across processes: unpadded data shards and one reduction of the statistics.
+"""The evidence pass across processes: unpadded data shards and one reduction of the statistics (a sharded
+pass's exchange is :mod:`.curvature.exchange`'s).
 
 Every function here runs the same collectives in the same order on every rank; decisions that
 lead to a collective depend only on values that are identical on all ranks.
@@ -7,11 +8,9 @@ from __future__ import annotations
 
 import itertools
 import operator
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Dict, Hashable, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Hashable, Iterable, Iterator, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
-from torch import Tensor
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -28,10 +27,10 @@ if TYPE_CHECKING:  # a strategy of either Lightning package: only its collective
     from pytorch_lightning.strategies import Strategy
 
 from .curvature import CurvatureStatistics
-from .curvature.structures.sharded import Exchange
+from .curvature.exchange import FAILED_ELSEWHERE, Collectives
 from .private import user_sampler
 
-__all__ = ["epoch_keys", "evidence_loader", "reduce_statistics", "run_on_all_ranks", "sharded_pass"]
+__all__ = ["epoch_keys", "evidence_loader", "reduce_statistics", "run_on_all_ranks"]
 
 T = TypeVar("T")
 
@@ -268,7 +267,7 @@ def run_on_all_ranks(strategy: Strategy, work: Callable[[], T]) -> T:
     if error is not None:
         raise error
     if float(failures) > 0:
-        raise RuntimeError("The evidence pass failed on another process; see that process's error.")
+        raise RuntimeError(FAILED_ELSEWHERE)
     return result  # type: ignore[return-value]
 
 
@@ -277,7 +276,7 @@ def reduce_statistics(stats: CurvatureStatistics, strategy: Strategy) -> Curvatu
 
     The full structure's low-rank rows (while fewer rows than parameters) are gathered instead,
     in one more collective pair (lengths, padded rows); its choice depends on the global row
-    count only. A sharded structure's layers are already summed onto their owners (:func:`sharded_pass`).
+    count only. A sharded structure's layers are already summed onto their owners (:mod:`.curvature.exchange`).
 
     Args:
         stats: This rank's statistics; the same declared states on every rank.
@@ -288,41 +287,5 @@ def reduce_statistics(stats: CurvatureStatistics, strategy: Strategy) -> Curvatu
     """
     if strategy.world_size == 1:
         return stats
-    device = strategy.root_device
-
-    def gather_fn(tensor: Tensor) -> List[Tensor]:
-        return list(strategy.all_gather(tensor.to(device)).unbind(0))
-
-    return stats.reduce(_sum_fn(strategy), gather_fn)
-
-
-def _sum_fn(strategy: Strategy) -> Callable[[Tensor], Tensor]:
-    def sum_fn(flat: Tensor) -> Tensor:
-        return strategy.reduce(flat.to(strategy.root_device), reduce_op="sum")
-
-    return sum_fn
-
-
-@contextmanager
-def sharded_pass(strategy: Strategy, sharded: bool) -> Iterator[Optional[Exchange]]:
-    """The collectives of one sharded evidence pass (:class:`~.curvature.structures.sharded.Exchange`; ``None``
-    where ``sharded`` is false): the strategy's all-reduce, and torch's reduce onto one rank (which Lightning's
-    strategies do not offer) in the default process group. A failure before the pass began its rounds is told to
-    the other ranks, which would otherwise wait for this one; the pass tells its own (:meth:`Exchange.finish`)."""
-    if not sharded:
-        yield None
-        return
-    device = strategy.root_device
-
-    def reduce_fn(tensor: Tensor, dst: int) -> None:
-        moved = tensor.to(device)
-        torch.distributed.reduce(moved, dst=dst)
-        if moved is not tensor and dst == strategy.global_rank:
-            tensor.copy_(moved)
-
-    exchange = Exchange(strategy.global_rank, strategy.world_size, reduce_fn, _sum_fn(strategy))
-    try:
-        yield exchange
-    except BaseException:
-        exchange.finish(None, failed=True)  # nothing if the pass's own rounds already ended the exchange
-        raise
+    collectives = Collectives(strategy)
+    return stats.reduce(collectives.sum, collectives.gather)

@@ -26,6 +26,18 @@ __all__ = ["LaplaceEvidence", "SOLVERS", "require_data"]
 SOLVERS = ("adam", "newton")
 
 
+def weights_fingerprint(params: List[Tensor]) -> Tensor:
+    """Per tensor its sum and sum of squares in float64: two numbers that change when the weights do (an
+    optimizer step, a loaded checkpoint), one cheap pass over them; of this rank's shard where FSDP2 shards a
+    tensor (a DTensor), so that no rank waits on another."""
+    rows = []
+    with torch.no_grad():
+        for p in params:
+            local = (p.to_local() if hasattr(p, "to_local") else p).detach().double()
+            rows.append(torch.stack([local.sum(), local.pow(2).sum()]).to(rows[0].device if rows else local.device))
+    return torch.stack(rows).cpu() if rows else torch.zeros(0, 2, dtype=torch.float64)  # one sync on a GPU
+
+
 def require_data(n_data: int, likelihood: Likelihood) -> None:
     """Refuse evidence data without a datum: neither the evidence nor ``map_loss`` is defined there.
 
@@ -89,6 +101,7 @@ class LaplaceEvidence:
         with torch.no_grad():
             weights = prior.params if params is None else params
             self._sq_norms = prior.group_sq_norms([p.detach().double() for p in weights]).to(device)
+            self._fingerprint = weights_fingerprint(prior.params)  # the weights the statistics were gathered at
         self._group_sizes = prior.group_sizes().to(torch.float64)
         self._tensor_groups = self._groups_of_tensors()
 
@@ -345,6 +358,13 @@ class LaplaceEvidence:
         return solvers.SecondOrder(value, gradient, torch.arange(n_rho, n, device=gradient.device), rows, hess_rho)
 
     # --- posterior ----------------------------------------------------------------------------
+
+    def fitted_at(self, params: List[Tensor]) -> bool:
+        """Whether ``params`` (the prior's tensors, in its order) are the weights the curvature was gathered at
+        (their sums and sums of squares, to float64 rounding): the posterior covariance belongs to those
+        weights only, e.g. not to a checkpoint loaded after the estimate or to weights trained further."""
+        now = weights_fingerprint(params)
+        return now.shape == self._fingerprint.shape and bool(torch.allclose(now, self._fingerprint, rtol=1e-9, atol=1e-12))
 
     def jacobian_covariance(self, jacobians: Tensor) -> Tensor:
         """``J H^-1 J^T`` for each row block of ``jacobians``, with ``H`` at the current hyperparameters.

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from .hyperpriors import GammaHyperprior, Hyperprior, LogNormalHyperprior
 from .likelihoods import CategoricalLikelihood, GaussianLikelihood, Likelihood, log_buffer
 from .private import WRAPPER_PREFIXES, strip_wrapper_prefixes, unknown_wrappers
+from .structure_options import PRIOR_STRUCTURES, curvature_elsewhere
 from .validators import choice
 
 __all__ = [
@@ -44,22 +45,11 @@ __all__ = [
     "map_loss",
 ]
 
-PRIOR_STRUCTURES = ("scalar", "layerwise", "diagonal")
 TREATMENTS = ("decoupled", "fixed", "learn")
 SCALE_INVARIANT_TREATMENTS = TREATMENTS
 # the named reasons of GaussianPrior.treat (any other string names a reason of the user's own)
 SCALE_INVARIANT = "scale-invariant"
 BIAS_NORMALIZATION = "bias/normalization"
-
-def _curvature_elsewhere() -> Tuple[Sequence[str], str]:
-    """The curvature's ``structure`` values, for the prior's message on one of them ("diag" for "diagonal")."""
-    from .curvature.structures import structure_names  # the curvature imports this module
-
-    return structure_names(), (
-        "a curvature structure, MargLikCallback(structure=...) or LaplaceEvidence.fit(structure=...); "
-        "GaussianPrior's `structure` is how many precisions the prior has"
-    )
-
 
 class GaussianPrior(nn.Module):
     """Isotropic Gaussian prior ``N(0, 1/delta_g I)`` over groups of a network's parameters.
@@ -119,7 +109,7 @@ class GaussianPrior(nn.Module):
                 f"`hyperprior` must be None or a Hyperprior (e.g. LogNormalHyperprior(scale=2.0)), got {hyperprior!r}."
             )
         self.hyperprior = hyperprior
-        structure = choice(structure, PRIOR_STRUCTURES, "structure", elsewhere=_curvature_elsewhere())
+        structure = choice(structure, PRIOR_STRUCTURES, "structure", elsewhere=curvature_elsewhere())
         named = [(strip_wrapper_prefixes(n), p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("GaussianPrior: the model has no parameters that require grad.")

@@ -6,8 +6,6 @@ its hyperparameters and history to ``<out>/rank<r>.json``.
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -17,11 +15,10 @@ sys.path.insert(0, str(ROOT))
 
 import pytorch_lightning as pl  # noqa: E402
 import torch  # noqa: E402
-from pytorch_lightning.strategies import DDPStrategy  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_marglik import MargLikBoundCallback  # noqa: E402
 from tests.lightning_models import Regressor, regression_data  # noqa: E402
+from tests.worker_harness import ddp, loader, run_worker, two_processes, write_result  # noqa: E402
 
 BATCH, EVERY_K, LR = 8, 2, 0.05
 
@@ -32,21 +29,15 @@ def main(out: Path) -> None:
     pl.seed_everything(0, verbose=False)
     model = Regressor(lr=0.0)
     callback = MargLikBoundCallback(structure="kron", every_k_batches=EVERY_K, lr=LR)
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=2, max_epochs=1, callbacks=[callback], logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(out),
-        strategy=DDPStrategy(start_method="popen", process_group_backend="gloo", timeout=timedelta(seconds=120)),
-    )
-    trainer.fit(model, DataLoader(regression_data(), batch_size=BATCH))
+    trainer = two_processes(pl, out, ddp(pl, timeout=timedelta(seconds=120)), [callback], max_epochs=1)
+    trainer.fit(model, loader(regression_data(), BATCH, shuffle=False))
     result = {
         "log_precision": model.prior.log_precision.tolist(),
         "log_sigma": model.likelihood.log_sigma.item(),
         "history": callback.history,
     }
-    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    write_result(out, f"rank{trainer.global_rank}.json", result)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
-    sys.stdout.flush()
-    os._exit(0)  # skip the slow interpreter teardown; the result is written
+    run_worker(lambda: main(Path(sys.argv[1])))

@@ -33,12 +33,9 @@ importing has no side effects).
 """
 from __future__ import annotations
 
-import datetime
-import json
 import os
 import sys
 import time
-import traceback
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -55,20 +52,17 @@ PACKAGE = os.environ.get("DDP_WORKER_PACKAGE", "pytorch_lightning")
 if PACKAGE == "lightning":
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
-    from lightning.pytorch.strategies import DDPStrategy
 
     from lightning_marglik.lightning import MargLikCallback, MargLikCheckpoint, MargLikEarlyStopping
 else:
     import pytorch_lightning as pl
     from pytorch_lightning.callbacks import Callback
-    from pytorch_lightning.strategies import DDPStrategy
 
     from lightning_marglik import MargLikCallback, MargLikCheckpoint, MargLikEarlyStopping
 
-# A desync fails within a minute, not Lightning's default 30. The rendezvous shares this timeout:
-# rank 1 (a fresh interpreter) must import torch and Lightning within it (about 20 s at a load of 5
-# on 2 cores); raise it with DDP_TEST_TIMEOUT_S on a slower machine.
-TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("DDP_TEST_TIMEOUT_S", "60")))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: `tests` importable
+
+from tests.worker_harness import TIMEOUT, ddp, loader, run_worker, two_processes, write_result  # noqa: E402, F401  (test_ddp reads TIMEOUT here)
 
 # --------------------------------------------------------------------------------------------
 # models and data (shared with the test)
@@ -175,7 +169,7 @@ def make_case(name: str, seed: int = 0):
 
 def train_loader(dataset: Dataset, batch_size: int = BATCH) -> DataLoader:
     """Shuffled, dropping the last batch: must not change the evidence."""
-    return DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True)
+    return loader(dataset, batch_size, drop_last=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -184,21 +178,7 @@ def train_loader(dataset: Dataset, batch_size: int = BATCH) -> DataLoader:
 
 
 def ddp_trainer(out: Path, callbacks: List[Callback], max_epochs: int, start_method: str = "popen", **kwargs) -> pl.Trainer:
-    strategy = DDPStrategy(start_method=start_method, process_group_backend="gloo", timeout=TIMEOUT)
-    options: Dict[str, Any] = dict(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_epochs=max_epochs,
-        callbacks=callbacks,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks),
-        default_root_dir=str(out),
-    )
-    options.update(kwargs)
-    return pl.Trainer(**options)
+    return two_processes(pl, out, ddp(pl, start_method), callbacks, max_epochs=max_epochs, **kwargs)
 
 
 def buffers(module: Model) -> Dict[str, list]:
@@ -211,12 +191,6 @@ def buffers(module: Model) -> Dict[str, list]:
 
 def weights(module: Model) -> List[list]:
     return [p.detach().reshape(-1).tolist() for p in module.net.parameters()]
-
-
-def write(out: Path, name: str, payload: Any) -> None:
-    tmp = out / f".{name}.tmp"
-    tmp.write_text(json.dumps(payload, default=float))
-    tmp.replace(out / name)
 
 
 def metric(trainer: pl.Trainer, key: str = "marglik") -> Optional[float]:
@@ -403,7 +377,7 @@ def popen(out: Path) -> None:
     results = {"evidence": run_evidence_cases(out), "train": run_training(out), "samplers": run_sampler_cases(out)}
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     results["rank"] = rank
-    write(out, f"popen-rank{rank}.json", results)
+    write_result(out, f"popen-rank{rank}.json", results)
     errors(out, ERROR_CASES)
 
 
@@ -415,7 +389,7 @@ class SpawnRecorder(Callback):
 
     def on_train_end(self, trainer, pl_module):
         marglik = next(c for c in trainer.callbacks if isinstance(c, MargLikCallback))
-        write(
+        write_result(
             Path(self.out),
             f"spawn-rank{trainer.global_rank}.json",
             {
@@ -440,7 +414,7 @@ def spawn(out: Path) -> None:
     checkpoint = MargLikCheckpoint(dirpath=str(out / "spawn-checkpoints"), save_top_k=1)
     trainer = ddp_trainer(out, [callback, SpawnRecorder(str(out)), checkpoint], max_epochs=2, start_method="spawn")
     trainer.fit(module, train_dataloaders=train_loader(dataset))
-    write(
+    write_result(
         out,
         "spawn-main.json",
         {
@@ -527,9 +501,9 @@ def failing_fit(out: Path, case: str, catch: bool) -> None:
         record = {"type": type(exc).__name__, "message": str(exc), "epoch": trainer.current_epoch,
                   "entered": clock.entered, "failed": time.time(), "flushing_after": flushing_denormals()}
         if not catch:
-            write(out, f"{case}-rank{trainer.global_rank}.json", record)
+            write_result(out, f"{case}-rank{trainer.global_rank}.json", record)
             raise
-    write(out, f"{case}-rank{trainer.global_rank}.json", record)
+    write_result(out, f"{case}-rank{trainer.global_rank}.json", record)
 
 
 def errors(out: Path, cases: List[str]) -> None:
@@ -550,7 +524,7 @@ def main(argv: List[str]) -> None:
     elif mode == "spawn":
         spawn(out)
     elif mode == "train":
-        write(out, f"train-rank{int(os.environ.get('LOCAL_RANK', '0'))}.json", {"train": run_training(out)})
+        write_result(out, f"train-rank{int(os.environ.get('LOCAL_RANK', '0'))}.json", {"train": run_training(out)})
     elif mode == "errors":
         errors(out, argv[3:] or ERROR_CASES)
     else:
@@ -558,14 +532,4 @@ def main(argv: List[str]) -> None:
 
 
 if __name__ == "__main__":
-    # Leave without the interpreter's slow teardown of torch and Lightning (several seconds per
-    # process on a loaded 2-core machine); every result is already written and flushed.
-    code = 0
-    try:
-        main(sys.argv)
-    except BaseException:  # noqa: BLE001 - printed, then the exit code says it failed
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    run_worker(lambda: main(sys.argv))

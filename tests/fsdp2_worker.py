@@ -18,10 +18,8 @@ for rank 1, every case is a fresh Trainer in one process group, each rank writes
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List
@@ -36,7 +34,8 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: `tests` importable
 
 from lightning_marglik import GaussianPrior, MargLikCallback, MargLikCheckpoint, MargLikEarlyStopping, map_loss  # noqa: E402
-from tests.fsdp_worker import CALLBACKS, TIMEOUT, Model, hyperparameters, loader, make_data, strategy, trainer  # noqa: E402
+from tests.fsdp_worker import CALLBACKS, Model, hyperparameters, make_data, strategy, trainer  # noqa: E402
+from tests.worker_harness import TIMEOUT, loader, run_worker, two_processes, write_result  # noqa: E402
 
 N = 37
 GRAD_N = 64  # the data set of the `grad` step
@@ -193,9 +192,7 @@ def run_grad(out: Path) -> Dict[str, Any]:
     results = {}
     for name, (per_layer, structure, outputs) in GRAD_CASES.items():
         module = GradModel(per_layer, structure, outputs)
-        fit = pl.Trainer(accelerator="cpu", devices=2, strategy=fsdp2(), max_steps=1, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         default_root_dir=str(out))
+        fit = two_processes(pl, out, fsdp2(), [], max_steps=1)
         fit.fit(module, train_dataloaders=loader(make_data(GRAD_N, seed=3)))
         results[name] = module.record
     return results
@@ -262,17 +259,8 @@ def main(out: Path) -> None:
     }
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     results["rank"] = rank
-    (out / f"rank{rank}.json").write_text(json.dumps(results, default=float))
+    write_result(out, f"rank{rank}.json", results)
 
 
 if __name__ == "__main__":
-    # leave without the interpreter's slow teardown of torch and Lightning; every result is written
-    code = 0
-    try:
-        main(Path(sys.argv[2]))
-    except BaseException:  # noqa: BLE001 - printed, then the exit code says it failed
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    run_worker(lambda: main(Path(sys.argv[2])))

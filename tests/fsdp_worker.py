@@ -21,12 +21,9 @@ tests-side subclass, not part of the library) makes the one change a CPU needs.
 """
 from __future__ import annotations
 
-import datetime
-import json
 import os
 import sys
 import time
-import traceback
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List
@@ -34,12 +31,14 @@ from typing import Any, Dict, List
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback
-from pytorch_lightning.strategies import DDPStrategy, FSDPStrategy
+from pytorch_lightning.strategies import FSDPStrategy
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_marglik import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: `tests` importable
+
+from lightning_marglik import (  # noqa: E402
     GaussianLikelihood,
     GaussianPrior,
     MargLikBoundCallback,
@@ -49,8 +48,7 @@ from lightning_marglik import (
     MargLikEarlyStopping,
     map_loss,
 )
-
-TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("DDP_TEST_TIMEOUT_S", "60")))
+from tests.worker_harness import TIMEOUT, ddp, loader, run_worker, two_processes, write_result  # noqa: E402
 N = 37  # odd: Lightning's sampler pads the training shards, the evidence must not count the repeat
 SIZES = [3, 16, 16, 2]
 
@@ -111,10 +109,6 @@ class Model(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "epoch"}}
 
 
-def loader(dataset: TensorDataset) -> DataLoader:
-    return DataLoader(dataset, batch_size=8, shuffle=True)
-
-
 # name: (strategy, FSDP arguments, callback, N): the frozen-weight cases. statistics="training" takes N = 40: every
 # rank's training shard holds 20 examples, none padded, so the estimates use the training passes' sums
 CALLBACKS = {
@@ -140,17 +134,12 @@ CASES: Dict[str, tuple] = {
 
 def strategy(kind: str, fsdp: Dict[str, Any]) -> Any:
     if kind == "ddp":
-        return DDPStrategy(process_group_backend="gloo", timeout=TIMEOUT)
+        return ddp(pl)
     return CPUFSDPStrategy(process_group_backend="gloo", timeout=TIMEOUT, **fsdp)
 
 
 def trainer(out: Path, strategy_: Any, callbacks: List[Callback], max_epochs: int) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy_, max_epochs=max_epochs, callbacks=callbacks, logger=False,
-        enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks),
-        default_root_dir=str(out),
-    )
+    return two_processes(pl, out, strategy_, callbacks, max_epochs=max_epochs)
 
 
 def whole_weights(trainer_: pl.Trainer, module: Model) -> List[list]:
@@ -367,17 +356,8 @@ def main(out: Path) -> None:
                                "failures": run_failures(out)}
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     results["rank"] = rank
-    (out / f"rank{rank}.json").write_text(json.dumps(results, default=float))
+    write_result(out, f"rank{rank}.json", results)
 
 
 if __name__ == "__main__":
-    # leave without the interpreter's slow teardown of torch and Lightning; every result is written
-    code = 0
-    try:
-        main(Path(sys.argv[2]))
-    except BaseException:  # noqa: BLE001 - printed, then the exit code says it failed
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    run_worker(lambda: main(Path(sys.argv[2])))

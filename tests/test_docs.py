@@ -128,6 +128,9 @@ def test_readme_lightning_example_trains_and_reads_the_result(tmp_path, monkeypa
     assert re.fullmatch(r"0\.bias: prior precision \S+ learned, applied 1", lines[1]) and "precision 1 learned" not in lines[1]
     assert lines[2:] == ["2.weight: prior precision 1 held, applied 1", "2.bias: prior precision 1 held, applied 1"], lines
     assert re.search(r"^sigma \d\.\d{3} \(true: 0\.1\)$", printed, flags=re.MULTILINE), printed[-2000:]
+    # the one call in its predict_step: the predictive's sd holds the noise's and the model's on top
+    sd = re.search(r"^predictive sd (\S+), of which noise (\S+)$", printed, flags=re.MULTILINE)
+    assert sd and float(sd.group(1)) > float(sd.group(2)) > 0, printed[-2000:]
 
 
 def test_readme_engine_example_runs_from_plain_pytorch(capsys):

@@ -85,6 +85,26 @@ def test_one_setup_line_names_the_estimator_curvature_held_tensors_and_schedule_
     assert "an estimate after every 2 epochs from epoch 2, and after the last (frequency=2, burnin=1)" in setup
 
 
+
+def test_the_set_up_line_prints_the_set_up_analysis_record_and_the_estimates_run_what_its_pass_resolved():
+    from lightning_marglik.callbacks.report import setup_line
+    from lightning_marglik.curvature import collect_statistics
+
+    callback = MargLikCallback(frequency=1, mc_samples="auto", steps=0)
+    module, lines = _fit(callback, epochs=1)
+    analysis = callback.setup_analysis
+    (setup,) = [line for line in lines if line.startswith("MargLikCallback: estimator")]
+    assert setup == setup_line(callback) and f"estimator {analysis.estimator};" in setup
+    assert callback.estimator is analysis.estimator and callback.output_decision is analysis.output_decision
+    # "auto" resolved once, by the set-up batch's pass: the estimates are given the count it chose
+    assert callback.requested_options.mc_samples == "auto" and callback.options is analysis.options
+    assert analysis.options.mc_samples == 0 and callback.evidence.estimator == "as set: the exact GGN"
+    inputs, target = _data().dataset.tensors
+    direct = collect_statistics(module, [(inputs[:20], target[:20])], module.likelihood, module.prior,
+                                options=callback.requested_options)
+    assert direct.options == analysis.options and direct.estimator == analysis.estimator
+
+
 def test_the_setup_line_names_a_learned_output_layer_and_a_scale_invariant_treatment():
     callback = MargLikCallback(output_layer="learn", scale_invariant="fixed", frequency=1)
     _, lines = _fit(callback, Classifier(n_data=60, norm=True), epochs=1)

@@ -16,19 +16,23 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_marglik import GaussianLikelihood, GaussianPrior, LaplaceEvidence
 from lightning_marglik.curvature import collect_statistics
 from lightning_marglik.curvature.options import CurvatureOptions
-from lightning_marglik.curvature.structures.sharded import Exchange, ShardedStructure, balanced_owners
+from lightning_marglik.curvature.exchange import Exchange, balanced_owners
+from lightning_marglik.curvature.structures.sharded import ShardedStructure
 
 
-def _evidences(max_output_factor=4096):
+def _evidences(max_output_factor=4096, net=None, n=23, sum_dtypes=None):
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2)).double()
-    x = torch.randn(23, 3, dtype=torch.float64)
-    data = DataLoader(TensorDataset(x, torch.sin(x[:, :2])), batch_size=5)
+    net = net or nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+    dtype = next(net.parameters()).dtype
+    x = torch.randn(n, net[0].in_features, dtype=dtype)
+    data = DataLoader(TensorDataset(x, torch.sin(x[:, :net[-1].out_features])), batch_size=5)
     out = []
     for exchange in (None, Exchange(0, 1, lambda tensor, dst: None, lambda flat: flat)):
         prior, likelihood = GaussianPrior(net, precision=2.0), GaussianLikelihood(sigma=0.7)
         options = CurvatureOptions("kron", max_output_factor=max_output_factor)
         stats = collect_statistics(net, data, likelihood, prior, options=options, exchange=exchange)
+        if sum_dtypes is not None:  # the summed factors, before the evidence decomposes and frees them
+            sum_dtypes.append({v.dtype for s in stats.structures for v in getattr(s, "share", s).states().values()})
         out.append(LaplaceEvidence.from_statistics(stats, likelihood, prior))
     return out
 
@@ -100,3 +104,25 @@ def test_a_pass_refuses_an_exchange_that_is_not_one():
     data = DataLoader(TensorDataset(torch.randn(4, 2, dtype=torch.float64), torch.randn(4, 1, dtype=torch.float64)))
     with pytest.raises(TypeError, match="`exchange` must be an Exchange"):
         collect_statistics(net, data, GaussianLikelihood(), GaussianPrior(net), exchange=True)
+
+
+def test_a_float32_models_sharded_factors_are_summed_in_float32_and_move_the_evidence_by_under_1e_4():
+    """Issue 54 item 2: a rank's owned factors in float32 (half the memory), decomposed in float64."""
+    torch.manual_seed(1)
+    net = nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 48), nn.Tanh(), nn.Linear(48, 3)).float()
+    sum_dtypes = []
+    plain, sharded = _evidences(net=net, n=400, sum_dtypes=sum_dtypes)
+    assert sum_dtypes == [{torch.float64, torch.int64}, {torch.float32, torch.int64}]
+    assert sharded.structures[0].sum_dtype == torch.float32 and sharded.structures[0].share.states() == {}
+    for log_precision in (-4.0, 0.0, 3.0):  # a weak prior leans on the smallest eigenvalues
+        point = {k: v.detach().clone() for k, v in plain.hyperparameters().items()}
+        point["log_precision"] = torch.full_like(point["log_precision"], log_precision)
+        values = [e.log_marglik_at(point).item() for e in (plain, sharded)]
+        assert values[1] == pytest.approx(values[0], rel=1e-4)
+        assert values[1] != values[0]  # summed in float32 indeed
+
+
+def test_a_float64_models_sharded_factors_stay_float64():
+    sum_dtypes = []
+    _evidences(sum_dtypes=sum_dtypes)
+    assert sum_dtypes == [{torch.float64, torch.int64}] * 2

@@ -326,7 +326,7 @@ def test_non_scalar_objective():
 
 
 # every structure x prior for regression (prior and sigma learned), one classification case (time);
-# benchmarks/solver.py covers all of CASES
+# benchmarks/investigations/solver.py covers all of CASES
 COMPARED = [c for c in CASES if c[0] == "regression"] + [("classification", "kron", "layerwise")]
 
 

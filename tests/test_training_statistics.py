@@ -74,16 +74,16 @@ def sequence_data(n: int = 24, positions: int = 5) -> TensorDataset:
 @pytest.fixture
 def passes(monkeypatch):
     """The evidence passes the callback runs: ``[number of batches]`` per call."""
-    from lightning_marglik.callbacks import core  # where the callbacks call collect_statistics
+    from lightning_marglik.callbacks import estimating  # where the callbacks call collect_statistics
 
     calls = []
-    original = core.collect_statistics
+    original = estimating.collect_statistics
 
     def counted(model, batches, *args, **kwargs):
         calls.append(len(batches))
         return original(model, batches, *args, **kwargs)
 
-    monkeypatch.setattr(core, "collect_statistics", counted)
+    monkeypatch.setattr(estimating, "collect_statistics", counted)
     return calls
 
 

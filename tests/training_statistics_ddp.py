@@ -7,18 +7,19 @@ collectives the reduction of the statistics ran.
 from __future__ import annotations
 
 import datetime
-import json
 import sys
 from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.strategies import DDPStrategy
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
-from lightning_marglik import GaussianLikelihood, GaussianPrior, MargLikCallback, map_loss
-from lightning_marglik.callbacks import core  # where the callbacks call reduce_statistics
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: `tests` importable
+
+from lightning_marglik import GaussianLikelihood, GaussianPrior, MargLikCallback, map_loss  # noqa: E402
+from lightning_marglik.callbacks import core  # noqa: E402  (where the callbacks call reduce_statistics)
+from tests.worker_harness import ddp, loader, two_processes, write_result  # noqa: E402
 
 N = 40
 
@@ -77,13 +78,10 @@ def main(out: Path) -> None:
 
     core.reduce_statistics = counted
     callback = MargLikCallback(structure="kron", approx="ef", steps=0, statistics="training")
-    strategy = DDPStrategy(process_group_backend="gloo", timeout=datetime.timedelta(seconds=120))
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, callbacks=[callback], logger=False,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, precision="64-true",
-    )
+    strategy = ddp(pl, timeout=datetime.timedelta(seconds=120))
+    trainer = two_processes(pl, out, strategy, [callback], max_epochs=1, precision="64-true")
     module = Model()
-    trainer.fit(module, DataLoader(data(), batch_size=8, shuffle=True))
+    trainer.fit(module, loader(data()))
     evidence = callback.evidence
     payload = {
         "log_marglik": evidence.log_marglik().item(),
@@ -91,7 +89,7 @@ def main(out: Path) -> None:
         "states": {f"{i}.{k}": v.tolist() for i, s in enumerate(evidence.structures) for k, v in s.states().items()},
         "collectives": collectives,
     }
-    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(payload))
+    write_result(out, f"rank{trainer.global_rank}.json", payload)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The logic of ``MargLikBoundCallback``: a hyperparameter step on a stochastic evidence bound
 every ``k`` training batches (Immer et al., ICML 2023), shared by both Lightning packages.
 
-It shares :class:`~.core.EstimatorCore` with ``MargLikCallback`` (set-up checks, the count of
+It shares :class:`~.estimating.EstimatorCore` with ``MargLikCallback`` (set-up checks, the count of
 ``N``, the scale-invariant treatment, resume, the estimates ``MargLikCheckpoint`` and
 ``MargLikEarlyStopping`` act on), on a :class:`~.schedule.BatchSchedule` instead of the epoch
 schedule: after every ``k``-th batch, :class:`~lightning_marglik.bounds.BoundOptimizer` computes
@@ -21,7 +21,7 @@ from ..bounds import BoundOptimizer, check_bound_options
 from ..curvature import CurvatureOptions
 from .arguments import BOUND_KEYWORDS
 from .averaging import averaging_callbacks
-from .core import EstimatorCore
+from .estimating import EstimatorCore
 from .package import LightningModule, MargLikConfigurationError, Trainer
 from .report import announce_end
 from .schedule import BatchSchedule

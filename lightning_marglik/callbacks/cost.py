@@ -26,7 +26,7 @@ import math
 import time
 import warnings
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Optional
 
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
@@ -34,7 +34,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from ..curvature import CurvatureOptions, eval_mode
 from ..curvature.batches import call_model
 from .data import isolate_rng
-from .package import LightningModule, Trainer
+from .package import LightningModule
 
 __all__ = ["MIN_SECONDS", "CostCheck", "cost_message", "training_step_seconds"]
 
@@ -142,18 +142,19 @@ class CostCheck:
         self._starts: List[float] = []  # the first epoch's first two batch starts
         self._batches = 0
 
-    def setup(self, callback: Any, trainer: Trainer, pl_module: LightningModule, output_shape: Sequence[int]) -> None:
-        """Step 1, and step 2's timing of the pass where step 1 finds the estimate costly."""
+    def setup(self, callback: Any, pl_module: LightningModule, analysis: Any) -> None:
+        """Step 1, and step 2's timing of the pass where step 1 finds the estimate costly, on the set-up batch
+        (:class:`~.setup_analysis.SetupAnalysis`: its inputs, outputs, options and pass time)."""
         prior, likelihood = callback._hyperparameters()
         self._device = prior.params[0].device
-        options = callback.options
-        self._columns = likelihood.factor_columns(output_shape, options.approx, int(options.mc_samples))
+        options = analysis.options
+        self._columns = likelihood.factor_columns(analysis.output.shape, options.approx, int(options.mc_samples))
         if callback.statistics != "pass":  # the sums come from the training passes: no pass to pay
             return
-        step = training_step_seconds(pl_module, callback._scale_inputs, prior.params)
-        if callback._setup_seconds <= callback.frequency * step:
+        step = training_step_seconds(pl_module, analysis.inputs, prior.params)
+        if analysis.seconds <= callback.frequency * step:
             return
-        batch = callback._first_batch(trainer, pl_module)
+        batch = analysis.batch
 
         def collect(copies: int) -> float:
             generator = torch.Generator().manual_seed(callback.seed)

@@ -18,7 +18,7 @@ from fsspec.core import url_to_fs
 from ..distributed import run_on_all_ranks
 from ..validators import flag, integer, number, optional
 from .arguments import CHECKPOINT_KEYWORDS, STOPPING_KEYWORDS, KnownKeywords
-from .core import EstimatorCore
+from .estimating import EstimatorCore
 from .package import MONITOR, LightningModule, LightningPackage, MargLikConfigurationError, Trainer, check_package
 
 __all__ = ["CheckpointCore", "EarlyStoppingCore"]

@@ -7,23 +7,22 @@ planned on the first batch (:mod:`.plan`); the structures live in :mod:`.structu
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import warnings
-from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator, Optional, Tuple
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Optional, Tuple
 
 import torch
 from torch import nn
 
 from ..hyperparameters import GaussianPrior, Likelihood
 from .batches import BatchFn, batch_size, move, slice_batch, split_batch
+from .estimator import resolved_options
+from .exchange import Exchange
 from .functional import ExactPath
-from .estimator import resolve_mc_samples
 from .hooks import Recorder, graph_uses
 from .options import APPROXIMATIONS, BACKENDS, STRUCTURES, CurvatureOptions
 from .plan import LayerLayout, Plan, candidates, check_model, locate, make_plan
 from .statistics import BatchCurvature, CurvatureStatistics, LayerPlan, Structure, with_notes
-from .structures.sharded import Exchange, ShardedStructure
 
 #: Largest size in bytes of one part of a batch's loss-Hessian factor and output gradients (:func:`_part_size`).
 PART_BYTES = 128 * 2**20
@@ -132,7 +131,7 @@ def collect_statistics(
     if options.backend == "backpack":
         from .backpack import backpack_statistics
 
-        with _finishing(exchange, lambda: None):  # its statistics are every layer's: only the rounds to agree on
+        with _ending(exchange):  # its statistics are every layer's: only the rounds to agree on
             return backpack_statistics(model, dataloader, likelihood, prior, options, batch_fn, on_batch)
     names, owners = locate(model, prior)
     params = prior.params
@@ -140,8 +139,7 @@ def collect_statistics(
     compute = _compute_dtype(dtype)
     stats: Optional[CurvatureStatistics] = None
     plan: Optional[Plan] = None
-    finishing = _finishing(exchange, lambda: stats)  # outermost: ends the exchange however the pass ends
-    with finishing, eval_mode(model), torch.enable_grad(), _eager(), Recorder(model) as recorder:
+    with _ending(exchange), eval_mode(model), torch.enable_grad(), _eager(), Recorder(model) as recorder:
         recorder.keep = candidates(owners, options)
 
         def passes() -> int:
@@ -160,10 +158,9 @@ def collect_statistics(
             output: Optional[torch.Tensor] = recorder.forward(inputs) if plan is None or part >= size else None
             if plan is None:
                 assert output is not None
-                mc_samples, estimator = resolve_mc_samples(options.mc_samples, options.approx, likelihood, output.shape)
-                if mc_samples and generator is None:  # the same draws every call, whatever chose to sample
+                options, estimator = resolved_options(options, likelihood, output.shape)
+                if options.mc_samples and generator is None:  # the same draws every call, whatever chose to sample
                     generator = torch.Generator().manual_seed(0)
-                options = dataclasses.replace(options, mc_samples=mc_samples)
                 leading = (size,)
                 layouts = {
                     name: LayerLayout(out.requires_grad, recorder.inputs[name].shape[:1] == out.shape[:1] == leading)
@@ -200,24 +197,9 @@ def collect_statistics(
     return stats
 
 
-@contextmanager
-def _finishing(exchange: Optional[Exchange], stats: Callable[[], Optional[CurvatureStatistics]]) -> Iterator[None]:
-    """End a sharded pass's exchange on this rank however the pass ended (:meth:`Exchange.finish`), so that no
-    other rank waits for it: a failure here is told to the others before it is raised."""
-    if exchange is None:
-        yield
-        return
-
-    def sharded() -> Optional[ShardedStructure]:
-        structures = stats().structures if stats() is not None else []  # type: ignore[union-attr]
-        return next((s for s in structures if isinstance(s, ShardedStructure)), None)
-
-    try:
-        yield
-    except BaseException:
-        exchange.finish(sharded(), failed=True)
-        raise
-    exchange.finish(sharded(), failed=False)
+def _ending(exchange: Optional[Exchange]) -> ContextManager[None]:
+    """Where the pass is sharded, end its exchange on this rank however the pass ends (:meth:`Exchange.ending`)."""
+    return nullcontext() if exchange is None else exchange.ending()
 
 
 def _accumulate(

@@ -11,7 +11,6 @@ global generator. Everything else is refused with the reason; the default hook b
 from __future__ import annotations
 
 import copy
-import dataclasses
 import warnings
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -20,7 +19,7 @@ from torch import nn
 
 from ..hyperparameters import CategoricalLikelihood, GaussianLikelihood, GaussianPrior, Likelihood
 from .batches import BatchFn, call_model, move, split_batch
-from .estimator import resolve_mc_samples
+from .estimator import resolved_options
 from .options import CurvatureOptions
 from .plan import locate
 from .statistics import CurvatureStatistics, LayerPlan, Structure
@@ -121,8 +120,7 @@ def backpack_statistics(
         if output.dim() != 2:
             raise ValueError(f"backend='backpack' needs outputs (batch, outputs), got {tuple(output.shape)}; use backend='hooks'.")
         if stats is None:  # mc_samples='auto' is decided by the output size
-            mc_samples, estimator = resolve_mc_samples(options.mc_samples, options.approx, likelihood, output.shape)
-            options = dataclasses.replace(options, mc_samples=mc_samples)
+            options, estimator = resolved_options(options, likelihood, output.shape)
             extension, field = _extension(options)
             stats = CurvatureStatistics(options, names, [structure.to(device)], estimator=estimator)
         stats.add_likelihood(likelihood.statistics(output.detach(), target))

@@ -19,11 +19,13 @@ Example:
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence, Tuple, Union
 
 from ..likelihoods import Likelihood
+from .options import CurvatureOptions
 
-__all__ = ["AUTO", "AUTO_MC_SAMPLES", "EXACT_COLUMNS", "resolve_mc_samples"]
+__all__ = ["AUTO", "AUTO_MC_SAMPLES", "EXACT_COLUMNS", "resolve_mc_samples", "resolved_options"]
 
 AUTO = "auto"
 #: Most backward passes per batch (factor columns) ``"auto"`` gives the exact GGN.
@@ -58,6 +60,25 @@ def resolve_mc_samples(
         f"auto: the Monte-Carlo GGN ({_count(AUTO_MC_SAMPLES, 'sample')}) as the exact GGN would take {columns} backward "
         f"passes per batch (more than {EXACT_COLUMNS}; outputs {tuple(output_shape[1:])})"
     )
+
+
+def resolved_options(
+    options: CurvatureOptions, likelihood: Likelihood, output_shape: Sequence[int]
+) -> Tuple[CurvatureOptions, str]:
+    """The options an evidence pass runs, its ``mc_samples`` resolved (:func:`resolve_mc_samples`) from its first
+    batch's outputs, and why; an evidence pass resolves them once, whichever backend runs it, and a caller that
+    passes the resolved options to later passes has them taken as set.
+
+    Args:
+        options: The pass's options, ``mc_samples`` as requested.
+        likelihood: Counts the factor's columns.
+        output_shape: Shape of the first batch's network outputs ``(B, ..., C)``.
+
+    Returns:
+        ``(options, reason)``: ``options`` with the count the pass runs, and a sentence for the record.
+    """
+    mc_samples, reason = resolve_mc_samples(options.mc_samples, options.approx, likelihood, output_shape)
+    return dataclasses.replace(options, mc_samples=mc_samples), reason
 
 
 def _count(number: int, noun: str) -> str:

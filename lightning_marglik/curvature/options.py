@@ -2,33 +2,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Optional, Union
 
-from ..hyperparameters import PRIOR_STRUCTURES
+from ..structure_options import prior_elsewhere, structure_names
 from ..validators import choice, integer, optional
 
 __all__ = ["APPROXIMATIONS", "BACKENDS", "STRUCTURES", "CurvatureOptions"]
 
 APPROXIMATIONS = ("ggn", "ef")
 BACKENDS = ("hooks", "backpack")
-# `structure` is also the prior's option, and "diag"/"diagonal" are easy to swap: its values are named as the prior's
-PRIOR_ELSEWHERE = (
-    PRIOR_STRUCTURES,
-    "a prior structure, GaussianPrior(structure=...): how many precisions the prior has; this `structure` is the "
-    "curvature's (MargLikCallback, LaplaceEvidence.fit, select_models)",
-)
-
-
-def _structures() -> Tuple[str, ...]:
-    from .structures import structure_names  # the structures import this module
-
-    return structure_names()
-
-
 def __getattr__(name: str) -> Any:
     # STRUCTURES is read from the registry when asked, so that it includes structures registered later
     if name == "STRUCTURES":
-        return _structures()
+        return structure_names()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -77,7 +63,7 @@ class CurvatureOptions:
 
     def __post_init__(self) -> None:
         # canonical spellings ("KRON" -> "kron"): the frozen dataclass takes them through object.__setattr__
-        object.__setattr__(self, "structure", choice(self.structure, _structures(), "structure", elsewhere=PRIOR_ELSEWHERE))
+        object.__setattr__(self, "structure", choice(self.structure, structure_names(), "structure", elsewhere=prior_elsewhere()))
         object.__setattr__(self, "approx", choice(self.approx, APPROXIMATIONS, "approx"))
         if isinstance(self.mc_samples, str):
             # a count given as a string ("1") is told that counts are ints

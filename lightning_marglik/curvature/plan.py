@@ -25,7 +25,7 @@ from .layers import computed_role, hook_reason
 from .options import CurvatureOptions
 from .statistics import LayerPlan, Structure
 from .structures import structure_class
-from .structures.sharded import Exchange
+from .exchange import Exchange
 
 __all__ = ["LayerLayout", "Plan", "candidates", "check_model", "locate", "make_plan"]
 

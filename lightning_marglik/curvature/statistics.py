@@ -143,9 +143,10 @@ class Structure:
     # --- declared statistics ------------------------------------------------------------------
 
     def add_state(self, name: str, default: Tensor) -> None:
-        """Declare a sum-reduced statistic (float64, or int64 for counts)."""
-        if default.dtype not in (torch.float64, torch.int64):
-            raise TypeError(f"State {name!r} must be float64 or int64, got {default.dtype}.")
+        """Declare a sum-reduced statistic (float64, or int64 for counts; float32 for a sharded share's
+        factor sums, which the owner sums and never enter the flat reduction)."""
+        if default.dtype not in (torch.float64, torch.float32, torch.int64):
+            raise TypeError(f"State {name!r} must be float64, float32 or int64, got {default.dtype}.")
         self._states[name] = default
 
     def state(self, name: str) -> Tensor:

@@ -2,17 +2,24 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 from .metrics import default_metrics
 
-if TYPE_CHECKING:
-    from .results import CandidateResult
-
-__all__ = ["label_points", "plot_evidence"]
+__all__ = ["Plotted", "label_points", "plot_evidence"]
 
 
-def plot_evidence(results: Sequence["CandidateResult"], path: str, higher_is_better: Mapping[str, bool]) -> None:
+class Plotted(Protocol):
+    """What the plot reads of a candidate's result (a :class:`~.results.CandidateResult`, which writes the plot)."""
+
+    name: str
+    marglik: float
+    n_params: int
+    metrics: Dict[str, float]
+    settings: Dict[str, Any]
+
+
+def plot_evidence(results: Sequence[Plotted], path: str, higher_is_better: Mapping[str, bool]) -> None:
     """Evidence against the first test metric; marker size by parameter count, colour by class."""
     try:
         import matplotlib

@@ -102,7 +102,7 @@ class EKFACStructure(KronStructure):
         self.bases = []
         for j in range(len(self.layers)):
             g, a = self._factors(j)
-            g_bias = self._factors(j, "bias")[0]
+            g_bias = self._output_factor(j, "bias")
             basis: Dict[str, object] = {"bias": _basis(g_bias)}
             whole = basis["bias"] if g_bias is g else _basis(g)  # the weight's output factor: un-pruned, the bias's
             if self.shapes[j].diagonal_input:

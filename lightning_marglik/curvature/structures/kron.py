@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequ
 import torch
 from torch import Tensor
 
+from ..exchange import Exchange
 from ..layers import FactorMasks, KronShape, is_kron_layer, kron_masks, layer_kron, layer_rule
 from ..options import CurvatureOptions
 from ..statistics import BatchCurvature, InverseFn, LayerPlan, Structure
 from .derivatives import LogDetDerivatives, separable_terms
 from .diag import DiagStructure
-from .sharded import Exchange, ShardedStructure
+from .sharded import ShardedStructure
 
 if TYPE_CHECKING:
     from ...hyperparameters import GaussianPrior
@@ -47,6 +48,7 @@ def _eigvalsh(matrix: Tensor) -> Tensor:
     Those contribute exact zero eigenvalues; the eigen-solve runs on the rest only, which cuts
     resnet18's 4608-wide factors to 512.
     """
+    matrix = matrix.to(torch.float64)  # float32 sums (a sharded share's) are decomposed in float64 all the same
     if not Structure._guard(matrix):
         return torch.full(matrix.shape[:1], float("nan"), dtype=matrix.dtype, device=matrix.device)
     if matrix.dim() == 1:
@@ -60,6 +62,7 @@ def _eigvalsh(matrix: Tensor) -> Tensor:
 
 def _eigh(matrix: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
     """Clamped eigenvalues and eigenvectors; a diagonal factor's (a vector): its entries and ``None`` (the identity)."""
+    matrix = matrix.to(torch.float64)
     if matrix.dim() == 1:
         return matrix.clamp(min=0), None
     values, vectors = torch.linalg.eigh(matrix)
@@ -156,6 +159,8 @@ class KronStructure(Structure):
         layers: The layers, each with the prior index of its covered parameters by role.
         max_output_factor: A layer with more outputs holds only the diagonal of its output-side
             factor (:attr:`diagonal`); ``None``: every factor exact.
+        sum_dtype: The dtype the factors are summed in. float32 halves their memory (a sharded
+            share's, :class:`.ShardedStructure`); each layer's are decomposed in float64 all the same.
     """
 
     name = "kron"
@@ -164,7 +169,7 @@ class KronStructure(Structure):
     layer_owned = True
 
     def __init__(self, indices: Sequence[int], sizes: Sequence[int], layers: List[LayerPlan],
-                 max_output_factor: Optional[int] = None) -> None:
+                 max_output_factor: Optional[int] = None, sum_dtype: torch.dtype = torch.float64) -> None:
         super().__init__(indices, sizes)
         self.layers = layers
         self.max_output_factor = max_output_factor
@@ -173,20 +178,20 @@ class KronStructure(Structure):
         self.diagonal = [_diagonal_output(shape, max_output_factor) for shape in self.shapes]
         self.masks: List[Dict[str, FactorMasks]] = [kron_masks(layer.module) for layer in layers]  # as planned
         for j, layer in enumerate(layers):
-            for key, (shape, dtype) in self.layer_states(layer, max_output_factor).items():
+            for key, (shape, dtype) in self.layer_states(layer, max_output_factor, sum_dtype).items():
                 self.add_state(f"{j}.{key}", torch.zeros(shape, dtype=dtype))
 
     @staticmethod
-    def layer_states(layer: LayerPlan, max_output_factor: Optional[int] = None
+    def layer_states(layer: LayerPlan, max_output_factor: Optional[int] = None, sum_dtype: torch.dtype = torch.float64
                      ) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
         """Shape and dtype of each statistic of ``layer``: ``G`` (``out x out``, or ``(out,)`` above
-        ``max_output_factor`` outputs), ``A`` (per conv group ``in x in``, or ``(in,)`` where diagonal) and
-        the number of rows ``A`` is summed over."""
+        ``max_output_factor`` outputs), ``A`` (per conv group ``in x in``, or ``(in,)`` where diagonal), both in
+        ``sum_dtype``, and the number of rows ``A`` is summed over."""
         shape = layer_rule(layer.module).kron_shape(layer.module)
         d = shape.inp
         a = (d,) if shape.diagonal_input else (shape.groups, d, d)
         g = (shape.out,) if _diagonal_output(shape, max_output_factor) else (shape.out, shape.out)
-        return {"g": (g, torch.float64), "a": (a, torch.float64), "rows": ((), torch.int64)}
+        return {"g": (g, sum_dtype), "a": (a, sum_dtype), "rows": ((), torch.int64)}
 
     @staticmethod
     def layer_sums(layer: LayerPlan, a: Tensor, g: Tensor, max_output_factor: Optional[int] = None
@@ -239,18 +244,29 @@ class KronStructure(Structure):
             self.state(f"{j}.g").mul_(factor)
 
     def _factors(self, j: int, role: str = "weight") -> Tuple[Tensor, Tensor]:
-        """``G`` and the input factor ``A`` (mean over rows) of layer ``j``, as the block of its ``role`` takes
-        them: a pruned tensor's scaled by its masks ``D_r G D_r``, ``D_c A D_c``; else ``G`` is the summed state
-        itself (the same tensor for the weight and the bias, whose eigen-decomposition they then share).
-        A diagonal ``G`` (:attr:`diagonal`) is the vector of its entries."""
-        rows = max(int(self.state(f"{j}.rows")), 1)
-        g, a = self.state(f"{j}.g"), self.state(f"{j}.a") / rows
-        out_mask, in_mask = self.masks[j].get(role, (None, None))
+        """``G`` and the input factor ``A`` of layer ``j`` as the block of its ``role`` takes them
+        (:meth:`_output_factor`, :meth:`_input_factor`)."""
+        return self._output_factor(j, role), self._input_factor(j, role)
+
+    def _output_factor(self, j: int, role: str = "weight") -> Tensor:
+        """``G`` of layer ``j`` as the block of its ``role`` takes it: a pruned tensor's scaled by its masks,
+        ``D_r G D_r``; else the summed state itself (the same tensor for the weight and the bias, whose
+        eigen-decomposition they then share). A diagonal ``G`` (:attr:`diagonal`) is the vector of its entries."""
+        g = self.state(f"{j}.g")
+        out_mask = self.masks[j].get(role, (None, None))[0]
         if out_mask is not None:
             g = g * (out_mask.pow(2) if g.dim() == 1 else torch.outer(out_mask, out_mask)).to(g)
+        return g
+
+    def _input_factor(self, j: int, role: str = "weight") -> Tensor:
+        """``A`` of layer ``j`` (the mean over rows, float64) as the block of its ``role`` takes it: a pruned
+        tensor's scaled by its masks, ``D_c A D_c``."""
+        rows = max(int(self.state(f"{j}.rows")), 1)
+        a = self.state(f"{j}.a").to(torch.float64, copy=True).div_(rows)
+        in_mask = self.masks[j].get(role, (None, None))[1]
         if in_mask is not None:
             a = a * torch.outer(in_mask, in_mask).to(a)
-        return g, a
+        return a
 
     def _group_blocks(self, j: int, g: Tensor) -> List[Tensor]:
         """The output-side factor of every conv group: diagonal sub-blocks of ``G`` (pieces of a diagonal one)."""
@@ -259,14 +275,22 @@ class KronStructure(Structure):
         pieces = [slice(k * size, (k + 1) * size) for k in range(groups)]
         return [g[piece] if g.dim() == 1 else g[piece, piece] for piece in pieces]
 
-    def prepare(self) -> None:
+    def prepare(self, release: bool = False) -> None:
+        """Cache each layer's eigenvalues, decomposed in float64 whatever dtype summed its factors.
+
+        Args:
+            release: Free each layer's sums once decomposed, so that a float32 share holds at most one
+                layer in float64 (the sharded share: its evidence reads eigenvalues only).
+        """
         self._weight: List[List[Tuple[Tensor, Tensor, int]]] = []
         self._bias: List[Optional[Tuple[Tensor, int]]] = []
         for j, layer in enumerate(self.layers):
-            g, a = self._factors(j)
-            g_bias = self._factors(j, "bias")[0]
+            g, g_bias = self._output_factor(j), self._output_factor(j, "bias")
             blocks = self._group_blocks(j, g)
             q_full = _eigvalsh(g)
+            q_bias = q_full if g_bias is g else _eigvalsh(g_bias)
+            del g, g_bias
+            a = self._input_factor(j)  # once G is decomposed: one float64 factor at a time
             if self.shapes[j].diagonal_input:
                 pairs = [(q_full, a if Structure._guard(a) else a * float("nan"))]
             elif len(blocks) == 1:  # one group: the weight's output factor is G itself
@@ -274,9 +298,12 @@ class KronStructure(Structure):
             else:
                 pairs = [(_eigvalsh(gk), _eigvalsh(ak)) for gk, ak in zip(blocks, a)]
             self._weight.append([_nonzero_products(q, w) for q, w in pairs] if "weight" in layer.roles else [])
-            q_bias = q_full if g_bias is g else _eigvalsh(g_bias)
             nonzero = q_bias[q_bias != 0]
             self._bias.append((nonzero, q_bias.numel() - nonzero.numel()) if "bias" in layer.roles else None)
+            if release:
+                del a, blocks
+                for key in ("g", "a", "rows"):
+                    del self._states[f"{j}.{key}"]
 
     def log_det(self, scale: Tensor, log_delta: List[Tensor]) -> Tensor:
         total = scale.new_zeros(())
@@ -309,7 +336,7 @@ class KronStructure(Structure):
         """Layer ``j``'s eigenbases and eigenvalue products by role, as :meth:`covariance` takes them."""
         layer, shape = self.layers[j], self.shapes[j]
         g, a = self._factors(j)
-        g_bias = self._factors(j, "bias")[0]
+        g_bias = self._output_factor(j, "bias")
         q, u = _eigh(g)
         q_bias, u_bias = (q, u) if g_bias is g else _eigh(g_bias)
         bases: Dict[str, Bases] = {"bias": (_stacked([u_bias]), None, q_bias.reshape(1, -1, 1))}
@@ -372,7 +399,7 @@ class KronStructure(Structure):
                         variance = 1 / (scale * torch.outer(q, w) + d_w)
                         cov += torch.einsum("bcij,ij,bdij->bcd", rotated, variance, rotated)
             if "bias" in layer.roles:
-                q, vec = _eigh(self._factors(j, "bias")[0])
+                q, vec = _eigh(self._output_factor(j, "bias"))
                 rotated = _rotate(jacobians[layer.roles["bias"]], vec)
                 cov += torch.einsum("bci,i,bdi->bcd", rotated, 1 / (scale * q + delta[layer.roles["bias"]]), rotated)
         return cov

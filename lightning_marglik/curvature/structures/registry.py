@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Dict, Tuple, Type
 
+from ...structure_options import prior_elsewhere, registered_structures, structure_names
 from ...validators import choice
-from ..options import PRIOR_ELSEWHERE
 from ..statistics import Structure
 
 __all__ = [
@@ -29,7 +29,8 @@ __all__ = [
 # the yes/no capabilities a structure class declares (class attributes of Structure, documented there)
 CAPABILITIES = ("hook_path", "per_tensor_prior", "multi_process", "training_statistics", "parametric_bound", "rank_by")
 
-_REGISTRY: Dict[str, Type[Structure]] = {}
+# the table sits below the prior and the options (lightning_marglik.structure_options), which read its names
+_REGISTRY: Dict[str, Type[Structure]] = registered_structures
 
 
 def register_structure(cls: Type[Structure]) -> Type[Structure]:
@@ -70,18 +71,13 @@ def unregister_structure(name: str) -> Type[Structure]:
     return _REGISTRY.pop(choice(name, structure_names(), "structure"))
 
 
-def structure_names() -> Tuple[str, ...]:
-    """The registered ``structure=`` values, in registration order."""
-    return tuple(_REGISTRY)
-
-
 def structure_class(name: str) -> Type[Structure]:
     """The class ``structure=name`` selects, matched case-insensitively.
 
     Raises:
         ValueError: Naming the registered structures (and the near miss, e.g. 'kfac' -> 'kron').
     """
-    return _REGISTRY[choice(name, structure_names(), "structure", elsewhere=PRIOR_ELSEWHERE)]
+    return _REGISTRY[choice(name, structure_names(), "structure", elsewhere=prior_elsewhere())]
 
 
 def structures_with(capability: str) -> Tuple[str, ...]:

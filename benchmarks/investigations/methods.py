@@ -1,7 +1,7 @@
 """One table: what each way of learning the hyperparameters costs and what it ends with.
 
-    python benchmarks/methods.py            # MNIST-5k and diabetes, writes results/methods.md
-    python benchmarks/methods.py --quick    # smoke test (about a minute), prints only
+    python benchmarks/investigations/methods.py            # MNIST-5k and diabetes, writes results/methods.md
+    python benchmarks/investigations/methods.py --quick    # smoke test (about a minute), prints only
 
 All in one run, one thread, process CPU seconds of the whole fit (robust to other load on the
 shared machine), on two problems:
@@ -37,7 +37,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -251,7 +251,7 @@ def render(results: Dict[str, Any], commit: str) -> str:
     lines = [
         "# Learning the hyperparameters: cost and result of every method, with the peer in the same run",
         "",
-        f"`python benchmarks/methods.py`, commit {commit}, {results['date']}, {cpu_name()}, one thread, load average "
+        f"`python benchmarks/investigations/methods.py`, commit {commit}, {results['date']}, {cpu_name()}, one thread, load average "
         f"{results['load_before']:.1f} before / {results['load_after']:.1f} after (process CPU seconds of the whole "
         f"fit). torch {package_version('torch')}, pytorch-lightning {package_version('pytorch-lightning')}, "
         f"laplace-torch {package_version('laplace-torch')}. Problems, methods and columns: the script's docstring. "

@@ -1,7 +1,7 @@
 """The paper's UCI protocol with the full GGN: MargLikCallback against a minimal implementation.
 
-    python benchmarks/uci_full.py --quick     # smoke test (seconds), prints only
-    python benchmarks/uci_full.py             # writes benchmarks/results/uci_full.md (about 4 minutes of CPU)
+    python benchmarks/investigations/uci_full.py --quick     # smoke test (seconds), prints only
+    python benchmarks/investigations/uci_full.py             # writes benchmarks/results/uci_full.md (about 4 minutes of CPU)
 
 Protocol (Immer et al. 2021, UCI classification): an MLP D-50-C with tanh, a layerwise Gaussian
 prior (weight and bias of each layer their own precision, all starting at 1), categorical
@@ -41,7 +41,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -273,7 +273,7 @@ def report(rows: List[Dict[str, Any]], quick: bool, date: str, loads: Tuple[floa
     lines = [
         "# The paper's UCI protocol with the full GGN: library against a minimal implementation",
         "",
-        f"- {date}; command: `python benchmarks/uci_full.py{' --quick' if quick else ''}`; total run time {seconds:.0f} s; "
+        f"- {date}; command: `python benchmarks/investigations/uci_full.py{' --quick' if quick else ''}`; total run time {seconds:.0f} s; "
         f"load average (1 min) at start / end {loads[0]:.1f} / {loads[1]:.1f}",
         f"- torch {torch.__version__}, pytorch-lightning {pl.__version__}, Python {platform.python_version()}; one thread; "
         f"machine: {os.cpu_count()} CPU cores, {cpu_name()}, no GPU",

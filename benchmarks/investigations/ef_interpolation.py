@@ -2,8 +2,8 @@
 
 Run from the repository root (needs ``pip install mlxtend``)::
 
-    python benchmarks/ef_interpolation.py            # writes benchmarks/results/ef_interpolation.md
-    python benchmarks/ef_interpolation.py --quick    # smoke test: 500 images, 3 epochs, outputs/ only
+    python benchmarks/investigations/ef_interpolation.py            # writes benchmarks/results/ef_interpolation.md
+    python benchmarks/investigations/ef_interpolation.py --quick    # smoke test: 500 images, 3 epochs, outputs/ only
 
 Candidates of ``examples/ranking_study.py`` (two MLPs that fit their training set and a small CNN
 that does not) are trained on the MNIST-5k training split (4000 images, 14x14) by Adam (lr 1e-3,
@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, ROOT)
 
@@ -274,7 +274,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     header = [
         "# The empirical Fisher at interpolation: EF against GGN evidence along training",
         "",
-        f"{now()}. Command: `python benchmarks/ef_interpolation.py {' '.join(argv if argv is not None else sys.argv[1:])}`; "
+        f"{now()}. Command: `python benchmarks/investigations/ef_interpolation.py {' '.join(argv if argv is not None else sys.argv[1:])}`; "
         f"library {library_state()}. One CPU thread, {cpu_minutes:.1f} CPU minutes ({wall_minutes:.1f} wall), load "
         f"average {load_before:.2f} at the start (2 cores shared with other jobs).",
         "",

@@ -17,7 +17,7 @@ The studies:
   ``outputs/default_ranking/ranking_study/``;
 * the paper's protocol (``examples/paper_protocol.py``: 9 MLPs, CNNs, Fixup CNNs and Fixup ResNets x 2 seeds),
   read from that script's cache (train it with its own command first);
-* ``benchmarks/ef_interpolation.py`` (two MLPs that fit their training set and a CNN, eight checkpoints, delta
+* ``benchmarks/investigations/ef_interpolation.py`` (two MLPs that fit their training set and a CNN, eight checkpoints, delta
   fixed), read from the data its results file carries (run it first).
 
 Per study and option: Spearman rho between the seed-mean evidence and the seed-mean test accuracy with a 95 %
@@ -26,10 +26,10 @@ documentation says to trust; the pick, its points below the best candidate, and 
 
 Usage::
 
-    python benchmarks/default_ranking.py                    # train the ranking study's runs not cached, analyse
-    python benchmarks/default_ranking.py --shard 0/2 & python benchmarks/default_ranking.py --shard 1/2
-    python benchmarks/default_ranking.py --analyse --results   # write benchmarks/results/default_ranking.md
-    python benchmarks/default_ranking.py --quick            # smoke test: 4 tiny candidates, 3 epochs, prints only
+    python benchmarks/investigations/default_ranking.py                    # train the ranking study's runs not cached, analyse
+    python benchmarks/investigations/default_ranking.py --shard 0/2 & python benchmarks/investigations/default_ranking.py --shard 1/2
+    python benchmarks/investigations/default_ranking.py --analyse --results   # write benchmarks/results/default_ranking.md
+    python benchmarks/investigations/default_ranking.py --quick            # smoke test: 4 tiny candidates, 3 epochs, prints only
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, ROOT)
 
@@ -133,7 +133,7 @@ def analyse_study(name: str, runs: Dict[Tuple[str, int], Dict], names: Sequence[
 
 
 def interpolation_picks(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """``benchmarks/ef_interpolation.py``'s checkpoints: each option's pick and its gap to the best, per epoch."""
+    """``benchmarks/investigations/ef_interpolation.py``'s checkpoints: each option's pick and its gap to the best, per epoch."""
     out = []
     for epoch in sorted({r["epoch"] for r in rows}):
         at = [r for r in rows if r["epoch"] == epoch]
@@ -243,7 +243,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                                      args.bootstrap))
     interpolation = read_data(RESULTS / "ef_interpolation.md")
     picks = interpolation_picks(interpolation["rows"]) if interpolation and not args.quick else []
-    command = " ".join(["python benchmarks/default_ranking.py", *(sys.argv[1:] if argv is None else argv)])
+    command = " ".join(["python benchmarks/investigations/default_ranking.py", *(sys.argv[1:] if argv is None else argv)])
     text = markdown(studies, picks, command, args.bootstrap, interpolation.get("library", "not run"))
     print(text, flush=True)
     print(f"this invocation: {(time.perf_counter() - start) / 60:.1f} min wall", flush=True)

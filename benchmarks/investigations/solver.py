@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    python benchmarks/solver.py            # full run (a few minutes), writes benchmarks/results/solver.md
-    python benchmarks/solver.py --quick    # smoke test (seconds), prints the tables only
+    python benchmarks/investigations/solver.py            # full run (a few minutes), writes benchmarks/results/solver.md
+    python benchmarks/investigations/solver.py --quick    # smoke test (seconds), prints the tables only
 
 What is measured, single-threaded (``torch.set_num_threads(1)``), in float64:
 
@@ -38,7 +38,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
@@ -377,7 +377,7 @@ def main() -> None:
     text = f"""# Inner solvers: Newton vs Adam on the Laplace evidence
 
 - Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC
-- Command: `python benchmarks/solver.py` (from the repository root, commit {commit}; total run time {time.time() - began:.0f} s)
+- Command: `python benchmarks/investigations/solver.py` (from the repository root, commit {commit}; total run time {time.time() - began:.0f} s)
 - torch {version("torch")}, Python {platform.python_version()}; `torch.set_num_threads({THREADS})`; \
 load average (1 min) at start / end: {load:.1f} / {os.getloadavg()[0]:.1f} (shared 2-core machine)
 - Times: process CPU per solve, median of {reps} rounds run side by side; the evidence pass itself is not included.
