@@ -61,6 +61,18 @@ def load_avg() -> float:
     return os.getloadavg()[0]
 
 
+def rss_mib(field: str) -> float:
+    """``VmRSS`` (now) or ``VmHWM`` (peak since the last :func:`reset_peak_rss`) of this process, MiB (Linux)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_peak_rss() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # Linux: reset VmHWM to the current RSS
+
+
 def read_data(path: Path) -> Dict[str, Any]:
     """The raw data embedded in a results file (empty if none)."""
     if not path.exists():

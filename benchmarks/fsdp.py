@@ -40,23 +40,11 @@ from typing import Any, Dict, List
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent / "examples"), str(HERE.parent / "tests")]
 
-from _common import RESULTS, cpu_name, hand_written, load_avg, now, write_with_data  # noqa: E402
+from _common import RESULTS, cpu_name, hand_written, load_avg, now, reset_peak_rss, rss_mib, write_with_data  # noqa: E402
 from common import library_state  # noqa: E402  (examples/common.py)
 
 STRATEGIES = ["ddp", "fsdp", "fsdp2"]
 RESULT = RESULTS / "fsdp.md"
-
-
-def _rss_mib(field: str) -> float:
-    """``VmRSS`` (now) or ``VmHWM`` (peak since the last reset) of this process, MiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")  # Linux: reset VmHWM to the current RSS
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -101,12 +89,12 @@ def worker(args: argparse.Namespace) -> None:
 
     class Before(Callback):  # runs before MargLikCallback's hooks: the training peak
         def on_train_epoch_start(self, trainer, pl_module):
-            self.base = _rss_mib("VmRSS")
-            _reset_peak()
+            self.base = rss_mib("VmRSS")
+            reset_peak_rss()
 
         def on_train_epoch_end(self, trainer, pl_module):
-            self.train_peak = _rss_mib("VmHWM") - self.base
-            _reset_peak()
+            self.train_peak = rss_mib("VmHWM") - self.base
+            reset_peak_rss()
             self.started = time.perf_counter()
 
     class After(Callback):  # runs after MargLikCallback's: the estimate's peak and time
@@ -118,7 +106,7 @@ def worker(args: argparse.Namespace) -> None:
             self.result = {
                 "seconds": time.perf_counter() - b.started,
                 "train_peak_mib": b.train_peak,
-                "estimate_peak_mib": _rss_mib("VmHWM") - b.base,
+                "estimate_peak_mib": rss_mib("VmHWM") - b.base,
                 "base_mib": b.base,
             }
 

@@ -2,6 +2,16 @@
 
     python benchmarks/gpu.py                       # on a machine with CUDA: writes benchmarks/results/gpu.md (< 5 min)
     python benchmarks/gpu.py --device cpu --quick  # smoke test of the script on CPU (tiny sizes, prints only)
+    python benchmarks/gpu.py --real-sizes full     # on CUDA: part 4 alone at issue 54's sizes (written per model)
+    python benchmarks/gpu.py --real-sizes small --device cpu   # part 4 on the CPU at a small size (~5 min)
+
+The device run of part 4: one prepared command (``run`` with ``timeout_s=590``; a lent machine gives at most 10
+minutes a call and 15 in all, start-up included). The results file is written after each model, so a run cut
+short by ``timeout`` keeps the models it measured; a second call with ``--models`` and the models left measures
+the rest, once the returned ``gpu.md`` is back in ``benchmarks/results/``::
+
+    LIGHTNING_MARGLIK_COMMIT="HEAD <commit> (working tree sent to the device)" timeout 540 \
+        python3 benchmarks/gpu.py --real-sizes full; cp benchmarks/results/gpu.md "$OUT"/
 
 Without CUDA (and without ``--device cpu``) it prints ``skipped: no CUDA`` and exits 0.
 
@@ -20,6 +30,11 @@ Checks (each reported as passed / FAILED with the reason; the exit status is 1 i
 3. Speed: one evidence pass / one plain training epoch (wall time with ``torch.cuda.synchronize``)
    for the engine benchmark's MLP (N=10,000), CNN (N=5,000) and ResNet (N=3,000): diag-ef,
    kron-ggn MC (1 sample), kron-ggn exact; median of 3.
+4. Real sizes (issue 54; ``--real-sizes small|full``, alone): ResNet-18 on 32x32 generated images (N = 50,000 at
+   full size), a ViT-tiny and GPT-2 small with LoRA and the 50,257-token vocabulary, each trained one epoch
+   without and one with ``MargLikCallback()`` at its defaults: the plain epoch, one estimate in epochs, the
+   whole-run ratio at F = 10, peak memory with and without the callback, and ``"auto"``'s exact-against-sampled
+   crossover. What and how: ``benchmarks/_real_sizes.py``.
 """
 from __future__ import annotations
 
@@ -33,7 +48,7 @@ import time
 import traceback
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -44,7 +59,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from _common import RESULTS, now  # noqa: E402
+from _common import RESULTS, cpu_name, hand_written, now, read_data, write_with_data  # noqa: E402
 from common import library_state  # noqa: E402
 
 OUTPUT = RESULTS / "gpu.md"
@@ -317,12 +332,116 @@ def report(result: Result, equality: List[Dict[str, Any]], speeds: List[Dict[str
     return "\n".join(lines)
 
 
+# --- 4. real sizes, and the results file ------------------------------------------------------------
+
+
+def write_results(path: Path, data: Dict[str, Any]) -> None:
+    """The checks' report (parts 1-3), then part 4's runs, then the hand-written reading, then the data."""
+    text = data.get("checks", "").rstrip() + "\n\n" + "\n".join(real_sizes_markdown(data.get("real_sizes", {})))
+    write_with_data(path, text.rstrip() + "\n\n" + hand_written(path) + "\n", data)
+
+
+def results_data(path: Path) -> Dict[str, Any]:
+    """The results file's data; a file written before it carried data is all the checks' report."""
+    data = read_data(path)
+    if not data and path.exists():
+        data["checks"] = path.read_text()
+    return data
+
+
+def _estimator(reason: str) -> str:
+    """The estimator's record, short: which GGN, and whether a head's output-side factor is held as its diagonal."""
+    short = reason.split(" as the exact GGN would")[0].split("; kron:")[0]
+    return short + ("; diag(G) of the head" if "kron: the diagonal of the output-side" in reason else "")
+
+
+def _f(value: float, digits: int = 2) -> str:
+    return "–" if value is None or math.isnan(value) else f"{value:.{digits}f}"
+
+
+def real_sizes_markdown(runs: Dict[str, Dict[str, Any]]) -> List[str]:
+    from lightning_marglik.curvature.estimator import EXACT_COLUMNS
+
+    from _real_sizes import FREQUENCY, TARGET
+
+    if not runs:
+        return []
+    lines = ["## The callback at real sizes (issue 54)", "",
+             "One epoch without and one with `MargLikCallback()` at its defaults (`benchmarks/_real_sizes.py`). "
+             f"`whole run`: `({FREQUENCY} x epoch with the callback + estimate) / ({FREQUENCY} x plain epoch)`, a run "
+             f"at the default frequency F = {FREQUENCY}; issue 54's target is at most {TARGET}x on the GPU. Peak memory: "
+             "the fit's largest phase peak (set-up, training epoch, estimate), with the callback over without."]
+    for key, run in runs.items():
+        lines += ["", f"### {key}", "",
+                  f"{run['date']}; command `{run['command']}`; library {run['library']}; torch {run['torch']}; "
+                  f"{run['meter']}.", "",
+                  "| model | N | parameters (learnable) | plain epoch s | epoch with callback s | one estimate s "
+                  "(in plain epochs) | whole run / plain | peak MiB plain / default (ratio) | estimator | "
+                  "output layer held |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+        failed = {model: r["error"] for model, r in run["models"].items() if "error" in r}
+        measured = {model: r for model, r in run["models"].items() if "error" not in r}
+        for model, error in failed.items():
+            lines.append(f"| {model} | not run: {error.replace('|', '/')} | | | | | | | | |")
+        for model, r in measured.items():
+            target = "" if not run["cuda"] else (" (met)" if r["run_ratio"] <= TARGET else " (**missed**)")
+            layer = ", ".join(r["output_layer"]["names"]) if r.get("output_layer") else "–"
+            lines.append(
+                f"| {model} | {r['n_data']:,} | {r['parameters']:,} ({r['learnable_count']:,}) | {_f(r['epoch'])} | "
+                f"{_f(r['epoch_with_callback'])} | {_f(r['estimate'])} ({_f(r['estimate_epochs'], 1)}) | "
+                f"**{_f(r['run_ratio'])}**{target} | {r['plain_peak_mib']:,.0f} / {r['default_peak_mib']:,.0f} "
+                f"({_f(r['memory_ratio'])}) | {_estimator(r['estimator'])} | {layer} |")
+        lines += ["", f"`\"auto\"`'s crossover: one evidence pass (kron) over the first batches, exact GGN and one "
+                  "sample, each over as many training steps (ResNet-18's heads of other class counts: the sweep). "
+                  f"`\"auto\"` is exact up to {EXACT_COLUMNS} columns a batch.", "",
+                  "| model | classes | exact GGN: columns a batch | batches | training steps s | exact pass / steps | "
+                  "one-sample pass / steps | `\"auto\"` takes |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|"]
+        for model, r in measured.items():
+            for c in r["crossover"]:
+                chosen = "exact" if c["columns"] <= EXACT_COLUMNS else "one sample"
+                lines.append(f"| {model} | {c['classes']:,} | {c['columns']:,} | {c['batches']} | "
+                             f"{_f(c['steps_seconds'])} | "
+                             f"{_f(c['exact_steps'], 1) if not math.isnan(c['exact_steps']) else 'not run'} | "
+                             f"{_f(c['sampled_steps'], 1)} | {chosen} |")
+    return lines
+
+
+def real_sizes(device: torch.device, size: str, models: List[str], output: Optional[Path],
+               command: str) -> Dict[str, Any]:
+    """Part 4: :func:`_real_sizes.measure_all`, each model's record written to ``output`` as it is measured."""
+    from _real_sizes import SIZES, Meter, measure_all
+
+    cuda = device.type == "cuda"
+    name = torch.cuda.get_device_name(device) if cuda else f"CPU ({cpu_name()})"
+    key = f"{name}, {size} size"
+    run = {"device": name, "cuda": cuda, "size": size, "date": now(), "library": library_state(), "command": command,
+           "torch": torch.__version__ + (f", CUDA {torch.version.cuda}" if cuda else ""),
+           "meter": Meter(device).describe(), "models": {}}
+
+    def save(model: str, record: Dict[str, Any]) -> None:
+        run["models"][model] = record
+        print(f"{model}: " + (record.get("error") or "; ".join(
+            f"{k} {record[k]:.3g}" for k in ("epoch", "estimate_epochs", "run_ratio", "memory_ratio"))), flush=True)
+        if output is not None:  # read again: the file may have changed since this run started
+            data = results_data(output)
+            data.setdefault("real_sizes", {})[key] = run
+            write_results(output, data)
+
+    measure_all(models, SIZES[size], device, save)
+    return run
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu for a smoke test")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one timing round")
     parser.add_argument("--output", type=Path, default=None,
-                        help="results file (default benchmarks/results/gpu.md on CUDA without --quick; else none)")
+                        help="results file (default benchmarks/results/gpu.md on CUDA without --quick, and with "
+                             "--real-sizes; else none)")
+    parser.add_argument("--real-sizes", choices=("small", "full"),
+                        help="part 4 alone at this size: issue 54's models (full: on a GPU; small: minutes on a CPU)")
+    parser.add_argument("--models", nargs="+", default=None, help="part 4's models (default: all)")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -332,6 +451,16 @@ def main() -> int:
     logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
+    if args.real_sizes:
+        from _real_sizes import MODELS
+
+        models = args.models or list(MODELS)
+        unknown = sorted(set(models) - set(MODELS))
+        if unknown:
+            parser.error(f"--models: unknown {unknown}; expected some of {list(MODELS)}")
+        command = "python benchmarks/gpu.py " + " ".join(sys.argv[1:])
+        real_sizes(device, args.real_sizes, models, args.output or OUTPUT, command)
+        return 0
     output = args.output or (OUTPUT if device.type == "cuda" and not args.quick else None)
     started = time.perf_counter()
     result = Result()
@@ -346,8 +475,9 @@ def main() -> int:
     print()
     print(text)
     if output is not None:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(text)
+        data = results_data(output)
+        data["checks"] = text
+        write_results(output, data)
         print(f"written to {output}")
     return 0 if all(ok for _, ok, _ in result.checks) else 1
 
