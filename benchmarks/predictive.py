@@ -12,6 +12,13 @@ defaults, seeds 0-2, MNIST-14 test images as out-of-distribution inputs.
 ``--analyse``: from each run's final weights, the predictive's variance split by tensor and its variants
 (the posterior as trained, post-hoc precisions, the output layer's block alone, probit and MC), scored on the
 same test and OOD inputs as the network alone; writes ``results/predictive.md``.
+
+``--peer`` (after ``--analyse``, whose rows it sets beside): laplace-torch's recommended recipe (last-layer kron
+Laplace, a scalar prior precision by its post-hoc marginal likelihood, GLM probit) and its full-network kron GLM, on
+the same runs and inputs, scored alike (needs ``laplace-torch``).
+
+``--regression``: the one call's regression predictive (mean, model + noise variance) against the network's mean
+with its learned sigma, test log-likelihood on scikit-learn's diabetes set (MLPs of depth 1 and 2, seeds 0-2).
 """
 from __future__ import annotations
 
@@ -208,7 +215,10 @@ REFERENCE_ROWS = ("as trained, tempered (the one call's default)", "post hoc, la
 def peer_run(spec_: _zoo.RunSpec, cache: str) -> Dict[str, Any]:
     """laplace-torch's recipes at the run's final weights, scored on the inputs ``analyse_run`` scores, with the
     network alone recomputed (a check that the inputs are the analysis's)."""
-    from laplace import Laplace
+    try:
+        from laplace import Laplace
+    except ImportError as err:
+        raise SystemExit(f"--peer needs laplace-torch ({err}): pip install laplace-torch") from err
 
     module, data, _ = trained(spec_, cache)
     module.eval()
