@@ -12,10 +12,19 @@ defaults, seeds 0-2, MNIST-14 test images as out-of-distribution inputs.
 ``--analyse``: from each run's final weights, the predictive's variance split by tensor and its variants
 (the posterior as trained, post-hoc precisions, the output layer's block alone, probit and MC), scored on the
 same test and OOD inputs as the network alone; writes ``results/predictive.md``.
+
+``--peer`` (after ``--analyse``, whose rows it sets beside): laplace-torch's recommended recipe (last-layer kron
+Laplace, a scalar prior precision by its post-hoc marginal likelihood, GLM probit) and its full-network kron GLM, on
+the same runs and inputs, scored alike (needs ``laplace-torch``).
+
+``--regression``: the one call's regression predictive (mean, model + noise variance) against the network's mean
+with its learned sigma, test log-likelihood on scikit-learn's diabetes set (MLPs of depth 1 and 2, seeds 0-2).
 """
 from __future__ import annotations
 
 import argparse
+import copy
+import math
 import os
 import sys
 import time
@@ -191,6 +200,167 @@ def report(runs: Dict[str, List[Dict[str, Any]]], command: str, elapsed: float) 
     return "\n".join(lines)
 
 
+# --- the peer side by side (item 3) ----------------------------------------------------------------------------
+
+PEER_RECIPES = {
+    # laplace-torch's recommended recipe (its README) and its full-network GLM: kron GGN, the scalar prior precision
+    # by its post-hoc marginal likelihood (its defaults: 100 Adam steps from 1), its default predictive (GLM, probit)
+    "laplace-torch: last-layer kron, post-hoc marglik, GLM probit (its recommended recipe)": "last_layer",
+    "laplace-torch: full-network kron, post-hoc marglik, GLM probit": "all",
+}
+PEER_CHUNK = 25  # inputs per predictive call: its full-network Jacobians of the CNN take about 20 MB an input
+REFERENCE_ROWS = ("as trained, tempered (the one call's default)", "post hoc, last layer, tempered")
+
+
+def peer_run(spec_: _zoo.RunSpec, cache: str) -> Dict[str, Any]:
+    """laplace-torch's recipes at the run's final weights, scored on the inputs ``analyse_run`` scores, with the
+    network alone recomputed (a check that the inputs are the analysis's)."""
+    try:
+        from laplace import Laplace
+    except ImportError as err:
+        raise SystemExit(f"--peer needs laplace-torch ({err}): pip install laplace-torch") from err
+
+    module, data, _ = trained(spec_, cache)
+    module.eval()
+    loader = _zoo._loader(data.x_train, data.y_train, 500, None)
+    x, y = data.x_test[:_zoo.LINEARIZED], data.y_test[:_zoo.LINEARIZED]
+    ood = _zoo.ood_inputs(spec_.ood, data.image_size)[:_zoo.LINEARIZED]
+    with torch.no_grad():
+        scores = {"network alone": _zoo._softmax_scores(module(x).softmax(1), y, module(ood).softmax(1))}
+    precision: Dict[str, float] = {}
+    for name, subset in PEER_RECIPES.items():
+        la = Laplace(copy.deepcopy(module.net), "classification", subset_of_weights=subset, hessian_structure="kron")
+        la.fit(loader)
+        la.optimize_prior_precision(method="marglik")
+        probs = [torch.cat([la(part[i:i + PEER_CHUNK], pred_type="glm", link_approx="probit").detach()
+                            for i in range(0, len(part), PEER_CHUNK)]) for part in (x, ood)]
+        scores[name] = _zoo._softmax_scores(probs[0], y, probs[1])
+        precision[name] = float(la.prior_precision.detach().mean())
+    return {"scores": scores, "prior_precision": precision}
+
+
+def peer_report(peer: Dict[str, List[Dict[str, Any]]], analysis: Dict[str, List[Dict[str, Any]]], command: str,
+                elapsed: float) -> str:
+    """The peer's rows beside the network alone and this library's rows of the same runs (from the analysis)."""
+    lines = [
+        "## Side by side with laplace-torch (item 3)", "",
+        f"Date: {now()}. Command: `{command}` ({elapsed / 60:.1f} min). laplace-torch {package_version('laplace-torch')} "
+        f"(curvlinops-for-pytorch {package_version('curvlinops-for-pytorch')}, its default backend `CurvlinopsGGN`), "
+        f"library {_zoo.library_state()}. The six runs and the inputs of the analysis above (the first "
+        f"{_zoo.LINEARIZED} test and MNIST-14 images); `Laplace(net, \"classification\", subset_of_weights=..., "
+        "hessian_structure=\"kron\")`, `fit` on the 3,000 training images, `optimize_prior_precision(method=\"marglik\")` "
+        "(a scalar precision), predictive `pred_type=\"glm\", link_approx=\"probit\"`. This library's rows are the "
+        "analysis's (same runs and inputs); `network alone` is recomputed here and equals the analysis's. Means over "
+        "seeds; `meets`: seeds whose NLL and ECE are at most the network's alone.", "",
+    ]
+    for network, rs in peer.items():
+        lines += [f"### shapes8 / {network}", "",
+                  "| predictive | acc | NLL | ECE | OOD AUROC | meets NLL and ECE | prior precision |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        rows = [(name, [r["scores"][name] for r in rs]) for name in rs[0]["scores"]]
+        rows[1:1] = [(f"lightning_marglik: {name}", [a["scores"][name] for a in analysis[network]])
+                     for name in REFERENCE_ROWS]
+        alone = [r["scores"]["network alone"] for r in rs]
+        for name, per_seed in rows:
+            mean = {k: float(np.mean([s[k] for s in per_seed])) for k in ("acc", "nll", "ece", "auroc")}
+            met = sum(meets(s, a) for s, a in zip(per_seed, alone))
+            delta = ("" if name not in rs[0]["prior_precision"]
+                     else f"{np.mean([r['prior_precision'][name] for r in rs]):.3g}")
+            lines.append(f"| {name} | {mean['acc']:.4f} | {mean['nll']:.4f} | {mean['ece']:.4f} | {mean['auroc']:.4f} | "
+                         + ("-" if name == "network alone" else f"{met} / {len(rs)}") + f" | {delta} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+# --- regression (item 5) -------------------------------------------------------------------------------------
+
+REGRESSION_DEPTHS = (1, 2)
+REGRESSION_EPOCHS = 100
+
+
+def regression_run(depth: int, seed: int, epochs: int = REGRESSION_EPOCHS) -> Dict[str, float]:
+    """scikit-learn's diabetes set (442 x 10; split 80/20 by ``seed``, inputs and targets standardized by the
+    training part), an MLP 10-50(-50)-1 (tanh) trained with ``MargLikCallback()`` at its defaults (sigma learned);
+    the test Gaussian log-likelihood per datum of the one call (mean, model + noise variance) and of the network's
+    mean with the learned noise variance alone."""
+    import pytorch_lightning as pl
+    from sklearn.datasets import load_diabetes
+
+    from common import MLPRegressor
+    from lightning_marglik import MargLikCallback
+    from lightning_marglik.selection import quiet_lightning
+
+    x_all, y_all = (torch.as_tensor(a, dtype=torch.float32) for a in load_diabetes(return_X_y=True))
+    order = torch.randperm(len(x_all), generator=torch.Generator().manual_seed(seed))
+    n_train = int(0.8 * len(x_all))
+    train, test = order[:n_train], order[n_train:]
+    x_mean, x_std = x_all[train].mean(0), x_all[train].std(0)
+    y_mean, y_std = y_all[train].mean(), y_all[train].std()
+    x, y = (x_all - x_mean) / x_std, ((y_all - y_mean) / y_std)[:, None]
+    pl.seed_everything(seed, verbose=False)
+    module = MLPRegressor(n_train, in_features=10, width=50, depth=depth)
+    callback = MargLikCallback()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[train], y[train]), batch_size=32,
+                                         shuffle=True, generator=torch.Generator().manual_seed(seed))
+    with quiet_lightning():
+        pl.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False, callbacks=[callback]).fit(module, loader)
+    out = predict(callback, module, x[test])
+    target = y[test]
+
+    def log_likelihood(mean: Tensor, variance: Tensor) -> float:
+        # per datum, in the original units of the target (the standardization's Jacobian: - log y_std)
+        return (-0.5 * (torch.log(2 * torch.pi * variance) + (target - mean) ** 2 / variance)).mean().item() \
+            - math.log(y_std)
+
+    result = {"predictive": log_likelihood(out.mean, out.variance),
+              "network + sigma": log_likelihood(out.mean, out.noise_variance),
+              "sigma": out.noise_variance[0, 0].sqrt().item(),
+              "model variance": out.model_variance.mean().item(),
+              "rmse": (out.mean - target).pow(2).mean().sqrt().item(),
+              "log delta": module.prior.per_tensor(module.prior.log_precision).tolist()}
+    # the candidate of the classification study: every precision (the held output layer's too) and sigma fitted by
+    # the evidence at the final weights; it writes the module's sigma, so it comes after the rows above
+    evidence, prior = posthoc(module, torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x[train], y[train]), batch_size=len(train)))
+    fitted = predict(evidence, module, x[test])
+    result.update({"post hoc": log_likelihood(fitted.mean, fitted.variance),
+                   "post hoc sigma": fitted.noise_variance[0, 0].sqrt().item(),
+                   "post hoc model variance": fitted.model_variance.mean().item(),
+                   "post hoc log delta": prior.per_tensor(prior.log_precision).tolist()})
+    return result
+
+
+def regression_report(runs: Dict[str, List[Dict[str, Any]]], command: str, elapsed: float) -> str:
+    lines = [
+        "## Regression: the predictive against the network plus its learned sigma (item 5)", "",
+        f"Date: {now()}. Command: `{command}` ({elapsed / 60:.1f} min). Library {_zoo.library_state()}. "
+        "scikit-learn's `load_diabetes` (442 x 10, the one UCI-style regression set shipped in a package here; "
+        "split 80/20 by the seed, inputs and target standardized by the training part), an MLP 10-50-1 or "
+        f"10-50-50-1 (tanh, `examples/common.MLPRegressor`), {REGRESSION_EPOCHS} epochs of Adam (lr 1e-2, cosine to "
+        "1e-3, batches of 32), `MargLikCallback()` at its defaults (sigma learned), seeds 0-2. Test Gaussian "
+        "log-likelihood per datum in the target's units (higher is better) of `predict(callback, module, x)` (mean, "
+        "model + noise variance) and of the same mean with the learned noise variance alone; `post hoc`: the one "
+        "call with an evidence whose precisions (the held output layer's too) and sigma are fitted at the final "
+        "weights (`posthoc`, as in the analysis). The RMSE, sigma and the variances in standardized units.", "",
+        "| network | seed | test LL, network + sigma | predictive | difference | sigma | mean model variance | RMSE "
+        "| post hoc: predictive | difference | sigma | mean model variance |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for network, rs in runs.items():
+        for seed, r in zip(SEEDS, rs):
+            base = r["network + sigma"]
+            lines.append(f"| {network} | {seed} | {base:.4f} | {r['predictive']:.4f} | {r['predictive'] - base:+.4f} | "
+                         f"{r['sigma']:.3f} | {r['model variance']:.4f} | {r['rmse']:.3f} | {r['post hoc']:.4f} | "
+                         f"{r['post hoc'] - base:+.4f} | {r['post hoc sigma']:.3f} | {r['post hoc model variance']:.4f} |")
+        mean = {k: float(np.mean([r[k] for r in rs])) for k in ("predictive", "network + sigma", "post hoc")}
+        wins = {k: sum(r[k] >= r["network + sigma"] for r in rs) for k in ("predictive", "post hoc")}
+        lines.append(f"| {network} | mean | {mean['network + sigma']:.4f} | {mean['predictive']:.4f} | "
+                     f"{mean['predictive'] - mean['network + sigma']:+.4f} (at least in {wins['predictive']} / "
+                     f"{len(rs)}) | | | | {mean['post hoc']:.4f} | {mean['post hoc'] - mean['network + sigma']:+.4f} "
+                     f"(at least in {wins['post hoc']} / {len(rs)}) | | |")
+    return "\n".join(lines)
+
+
 # --- cost of the one call ----------------------------------------------------------------------------------
 
 
@@ -253,16 +423,20 @@ def main(argv: Any = None) -> None:
     parser.add_argument("--quick", action="store_true", help="3 epochs on 300 images (a smoke test)")
     parser.add_argument("--analyse", action="store_true", help="the variants of the predictive on the cached runs")
     parser.add_argument("--cost", action="store_true", help="the one call against a forward pass")
+    parser.add_argument("--regression", action="store_true",
+                        help="the one call's regression predictive against the network plus its learned sigma")
+    parser.add_argument("--peer", action="store_true",
+                        help="laplace-torch's last-layer and full-network recipes on the analysed runs")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.train:
         _zoo.run_shard(plan(args.quick), args.shard[0], args.shard[1], args.cache)
-    if not (args.analyse or args.cost):
+    if not (args.analyse or args.cost or args.peer or args.regression):
         return
     freeze_startup()
     path = RESULTS / "predictive.md"
     command = "python benchmarks/predictive.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    data = {"cost": None, "analysis": None}
+    data = {"cost": None, "analysis": None, "peer": None, "regression": None}
     if path.exists():
         from _common import read_data
         data.update(read_data(path))
@@ -274,7 +448,22 @@ def main(argv: Any = None) -> None:
         runs = {network: [analyse_run(spec(network, seed, args.quick), args.cache) for seed in SEEDS]
                 for network in NETWORKS}
         data["analysis"] = {"runs": runs, "text": report(runs, command, time.perf_counter() - start)}
-    parts = [part["text"] for part in (data["cost"], data["analysis"]) if part]
+    if args.peer:
+        if not data["analysis"]:
+            raise SystemExit("--peer sets its rows beside the analysis's: run --analyse first (or with it)")
+        start = time.perf_counter()
+        peer = {network: [peer_run(spec(network, seed, args.quick), args.cache) for seed in SEEDS]
+                for network in NETWORKS}
+        data["peer"] = {"runs": peer, "text": peer_report(peer, data["analysis"]["runs"], command,
+                                                         time.perf_counter() - start)}
+    if args.regression:
+        start = time.perf_counter()
+        regression = {f"mlp, depth {depth}": [regression_run(depth, seed, 3 if args.quick else REGRESSION_EPOCHS)
+                                              for seed in SEEDS] for depth in REGRESSION_DEPTHS}
+        data["regression"] = {"runs": regression,
+                              "text": regression_report(regression, command, time.perf_counter() - start)}
+    parts = [part["text"] for part in (data["cost"], data["analysis"], data.get("peer"), data.get("regression"))
+             if part]
     text = "\n\n".join(["# The posterior predictive (issue 53)", *parts, hand_written(path)])
     write_with_data(path, text, data)
     print(text)
