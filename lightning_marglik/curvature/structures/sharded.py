@@ -6,7 +6,8 @@ in float64, so the estimate would need a whole model's worth of memory per rank,
 avoids. A :class:`ShardedStructure` covers the layers of a structure whose statistics split by
 layer (:attr:`~..statistics.Structure.layer_owned`): every layer has one owning rank; after each batch,
 each layer's sums of that batch are summed onto its owner, so a rank holds the running sums of its own layers
-and one layer's batch sums at a time. Only the owner decomposes a layer. The log-determinant is a sum over
+and one layer's batch sums at a time, in float32 for a float32 model (half of float64's memory). Only the owner
+decomposes a layer, in float64, one factor at a time, and frees its sums. The log-determinant is a sum over
 layers, so every evaluation sums the ranks' shares, its value and closed-form derivatives in one
 all-reduce of ``3 + 3T`` numbers (``T``: the prior tensors covered). The protocol between the ranks (the
 owners, the agreement rounds, the reduce onto owners, a failure on one rank) is :mod:`..exchange`'s. After the
