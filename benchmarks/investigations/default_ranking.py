@@ -61,6 +61,8 @@ HELD_EVIDENCES = {"kron-EF": "kron-EF folded, output held", "kron-GGN": "kron-GG
 DEFAULT = "default (auto)"
 FLAGGED_RESCALED = "kron-EF, flagged /r"  # each candidate's kron-EF, divided by its ratio where the check flags it
 OPTIONS = (*RANKING_EVIDENCES, FLAGGED_RESCALED, DEFAULT)
+HELD = ", output held"
+HELD_OPTIONS = tuple(f"{option}{HELD}" for option in (*HELD_EVIDENCES, DEFAULT))  # the ranking study only
 # the comparisons docs/selection.md ("When to trust Step 2") trusts: networks of one kind, no BatchNorm mixed in
 TRUSTED_FAMILIES = {"ranking study": ("MLP", "CNN"), "paper protocol": tuple(pp.FAMILIES)}
 CLASSES = 10
@@ -71,8 +73,14 @@ def options_of(study: Dict[str, np.ndarray], names: Sequence[str], n_params: Seq
     """Every option's evidence ``(candidates, seeds)`` of a study and the default's choice per seed."""
     default, choices = rs.default_ranking(study["kron-EF"], study["kron-GGN"], study["ratio"], names, n_params, n_rows)
     flagged_rescaled = np.where(study["ratio"] < EF_RATIO_THRESHOLD, study["kron-EF/r"], study["kron-EF"])
-    return {**{option: study[option] for option in RANKING_EVIDENCES}, FLAGGED_RESCALED: flagged_rescaled,
-            DEFAULT: default}, choices
+    options = {**{option: study[option] for option in RANKING_EVIDENCES}, FLAGGED_RESCALED: flagged_rescaled,
+               DEFAULT: default}
+    if f"kron-EF{HELD}" in study:  # the same choice per seed (the EF check does not depend on the prior)
+        held, _ = rs.default_ranking(study[f"kron-EF{HELD}"], study[f"kron-GGN{HELD}"], study["ratio"], names,
+                                     n_params, n_rows)
+        options.update({f"{option}{HELD}": study[f"{option}{HELD}"] for option in HELD_EVIDENCES},
+                       **{f"{DEFAULT}{HELD}": held})
+    return options, choices
 
 
 def score(evidences: Dict[str, np.ndarray], accuracy: np.ndarray, names: Sequence[str], flagged: Sequence[str],
@@ -165,6 +173,31 @@ def _cell(s: Dict[str, Any]) -> str:
             + (" **flagged**" if s["pick_flagged"] else ""))
 
 
+def output_layer_lines(parts: List[Tuple[Dict[str, Any], str]]) -> List[str]:
+    """The table of the output layer's treatment at the ranking step, learned against held (studies that have both)."""
+    pairs = [(option, f"{option}{HELD}") for option in (*HELD_EVIDENCES, DEFAULT)]
+    rows = [(s, part) for s, part in parts if pairs[0][1] in s[part]["scores"]]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## The output layer's precision at the ranking step: learned, or held at the declared delta",
+        "",
+        "Training holds it in both (`MargLikCallback`'s default `output_layer=\"fixed\"`, issue 42); the re-optimisation "
+        "at the final weights learns it (the options above) or holds it at its trained value, delta = 1 "
+        "(`select_models` before issue 52; its evidence re-optimises the callback's prior, which holds it). "
+        "Cells as above.",
+        "",
+        "| study | candidates | " + " | ".join(f"{option} learned | {option} held" for option, _ in pairs) + " |",
+        "|---|---|" + "---|" * (2 * len(pairs)),
+    ]
+    for s, part in rows:
+        label = "all" if part == "all" else " + ".join(s["trusted_families"])
+        lines.append(f"| {s['study']} | {label} ({s[part]['n']} x {len(s['seeds'])} seeds) | " + " | ".join(
+            f"{_cell(s[part]['scores'][learned])} | {_cell(s[part]['scores'][held])}" for learned, held in pairs) + " |")
+    return lines
+
+
 def markdown(studies: List[Dict[str, Any]], interpolation: List[Dict[str, Any]], command: str, samples: int,
              interpolation_library: str) -> str:
     lines = [
@@ -197,6 +230,7 @@ def markdown(studies: List[Dict[str, Any]], interpolation: List[Dict[str, Any]],
                      f"{p['scores'][DEFAULT]['best']}; EF ratio r {p['ratio_range'][0]:.3f}..{p['ratio_range'][1]:.3f}; "
                      f"flagged (r per seed): {flagged}; the default resolves per seed to "
                      + ", ".join(f"{seed} {choice}" for seed, choice in zip(s["seeds"], p["choices"])) + ".")
+    lines += output_layer_lines(parts)
     lines += [
         "",
         "## ef_interpolation: the pick per checkpoint (3 candidates, one seed, delta fixed at 1)",
@@ -236,8 +270,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         print(f"{len(runs)} runs of the ranking study cached, no seed complete: analyse once every shard has finished")
         return {}
     ef_ratio = lambda run: run["checkpoints"]["100%"]["evidence"]["kron-EF folded"]["ef_ratio"]  # noqa: E731
+    labels = {**RANKING_EVIDENCES, **{f"{option}{HELD}": label for option, label in HELD_EVIDENCES.items()}}
     studies = [analyse_study("ranking study", runs, names, seeds, [rs.CANDIDATES[n][0] for n in names],
-                             RANKING_EVIDENCES, ef_ratio, args.bootstrap)]
+                             labels, ef_ratio, args.bootstrap)]
     paper = rs.load_runs(args.paper_cache, list(pp.CANDIDATES), [0, 1], pp.RECIPE, pp.POSTHOC)
     if not args.quick and len(paper) == 2 * len(pp.CANDIDATES):
         labels = {option: option for option in RANKING_EVIDENCES}  # no BatchNorm: folded is the network itself
