@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import yaml
 
 from lightning_marglik import CategoricalLikelihood, GaussianPrior, LaplaceEvidence, select_models
 from lightning_marglik.callbacks.output_layer import OUTPUT_LAYER
 from lightning_marglik.curvature import collect_statistics
+from lightning_marglik.selection import build_parser, check_config
 from tests.lightning_models import Classifier, blobs, loader
 
 torch.set_num_threads(1)
@@ -84,7 +86,18 @@ def test_auto_ranks_with_the_output_layer_learned_and_online_as_trained():
     assert online.rank_output_layer is None and online.marglik == online.online_marglik
 
 
-def test_an_unknown_rank_output_layer_is_refused_before_training():
-    with pytest.raises(ValueError, match="rank_output_layer"):
+def test_an_unknown_rank_output_layer_is_refused_before_training_and_the_command_line_takes_it(tmp_path):
+    with pytest.raises(ValueError, match=r"`rank_output_layer` must be one of \('learn', 'fixed'\), got 'held'"):
         select_models({"mlp": lambda: Classifier(n_data=N)}, train_dataloader=loader(blobs(N, 0)),
                       rank_output_layer="held")
+    config = {"data": {"class_path": "tests.lightning_models.BlobData"},
+              "candidates": {"a": {"class_path": "tests.lightning_models.Classifier"}}}
+    check_config({**config, "rank_output_layer": "fixed"})
+    with pytest.raises(ValueError, match="rank_output_layer"):
+        check_config({**config, "rank_output_layer": "held"})
+    assert build_parser().get_defaults().rank_output_layer == "learn"
+    path = tmp_path / "candidates.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert build_parser().parse_args(["--config", str(path), "--rank_output_layer=fixed"]).rank_output_layer == "fixed"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--config", str(path), "--rank_output_layer=held"])

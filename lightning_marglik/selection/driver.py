@@ -32,6 +32,7 @@ from .results import RESULTS_JSON, CandidateResult, load_results, run_lock, save
 
 __all__ = [
     "AUTO_FALLBACK", "AUTO_FULL", "AUTO_FULL_MAX_DIRECTIONS", "AUTO_FULL_MAX_MEMORY", "AUTO_SAFE", "DEFAULT_RANK_BY",
+    "DEFAULT_RANK_OUTPUT_LAYER", "RANK_OUTPUT_LAYER",
     "PREDICTIVES", "check_callback_arguments", "check_candidates", "check_fold_batchnorm", "check_rank_by",
     "check_trainer_arguments", "full_ggn_refusal", "quiet_lightning", "rank_by_choices",
     "resolve_auto", "select_models",
@@ -42,7 +43,7 @@ DEFAULT_RANK_BY = "auto"
 #: ``rank_output_layer``: the ranking evidence learns the output layer's precision that training holds
 #: (``MargLikCallback(output_layer="fixed")``, the default), or holds it as trained. Learned ranked the
 #: ranking study better (``benchmarks/results/default_ranking.md``, issue 52).
-RANK_OUTPUT_LAYER = ("learn", "fixed")
+RANK_OUTPUT_LAYER, DEFAULT_RANK_OUTPUT_LAYER = ("learn", "fixed"), "learn"
 #: What ``rank_by="auto"`` resolves to, one choice for all candidates: the exact full GGN where every
 #: candidate affords it (small regression networks: ``examples/results/toy_depth.md``, where the
 #: block-diagonal evidences pick another depth); else the Kronecker empirical Fisher, which ranked
@@ -205,7 +206,7 @@ def select_models(
     settings: Optional[Mapping[str, Any]] = None,
     rank_by: str = DEFAULT_RANK_BY,
     fold_batchnorm: bool = True,
-    rank_output_layer: str = "learn",
+    rank_output_layer: str = DEFAULT_RANK_OUTPUT_LAYER,
 ) -> List[CandidateResult]:
     """Train every candidate with ``MargLikCallback`` and rank them by their evidence at the final weights.
 
