@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_marglik import LaplaceEvidence, MargLikCallback, select_models
+from lightning_marglik.callbacks.output_layer import OUTPUT_LAYER
 from lightning_marglik.folding import fold_batchnorm
 from lightning_marglik.selection import run_command_line
 from tests.lightning_models import BlobData, Classifier, blobs
@@ -27,8 +28,11 @@ def run(factory, **kwargs):
 
 
 def by_hand(module: Classifier, fold: bool, structure: str = "kron", approx: str = "ef") -> float:
-    """The evidence per datum of the trained module (or its folded copy), Newton from the learned precisions."""
+    """The evidence per datum of the trained module (or its folded copy), Newton from the learned precisions, the
+    output layer's learned too."""
     loader = DataLoader(blobs(60, 0), batch_size=60)
+    # the ranking evidence learns the output layer's precision that training held (rank_output_layer="learn")
+    module.prior.treat(module.prior.treatments[OUTPUT_LAYER][0], "learn", OUTPUT_LAYER)
     model, prior = module, module.prior
     if fold:
         folded = fold_batchnorm(module, blobs(60, 0).tensors[0][:20], prior=module.prior)

@@ -44,6 +44,8 @@ class CandidateResult:
     (layer -> norm; empty: none, or ``fold_batchnorm=False``). ``normalization`` names the
     normalization layer types of the network (empty: none; ``None`` in files of older versions):
     candidates with and without them are not compared by their evidence (:mod:`.comparability`).
+    ``rank_output_layer`` says, in words, that ``marglik`` learned the output layer's precision that
+    training held (``select_models(rank_output_layer="learn")``, the default); ``None``: ranked as trained.
     """
 
     name: str
