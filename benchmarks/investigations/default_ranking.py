@@ -10,6 +10,10 @@ networks folded, as ``select_models`` does by default):
 * ``default (auto)``: ``rank_by="auto"`` now (``lightning_marglik.selection.resolve_auto``): kron-EF, or kron-GGN
   for every candidate of a run (one seed) whose EF check flags a candidate (``r`` below ``EF_RATIO_THRESHOLD``).
 
+Each of these learns the output layer's precision at the ranking step (training holds it: ``MargLikCallback``'s
+``output_layer="fixed"``); ``kron-EF``, ``kron-GGN`` and the default also with it held at its trained value (issue 52,
+``select_models(rank_output_layer="fixed")``), on the ranking study, in a table of their own.
+
 The studies:
 
 * the ranking study (``examples/ranking_study.py``: 22 MLPs, CNNs and BatchNorm ResNets x 3 seeds, its recipe),
