@@ -301,7 +301,7 @@ def select_models(
     predictive = choice(predictive, PREDICTIVES, "predictive")
     rank_by, rank_options = check_rank_by(rank_by)
     rank_output_layer = choice(rank_output_layer, RANK_OUTPUT_LAYER, "rank_output_layer")
-    learn_output = rank_output_layer == "learn" and rank_by != "online"  # the online evidence is the callback's own
+    learn_output = rank_output_layer == "learn" and rank_by != "online"  # "online" ranks by the estimate as trained
     fold = check_fold_batchnorm(fold_batchnorm) and rank_by != "online"  # the online evidence is the callback's own
     auto = rank_by == "auto"
     check_options = check_rank_by(AUTO_FALLBACK)[1] if auto else rank_options  # auto may fall back to it
