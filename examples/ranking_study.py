@@ -68,6 +68,7 @@ from lightning_marglik.denormals import DenormalFlush  # noqa: E402
 from lightning_marglik.diagnostics import ef_ratio_of, rescale_empirical_fisher, traces_from_statistics  # noqa: E402
 from lightning_marglik.gprior import curvature_diagonal, optimize_g_prior  # noqa: E402
 from lightning_marglik.linearized import linearized_evidence  # noqa: E402
+from lightning_marglik.callbacks.output_layer import treat_output_layer  # noqa: E402
 from lightning_marglik.folding import fold_batchnorm  # noqa: E402
 from lightning_marglik.symmetries import canonicalize  # noqa: E402
 from lightning_marglik.selection import full_ggn_refusal, quiet_lightning, resolve_auto  # noqa: E402
@@ -132,6 +133,11 @@ APPROXIMATIONS: Dict[str, Tuple[str, str, int, str]] = {
     "kron-GGN linearized": ("kron", "ggn", 0, "linearized"),
     "kron-GGN linearized, no biases": ("kron", "ggn", 0, "linearized-nobias"),
 }
+# ", output held": the output layer's precision held at its trained value (the declared delta: MargLikCallback's
+# default output_layer="fixed" holds it in training) by the re-optimisation, as select_models ranks since issue 42
+# (its evidence_with re-optimises the callback's prior, which treats the layer "fixed"); without: learned there
+# (benchmarks/investigations/default_ranking.py compares the two; the label of each to its approximation's)
+HELD_OUTPUT = {f"{label}, output held": label for label in ("kron-GGN folded", "kron-EF folded")}
 # the linear model's optimum: L-BFGS until the gradient has fallen to LINEARIZED_TOL of its value at the trained
 # weights, at most LINEARIZED_STEPS iterations (each run records whether it converged and how many it took)
 LINEARIZED_STEPS = 100
@@ -288,7 +294,7 @@ def posthoc_evidence(net: nn.Module, state: Dict[str, Any], loader: DataLoader, 
     the biases frozen. ``g-prior``: one precision ``delta_g`` scaled per tensor by its mean curvature diagonal (one
     more ``diag`` pass), Newton over ``delta_g``.
     """
-    structure, kind, mc, method = APPROXIMATIONS[approx]
+    structure, kind, mc, method = APPROXIMATIONS[HELD_OUTPUT.get(approx, approx)]
     net.load_state_dict(state["net"])
     net.eval()
     names = [n for n, p in net.named_parameters() if p.requires_grad]
@@ -300,6 +306,8 @@ def posthoc_evidence(net: nn.Module, state: Dict[str, Any], loader: DataLoader, 
         prior_obj = GaussianPrior(net, structure=prior)
         prior_obj.log_precision.copy_(torch.stack([online[n] for n in prior_obj.param_names]) if prior == "layerwise"
                                       else state["log_precision"])
+        if approx in HELD_OUTPUT:  # before folding, which carries the treatment over
+            treat_output_layer(net, prior_obj, next(iter(loader))[0], "fixed")
         if method in FOLDED:  # the prior carried over as select_models does: a new bias from delta = 1
             folded = fold_batchnorm(net, next(iter(loader))[0], prior=prior_obj)
             net, prior_obj = folded.model, folded.prior
@@ -346,7 +354,8 @@ def _posthoc(net: nn.Module, prior: GaussianPrior, loader: DataLoader, structure
         pass_seconds = time.process_time() - start
         newton = evidence.optimize(solver="newton", max_evaluations=50)
         value, converged, evaluations = newton.value, newton.converged, newton.evaluations
-        log_delta = newton.values["log_precision"]
+        # the learned groups; none where every tensor is held (a linear model's one layer is its output layer)
+        log_delta = newton.values.get("log_precision", prior.log_precision.detach())
     return {
         "marglik": value.item() / evidence.n_data,
         "marglik_online_hyperparameters": at_online,

@@ -189,3 +189,27 @@ def test_the_rescaled_ef_records_the_check_of_an_own_forward_pass_and_divides_th
     assert plain["ef_ratio"] == pytest.approx(ratio, rel=1e-10)
     assert rescaled["ef_ratio"] == pytest.approx(ratio, rel=1e-10)
     assert ratio < 1 and rescaled["marglik"] < plain["marglik"]  # more curvature: a larger Occam penalty
+
+
+def test_the_held_output_layer_evidence_keeps_its_precision_and_the_plain_one_learns_it(study):
+    """``", output held"`` (issue 52): Newton on every precision but the output layer's, held at its trained value;
+    reference: a prior with the output layer in ``fixed=``, the same pass and Newton by hand."""
+    from lightning_marglik import CategoricalLikelihood
+    from lightning_marglik.curvature import collect_statistics
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 3))
+    x = torch.randn(60, 1, 4, 4)
+    loader = DataLoader(TensorDataset(x, torch.arange(60) % 3), batch_size=20)
+    state = {"net": {k: v.clone() for k, v in net.state_dict().items()}, "log_precision": torch.zeros(4)}
+    held, learned = (study.posthoc_evidence(net, state, loader, label, "layerwise", 0)
+                     for label in ("kron-GGN folded, output held", "kron-GGN folded"))
+
+    def by_hand(fixed):
+        prior, likelihood = GaussianPrior(net, fixed=fixed), CategoricalLikelihood()
+        evidence = LaplaceEvidence.from_statistics(collect_statistics(net, loader, likelihood, prior), likelihood, prior)
+        return evidence.optimize(solver="newton", max_evaluations=50).value.item() / 60
+
+    assert held["marglik"] == pytest.approx(by_hand(["3.weight", "3.bias"]), rel=1e-6)
+    assert learned["marglik"] == pytest.approx(by_hand(None), rel=1e-6)
+    assert learned["marglik"] > held["marglik"] + 1e-3

@@ -21,6 +21,7 @@ from lightning_marglik import (
     CategoricalLikelihood, GaussianPrior, LaplaceEvidence, MargLikCallback, NegativeLogLikelihood, map_loss,
     select_models,
 )
+from lightning_marglik.callbacks.output_layer import OUTPUT_LAYER
 from lightning_marglik.selection import build_parser, label_points, load_results, run_command_line, select_from_config
 from tests.lightning_models import BlobData, Classifier, blobs
 
@@ -108,6 +109,8 @@ def test_rank_by_reestimates_the_evidence_at_the_final_weights(rank_by):
     precision = module.prior.per_tensor(module.prior.log_precision).exp()
     assert [logged[f"prior_precision/{n}"] for n in module.prior.param_names] == pytest.approx(precision.tolist())
     structure, approx = rank_by.split("-")
+    # the ranking evidence learns the output layer's precision that training held (rank_output_layer="learn")
+    module.prior.treat(module.prior.treatments[OUTPUT_LAYER][0], "learn", OUTPUT_LAYER)
     evidence = LaplaceEvidence.fit(module, DataLoader(blobs(60, 0), batch_size=60), module.likelihood, module.prior,
                                    structure=structure, approx=approx)
     expected = evidence.optimize(solver="newton", max_evaluations=50).value.item() / 60

@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_marglik import LaplaceEvidence, MargLikCallback, select_models
+from lightning_marglik.callbacks.output_layer import OUTPUT_LAYER
 from lightning_marglik.folding import fold_batchnorm
 from lightning_marglik.selection import run_command_line
 from tests.lightning_models import BlobData, Classifier, blobs
@@ -26,9 +27,14 @@ def run(factory, **kwargs):
                          **kwargs)[0]
 
 
-def by_hand(module: Classifier, fold: bool, structure: str = "kron", approx: str = "ef") -> float:
-    """The evidence per datum of the trained module (or its folded copy), Newton from the learned precisions."""
+def by_hand(module: Classifier, fold: bool, structure: str = "kron", approx: str = "ef",
+            learn_output: bool = True) -> float:
+    """The evidence per datum of the trained module (or its folded copy), Newton from the learned precisions; the
+    output layer's learned too (``learn_output``: as select_models ranks, rank_output_layer="learn"), else held as
+    trained (as ``MargLikCallback.evidence_with``)."""
     loader = DataLoader(blobs(60, 0), batch_size=60)
+    names, _ = module.prior.treatments[OUTPUT_LAYER]
+    module.prior.treat(names, "learn" if learn_output else "fixed", OUTPUT_LAYER)
     model, prior = module, module.prior
     if fold:
         folded = fold_batchnorm(module, blobs(60, 0).tensors[0][:20], prior=module.prior)
@@ -108,7 +114,7 @@ def test_the_callback_folds_only_after_a_fit_and_scores_only_a_copy_with_its_pri
         callback.evidence_with(trainer, module, "kron", "ef", folded=True)
     folded = callback.fold_batchnorm(trainer, module)
     assert callback.evidence_with(trainer, module, "kron", "ef", folded=folded) == pytest.approx(
-        by_hand(module, True), rel=1e-5)
+        by_hand(module, True, learn_output=False), rel=1e-5)
 
 
 def test_the_command_line_and_the_yaml_take_fold_batchnorm(tmp_path, capsys):

@@ -10,6 +10,10 @@ networks folded, as ``select_models`` does by default):
 * ``default (auto)``: ``rank_by="auto"`` now (``lightning_marglik.selection.resolve_auto``): kron-EF, or kron-GGN
   for every candidate of a run (one seed) whose EF check flags a candidate (``r`` below ``EF_RATIO_THRESHOLD``).
 
+Each of these learns the output layer's precision at the ranking step (training holds it: ``MargLikCallback``'s
+``output_layer="fixed"``); ``kron-EF``, ``kron-GGN`` and the default also with it held at its trained value (issue 52,
+``select_models(rank_output_layer="fixed")``), on the ranking study, in a table of their own.
+
 The studies:
 
 * the ranking study (``examples/ranking_study.py``: 22 MLPs, CNNs and BatchNorm ResNets x 3 seeds, its recipe),
@@ -55,9 +59,14 @@ from lightning_marglik.selection import quiet_lightning  # noqa: E402
 
 # the ranking study's evidences of each option (its networks have BatchNorms: folded, as select_models ranks them)
 RANKING_EVIDENCES = {"kron-EF": "kron-EF folded", "kron-GGN": "kron-GGN folded", "kron-EF/r": "kron-EF/r folded"}
+# the same two with the output layer's precision held at its trained value (the declared delta) by the re-optimisation,
+# as select_models ranks since issue 42 (the options above learn it at the ranking step; training holds it in both)
+HELD_EVIDENCES = {"kron-EF": "kron-EF folded, output held", "kron-GGN": "kron-GGN folded, output held"}
 DEFAULT = "default (auto)"
 FLAGGED_RESCALED = "kron-EF, flagged /r"  # each candidate's kron-EF, divided by its ratio where the check flags it
 OPTIONS = (*RANKING_EVIDENCES, FLAGGED_RESCALED, DEFAULT)
+HELD = ", output held"
+HELD_OPTIONS = tuple(f"{option}{HELD}" for option in (*HELD_EVIDENCES, DEFAULT))  # the ranking study only
 # the comparisons docs/selection.md ("When to trust Step 2") trusts: networks of one kind, no BatchNorm mixed in
 TRUSTED_FAMILIES = {"ranking study": ("MLP", "CNN"), "paper protocol": tuple(pp.FAMILIES)}
 CLASSES = 10
@@ -68,8 +77,14 @@ def options_of(study: Dict[str, np.ndarray], names: Sequence[str], n_params: Seq
     """Every option's evidence ``(candidates, seeds)`` of a study and the default's choice per seed."""
     default, choices = rs.default_ranking(study["kron-EF"], study["kron-GGN"], study["ratio"], names, n_params, n_rows)
     flagged_rescaled = np.where(study["ratio"] < EF_RATIO_THRESHOLD, study["kron-EF/r"], study["kron-EF"])
-    return {**{option: study[option] for option in RANKING_EVIDENCES}, FLAGGED_RESCALED: flagged_rescaled,
-            DEFAULT: default}, choices
+    options = {**{option: study[option] for option in RANKING_EVIDENCES}, FLAGGED_RESCALED: flagged_rescaled,
+               DEFAULT: default}
+    if f"kron-EF{HELD}" in study:  # the same choice per seed (the EF check does not depend on the prior)
+        held, _ = rs.default_ranking(study[f"kron-EF{HELD}"], study[f"kron-GGN{HELD}"], study["ratio"], names,
+                                     n_params, n_rows)
+        options.update({f"{option}{HELD}": study[f"{option}{HELD}"] for option in HELD_EVIDENCES},
+                       **{f"{DEFAULT}{HELD}": held})
+    return options, choices
 
 
 def score(evidences: Dict[str, np.ndarray], accuracy: np.ndarray, names: Sequence[str], flagged: Sequence[str],
@@ -162,6 +177,31 @@ def _cell(s: Dict[str, Any]) -> str:
             + (" **flagged**" if s["pick_flagged"] else ""))
 
 
+def output_layer_lines(parts: List[Tuple[Dict[str, Any], str]]) -> List[str]:
+    """The table of the output layer's treatment at the ranking step, learned against held (studies that have both)."""
+    pairs = [(option, f"{option}{HELD}") for option in (*HELD_EVIDENCES, DEFAULT)]
+    rows = [(s, part) for s, part in parts if pairs[0][1] in s[part]["scores"]]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## The output layer's precision at the ranking step: learned, or held at the declared delta",
+        "",
+        "Training holds it in both (`MargLikCallback`'s default `output_layer=\"fixed\"`, issue 42); the re-optimisation "
+        "at the final weights learns it (the options above) or holds it at its trained value, delta = 1 "
+        "(`select_models` before issue 52; its evidence re-optimises the callback's prior, which holds it). "
+        "Cells as above.",
+        "",
+        "| study | candidates | " + " | ".join(f"{option} learned | {option} held" for option, _ in pairs) + " |",
+        "|---|---|" + "---|" * (2 * len(pairs)),
+    ]
+    for s, part in rows:
+        label = "all" if part == "all" else " + ".join(s["trusted_families"])
+        lines.append(f"| {s['study']} | {label} ({s[part]['n']} x {len(s['seeds'])} seeds) | " + " | ".join(
+            f"{_cell(s[part]['scores'][learned])} | {_cell(s[part]['scores'][held])}" for learned, held in pairs) + " |")
+    return lines
+
+
 def markdown(studies: List[Dict[str, Any]], interpolation: List[Dict[str, Any]], command: str, samples: int,
              interpolation_library: str) -> str:
     lines = [
@@ -194,6 +234,7 @@ def markdown(studies: List[Dict[str, Any]], interpolation: List[Dict[str, Any]],
                      f"{p['scores'][DEFAULT]['best']}; EF ratio r {p['ratio_range'][0]:.3f}..{p['ratio_range'][1]:.3f}; "
                      f"flagged (r per seed): {flagged}; the default resolves per seed to "
                      + ", ".join(f"{seed} {choice}" for seed, choice in zip(s["seeds"], p["choices"])) + ".")
+    lines += output_layer_lines(parts)
     lines += [
         "",
         "## ef_interpolation: the pick per checkpoint (3 candidates, one seed, delta fixed at 1)",
@@ -221,7 +262,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                   "callback": {**rs.RECIPE["callback"], "frequency": 1, "steps": 5}}
         names, args.bootstrap = list(rs.QUICK_CANDIDATES), min(args.bootstrap, 50)
     cache = args.cache or os.path.join(OUTPUTS, "default_ranking", "quick" if args.quick else "ranking_study")
-    wanted = tuple(RANKING_EVIDENCES.values())
+    wanted = (*RANKING_EVIDENCES.values(), *HELD_EVIDENCES.values())
     if not args.analyse:
         data = rs.load_mnist(recipe["n_train"], recipe["image_size"], recipe["split_seed"], recipe.get("n_total"))
         with quiet_lightning():
@@ -233,8 +274,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         print(f"{len(runs)} runs of the ranking study cached, no seed complete: analyse once every shard has finished")
         return {}
     ef_ratio = lambda run: run["checkpoints"]["100%"]["evidence"]["kron-EF folded"]["ef_ratio"]  # noqa: E731
+    labels = {**RANKING_EVIDENCES, **{f"{option}{HELD}": label for option, label in HELD_EVIDENCES.items()}}
     studies = [analyse_study("ranking study", runs, names, seeds, [rs.CANDIDATES[n][0] for n in names],
-                             RANKING_EVIDENCES, ef_ratio, args.bootstrap)]
+                             labels, ef_ratio, args.bootstrap)]
     paper = rs.load_runs(args.paper_cache, list(pp.CANDIDATES), [0, 1], pp.RECIPE, pp.POSTHOC)
     if not args.quick and len(paper) == 2 * len(pp.CANDIDATES):
         labels = {option: option for option in RANKING_EVIDENCES}  # no BatchNorm: folded is the network itself

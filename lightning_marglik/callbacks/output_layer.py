@@ -15,9 +15,10 @@ output without a layer of its own, so nothing is treated, and the reason says so
 """
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Dict, FrozenSet, List, Set, Tuple
+from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -28,7 +29,7 @@ from ..curvature.batches import call_model
 from ..hyperparameters import GaussianPrior
 from .package import LightningModule
 
-__all__ = ["OUTPUT_LAYER", "OutputLayer", "find_output_layer", "treat_output_layer"]
+__all__ = ["OUTPUT_LAYER", "OutputLayer", "find_output_layer", "output_layer_learned", "treat_output_layer"]
 
 OUTPUT_LAYER = "output layer"  # the prior's treatment reason (``GaussianPrior.treatments``)
 
@@ -249,3 +250,31 @@ def treat_output_layer(pl_module: LightningModule, prior: GaussianPrior, inputs:
     notes += [f"applied outside their module, learned: {_listed(found.outside)}"] * bool(found.outside)
     reason = f"output layer {_listed(found.layers)}: {what}"
     return {"names": names, "treatment": applied, "reason": "; ".join([reason, *notes])}
+
+
+@contextlib.contextmanager
+def output_layer_learned(prior: GaussianPrior) -> Iterator[Optional[str]]:
+    """Inside, the evidence learns the output layer's precision that training holds (``output_layer="fixed"``).
+
+    For ranking trained models only: held at the declared precision, the output layer's Occam factor is
+    charged at a prior the evidence did not choose, and the ranking study ranked better with it learned
+    (``benchmarks/results/default_ranking.md``, issue 52). The treatment is restored on leaving, and
+    nothing is written to the precisions. Tensors that another reason or ``fixed=`` holds stay held.
+
+    Args:
+        prior: The prior whose ``"output layer"`` treatment :func:`treat_output_layer` declared.
+
+    Yields:
+        What changed, in words (``None``: nothing, the output layer's precision was learned already,
+        or no output layer is treated).
+    """
+    names, treatment = prior.treatments.get(OUTPUT_LAYER, ([], "learn"))
+    if treatment != "fixed" or not names:
+        yield None
+        return
+    prior.treat(names, "learn", OUTPUT_LAYER)
+    try:
+        yield (f"the output layer's precision ({_listed(tuple(names))}) learned by the ranking evidence; training "
+               "held it at the declared precision (output_layer='fixed')")
+    finally:
+        prior.treat(names, treatment, OUTPUT_LAYER)

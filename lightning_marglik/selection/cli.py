@@ -13,7 +13,9 @@ import torch
 
 from ..callbacks import MargLikCallback
 from .config import check_config, missing_module_fix, select_from_config
-from .driver import AUTO_FULL_MAX_DIRECTIONS, DEFAULT_RANK_BY, quiet_lightning, rank_by_choices
+from .driver import (
+    AUTO_FULL_MAX_DIRECTIONS, DEFAULT_RANK_BY, DEFAULT_RANK_OUTPUT_LAYER, quiet_lightning, rank_by_choices,
+)
 from .results import CandidateResult
 
 __all__ = ["DEFAULT_THREADS", "QUICK_NOTICE", "QUICK_OVERRIDES", "build_parser", "explain_import_error", "main",
@@ -126,6 +128,11 @@ def build_parser() -> Any:
                         help="Rank each candidate by the evidence of its network with the BatchNorms folded into "
                              "the layers before them (the test-time function without normalization layers; no "
                              "effect on networks without BatchNorm or with rank_by=online).")
+    parser.add_argument("--rank_output_layer", "--rank-output-layer", type=Literal["learn", "fixed"],
+                        default=DEFAULT_RANK_OUTPUT_LAYER,
+                        help="learn (the default): the ranking evidence learns the output layer's precision that "
+                             "training holds (callback output_layer=fixed; training still holds it); fixed: ranks "
+                             "with it held as trained.")
     parser.add_argument("--trainer", type=Dict[str, Any], default={},
                         help="pl.Trainer arguments, e.g. --trainer.max_epochs=5; names and types are checked "
                              "against pl.Trainer's signature before anything is built. Defaults here: "
@@ -174,6 +181,7 @@ def run_command_line(argv: Optional[Sequence[str]] = None) -> Tuple[List[Candida
         "predictive": cfg.predictive,
         "rank_by": cfg.rank_by,
         "fold_batchnorm": cfg.fold_batchnorm,
+        "rank_output_layer": cfg.rank_output_layer,
         "trainer": dict(cfg.trainer),
         "callback": cfg.callback.as_dict(),
         "data": cfg.data.as_dict(),

@@ -10,8 +10,11 @@ from typing import Any, List, Mapping, Optional
 import pytorch_lightning as pl
 
 from ..callbacks import MargLikCallback
+from ..validators import choice
 from .driver import (
     DEFAULT_RANK_BY,
+    DEFAULT_RANK_OUTPUT_LAYER,
+    RANK_OUTPUT_LAYER,
     check_callback_arguments,
     check_fold_batchnorm,
     check_rank_by,
@@ -120,6 +123,7 @@ def check_config(config: Mapping[str, Any]) -> None:
     check_callback_arguments(config.get("callback") or {})
     check_rank_by(config.get("rank_by", DEFAULT_RANK_BY))
     check_fold_batchnorm(config.get("fold_batchnorm", True))
+    choice(config.get("rank_output_layer", DEFAULT_RANK_OUTPUT_LAYER), RANK_OUTPUT_LAYER, "rank_output_layer")
 
 
 def _class_path(spec: Any, where: str) -> str:
@@ -135,7 +139,7 @@ def select_from_config(config: Mapping[str, Any], resume: bool = False, verbose:
 
     Args:
         config: ``data``, ``candidates`` and optionally ``trainer``, ``callback``, ``seed``,
-            ``predictive``, ``rank_by``, ``fold_batchnorm``, ``output_dir``.
+            ``predictive``, ``rank_by``, ``fold_batchnorm``, ``rank_output_layer``, ``output_dir``.
         resume: Reuse results in ``output_dir`` of candidates trained with the same settings.
         verbose: Print one line per candidate.
 
@@ -158,6 +162,7 @@ def select_from_config(config: Mapping[str, Any], resume: bool = False, verbose:
         predictive=config.get("predictive", "map"),
         rank_by=config.get("rank_by", DEFAULT_RANK_BY),
         fold_batchnorm=config.get("fold_batchnorm", True),
+        rank_output_layer=config.get("rank_output_layer", DEFAULT_RANK_OUTPUT_LAYER),
         output_dir=config.get("output_dir"),
         seed=config.get("seed", 0),
         verbose=verbose,

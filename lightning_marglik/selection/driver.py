@@ -18,6 +18,7 @@ import torchmetrics
 from torch.utils.data import DataLoader
 
 from ..callbacks import MargLikCallback, find_hyperparameters
+from ..callbacks.output_layer import output_layer_learned
 from ..curvature import APPROXIMATIONS, CurvatureOptions, check_model, eval_mode
 from ..curvature.batches import call_model
 from ..curvature.structures import structures_with
@@ -31,6 +32,7 @@ from .results import RESULTS_JSON, CandidateResult, load_results, run_lock, save
 
 __all__ = [
     "AUTO_FALLBACK", "AUTO_FULL", "AUTO_FULL_MAX_DIRECTIONS", "AUTO_FULL_MAX_MEMORY", "AUTO_SAFE", "DEFAULT_RANK_BY",
+    "DEFAULT_RANK_OUTPUT_LAYER", "RANK_OUTPUT_LAYER",
     "PREDICTIVES", "check_callback_arguments", "check_candidates", "check_fold_batchnorm", "check_rank_by",
     "check_trainer_arguments", "full_ggn_refusal", "quiet_lightning", "rank_by_choices",
     "resolve_auto", "select_models",
@@ -38,6 +40,10 @@ __all__ = [
 
 PREDICTIVES = ("map", "probit")
 DEFAULT_RANK_BY = "auto"
+#: ``rank_output_layer``: the ranking evidence learns the output layer's precision that training holds
+#: (``MargLikCallback(output_layer="fixed")``, the default), or holds it as trained. Learned ranked the
+#: ranking study better (``benchmarks/results/default_ranking.md``, issue 52).
+RANK_OUTPUT_LAYER, DEFAULT_RANK_OUTPUT_LAYER = ("learn", "fixed"), "learn"
 #: What ``rank_by="auto"`` resolves to, one choice for all candidates: the exact full GGN where every
 #: candidate affords it (small regression networks: ``examples/results/toy_depth.md``, where the
 #: block-diagonal evidences pick another depth); else the Kronecker empirical Fisher, which ranked
@@ -200,6 +206,7 @@ def select_models(
     settings: Optional[Mapping[str, Any]] = None,
     rank_by: str = DEFAULT_RANK_BY,
     fold_batchnorm: bool = True,
+    rank_output_layer: str = DEFAULT_RANK_OUTPUT_LAYER,
 ) -> List[CandidateResult]:
     """Train every candidate with ``MargLikCallback`` and rank them by their evidence at the final weights.
 
@@ -263,6 +270,13 @@ def select_models(
             into the layers before them (:meth:`MargLikCallback.fold_batchnorm`; its ``folded``
             names them; no effect on a network without BatchNorm, nor on ``rank_by="online"``). A
             candidate whose forward does not allow it is ranked as trained, with a warning.
+        rank_output_layer: ``"learn"`` (the default): the re-estimated evidence learns the output
+            layer's precision that the callback holds in training (``output_layer="fixed"``, its
+            default; training still holds it, and nothing learned is written back); ``"fixed"``:
+            the ranking evidence holds it as trained. Where it is learned only for the ranking,
+            each result's ``rank_output_layer`` says so (``None``: ranked as trained; always with
+            ``rank_by="online"``). Learned ranked the ranking study better
+            (``benchmarks/results/default_ranking.md``).
 
     Returns:
         The results, best evidence first.
@@ -270,7 +284,8 @@ def select_models(
     Raises:
         ValueError: On no candidates, a candidate that is not a factory (e.g. a module instance) or whose
             factory returns no LightningModule, ``callback`` arguments ``MargLikCallback`` does not
-            take or refuses, no training data, an unknown ``predictive`` or ``rank_by``, a
+            take or refuses, no training data, an unknown ``predictive``, ``rank_by`` or
+            ``rank_output_layer``, a
             ``fold_batchnorm`` that is not a bool, ``trainer``
             arguments that do not fit ``pl.Trainer``, a candidate ``rank_by`` cannot score (before
             it is trained; with ``"auto"``, one its fallback ``"kron-ef"`` cannot score, e.g. with
@@ -285,6 +300,8 @@ def select_models(
         raise ValueError("Give exactly one of `train_dataloader` and `datamodule`.")
     predictive = choice(predictive, PREDICTIVES, "predictive")
     rank_by, rank_options = check_rank_by(rank_by)
+    rank_output_layer = choice(rank_output_layer, RANK_OUTPUT_LAYER, "rank_output_layer")
+    learn_output = rank_output_layer == "learn" and rank_by != "online"  # "online" ranks by the estimate as trained
     fold = check_fold_batchnorm(fold_batchnorm) and rank_by != "online"  # the online evidence is the callback's own
     auto = rank_by == "auto"
     check_options = check_rank_by(AUTO_FALLBACK)[1] if auto else rank_options  # auto may fall back to it
@@ -297,6 +314,7 @@ def select_models(
     wanted = {
         name: _jsonable({"candidate": (settings or {}).get(name), "trainer": trainer, "callback": callback,
                          "seed": seed, "predictive": predictive, "rank_by": rank_by, "fold_batchnorm": fold,
+                         "rank_output_layer": rank_output_layer,
                          **(limits if auto else {})})
         for name in candidates
     }
@@ -347,13 +365,17 @@ def select_models(
             evidences: Dict[str, float] = {}
             refused: Optional[str] = None
             folded = _folded(cb, fit_trainer, module, name) if fold else None
-            if auto:
-                evidences, refused = _auto_evidences(cb, fit_trainer, module, folded)
-                marglik = evidences[AUTO_FALLBACK]  # until resolved over the candidates (_resolve)
-            elif rank_options is None:
-                marglik = cb.final_marglik
-            else:
-                marglik = cb.evidence_with(fit_trainer, module, rank_options.structure, rank_options.approx, folded)
+            ranked_prior = cb.prior if folded is None else folded.prior  # the folded copy's carries the treatments
+            learned = output_layer_learned(ranked_prior) if learn_output else contextlib.nullcontext()
+            with learned as output_learned:
+                if auto:
+                    evidences, refused = _auto_evidences(cb, fit_trainer, module, folded)
+                    marglik = evidences[AUTO_FALLBACK]  # until resolved over the candidates (_resolve)
+                elif rank_options is None:
+                    marglik = cb.final_marglik
+                else:
+                    marglik = cb.evidence_with(fit_trainer, module, rank_options.structure, rank_options.approx,
+                                               folded)
             seconds = time.perf_counter() - fit_start
             ranked_by = cb.options.approx if rank_options is None else rank_options.approx
             # the EF's curvature check at the final weights, from the last estimate's own sums (no pass): where the
@@ -386,6 +408,7 @@ def select_models(
                 full_ggn_refused=refused,
                 folded=dict(folded.folded) if folded is not None else {},
                 normalization=normalization_layers(module),
+                rank_output_layer=output_learned,
             ))
             if auto:  # over the candidates so far; the last candidate's decides for all
                 _resolve(results)
@@ -410,6 +433,10 @@ def select_models(
             chosen, why = _resolve(results)
             if verbose:
                 print(f"rank_by='auto' ranks all {len(results)} candidates by {chosen!r}: {why}.", flush=True)
+        overruled = [r for r in results if r.rank_output_layer]
+        if verbose and overruled:
+            print(f"select_models ranks {len(overruled)} of {len(results)} candidates with "
+                  f"{overruled[0].rank_output_layer}; rank_output_layer='fixed' ranks as trained.", flush=True)
         if output_dir:
             save_results(_ranked(results + others), output_dir, higher_is_better=directions)
     # the EF's check where the ranking evidence was asked to be the EF's ("auto" heeds it: it ranks by kron-ef

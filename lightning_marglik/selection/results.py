@@ -44,6 +44,8 @@ class CandidateResult:
     (layer -> norm; empty: none, or ``fold_batchnorm=False``). ``normalization`` names the
     normalization layer types of the network (empty: none; ``None`` in files of older versions):
     candidates with and without them are not compared by their evidence (:mod:`.comparability`).
+    ``rank_output_layer`` says, in words, that ``marglik`` learned the output layer's precision that
+    training held (``select_models(rank_output_layer="learn")``, the default); ``None``: ranked as trained.
     """
 
     name: str
@@ -65,6 +67,9 @@ class CandidateResult:
     full_ggn_refused: Optional[str] = None  # rank_by="auto": why the exact full GGN is over its limits here
     folded: Dict[str, str] = field(default_factory=dict)  # layer -> the BatchNorm folded into it for marglik
     normalization: Optional[List[str]] = None  # the network's normalization layer types (comparability)
+    # what the ranking evidence did with the output layer's precision that training held (select_models'
+    # rank_output_layer="learn": learned it, in words); None: ranked as trained
+    rank_output_layer: Optional[str] = None
 
 
 def load_results(output_dir: str) -> Dict[str, CandidateResult]:
@@ -96,7 +101,8 @@ def _result_from_row(row: Any) -> CandidateResult:
     types = {**required, "hyperparameters": dict, "metrics": dict, "settings": dict, "metrics_error": (str, type(None)),
              "online_marglik": (int, float, type(None)), "ef_curvature_ratio": (int, float, type(None)),
              "rank_by": (str, type(None)), "rank_by_reason": (str, type(None)), "evidences": dict,
-             "full_ggn_refused": (str, type(None)), "folded": dict, "normalization": (list, type(None))}
+             "full_ggn_refused": (str, type(None)), "folded": dict, "normalization": (list, type(None)),
+             "rank_output_layer": (str, type(None))}
     if not isinstance(row, dict) or not all(k in row for k in required):
         raise TypeError(f"a result must be an object with {', '.join(required)}, got {row!r:.200}")
     for key, expected in types.items():
@@ -125,7 +131,7 @@ def save_results(
     """
     os.makedirs(output_dir, exist_ok=True)
     nested = ("metrics", "hyperparameters", "settings", "metrics_error", "evidences", "full_ggn_refused",
-              "rank_by_reason")
+              "rank_by_reason", "rank_output_layer")
     rows = [{**{k: v for k, v in asdict(r).items() if k not in nested},
              **{f"marglik_{name}": value for name, value in r.evidences.items()}, **r.metrics} for r in results]
     _write_atomic(os.path.join(output_dir, RESULTS_JSON), lambda f: json.dump([asdict(r) for r in results], f, indent=2))
