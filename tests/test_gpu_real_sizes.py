@@ -13,6 +13,11 @@ import sys
 import pytest
 import torch
 
+# the models are the integrations' (timm, transformers, peft) and torchvision's (the backpack extra): without them the
+# README's install skips this file
+for _package in ("timm", "transformers", "peft", "torchvision"):
+    pytest.importorskip(_package)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, "benchmarks"), os.path.join(ROOT, "examples")]
 
