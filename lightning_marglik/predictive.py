@@ -55,8 +55,8 @@ def linearized_outputs(evidence: LaplaceEvidence, model: nn.Module, x: Tensor) -
 
     Raises:
         ValueError: If the evidence is not finite (weights or curvature with NaN or inf, e.g. after a
-            diverged run): there is no posterior to predict with; if the forward fails on ``x`` or its
-            outputs are not ``(B, C)``.
+            diverged run): there is no posterior to predict with; if the forward fails on ``x``, its
+            outputs are not ``(B, C)`` with ``B >= 1``, or some are not finite.
     """
     if not torch.isfinite(evidence.log_marglik().detach()):
         raise ValueError(
@@ -72,7 +72,8 @@ def output_jacobians(prior: GaussianPrior, model: nn.Module, x: Any) -> "tuple[T
     """The eval-mode outputs ``f(x)`` ``(B, C)`` and their Jacobians ``(B, C, P)`` in the prior's tensors (its order).
 
     Raises:
-        ValueError: If the forward fails on ``x`` or its outputs are not ``(B, C)``.
+        ValueError: If the forward fails on ``x``, its outputs are not ``(B, C)`` with ``B >= 1``, or some are not
+            finite (a NaN or inf input).
     """
     names, _ = locate(model, prior)  # any graph: the Jacobian comes from torch.func
     params = prior.params
@@ -84,10 +85,14 @@ def output_jacobians(prior: GaussianPrior, model: nn.Module, x: Any) -> "tuple[T
         shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
         raise ValueError(f"The network's forward failed on inputs {shape} ({type(err).__name__}: {err}): pass a "
                          "batch of inputs as training's forward took them.") from err
-    if mean.dim() != 2 or mean.shape[0] != batch_size(x):
+    if mean.dim() != 2 or mean.shape[0] != batch_size(x) or mean.shape[0] == 0:
         raise ValueError(f"The network's outputs have shape {tuple(mean.shape)}, not (batch, outputs) = "
-                         f"({batch_size(x)}, C): pass a batch of inputs (x[None] for one), to a forward that returns "
-                         "one output vector per input.")
+                         f"({batch_size(x)}, C): pass a batch of at least one input (x[None] for one), to a forward "
+                         "that returns one output vector per input.")
+    bad = (~torch.isfinite(mean).all(dim=1)).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(f"The network's outputs are not finite for {len(bad)} of {mean.shape[0]} inputs (rows "
+                         f"{bad[:5]}{', ...' if len(bad) > 5 else ''}): check those inputs for NaN or inf.")
     b, c = mean.shape
     identity = torch.eye(c, dtype=mean.dtype, device=mean.device).expand(b, c, c)
     with eval_mode(model):
@@ -226,8 +231,9 @@ def predict(
     Raises:
         RuntimeError: If the callback has no estimate yet (called before ``trainer.fit``).
         ValueError: If ``module`` is not the network of the posterior, or its weights are not the estimate's
-            (a checkpoint loaded, training continued), on a list batch, on outputs that are not ``(B, C)``, on a
-            ``method`` other than probit for regression, or on a forward that fails on ``x``.
+            (a checkpoint loaded, training continued), on a list batch, on outputs that are not ``(B, C)`` with
+            ``B >= 1`` or not finite (a NaN input), on any ``method`` for regression, or on a forward that fails
+            on ``x``.
         TypeError: If ``source`` is neither a callback nor an evidence.
     """
     evidence = _evidence_of(source)

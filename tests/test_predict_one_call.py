@@ -167,6 +167,12 @@ def test_refusals_name_the_mistake_and_the_fix():
         predict(callback, module, x[0])
     with pytest.raises(ValueError, match="forward failed on inputs \\(4, 5\\)"):
         predict(callback, module, torch.randn(4, 5, dtype=torch.float64))
+    with pytest.raises(ValueError, match="outputs have shape \\(0, 3\\).*at least one input"):
+        predict(callback, module, x[:0])
+    nan_row = x.clone()
+    nan_row[2, 1] = float("nan")
+    with pytest.raises(ValueError, match="not finite for 1 of 4 inputs \\(rows \\[2\\]\\).*NaN or inf"):
+        predict(callback, module, nan_row)
     with pytest.raises(ValueError, match="method.*'sample'"):
         predict(callback, module, x, method="sample")
     with pytest.raises(ValueError, match="not the network of this posterior"):
