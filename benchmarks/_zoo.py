@@ -686,6 +686,7 @@ def train(spec: RunSpec) -> Dict[str, Any]:
         # a split run is read for its validation NLL alone: no linearized predictive
         "final": assess(module, data, spec, None if validation else plain), **log_precisions(module.prior),
         "history": [] if marglik is None else copy.deepcopy(marglik.history),
+        "guard": copy.deepcopy(getattr(marglik, "guard_decisions", [])),
         "warnings": sorted({str(w.message) for w in caught if "MargLik" in str(w.message) or "precision" in str(w.message)}),
     }
     if validation is not None:  # the held-out fraction at the end of training (cross-validation reads it)

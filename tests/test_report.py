@@ -78,9 +78,12 @@ def test_one_setup_line_names_the_estimator_curvature_held_tensors_and_schedule_
     assert decision["names"] == ["2.weight", "2.bias"] and decision["treatment"] == "fixed"
     assert decision["reason"] == "output layer `net.2`: held at the declared precision"
     assert f"; {decision['reason']}, as a learned one cost held-out NLL" in setup
-    # 2.bias is held as the output layer's: only 0.bias is named as decoupled
-    assert module.prior.treated("decoupled") == ["0.bias"]
+    # 2.bias is held as the output layer's: only 0.bias is named as decoupled (0.weight too, where the prior guard
+    # kept the declared weight decay for training after an estimate)
+    guarded = module.prior.treatments.get("prior guard", ([], ""))[0]
+    assert [n for n in module.prior.treated("decoupled") if n not in guarded] == ["0.bias"]
     assert "biases and normalization parameters (0.bias): decoupled" in setup
+    assert "prior guard: after each estimate in training" in setup
     assert "learns the precisions of 2 of 4 tensors" in setup
     assert "an estimate after every 2 epochs from epoch 2, and after the last (frequency=2, burnin=1)" in setup
 

@@ -405,16 +405,17 @@ def _mean(values: Sequence[float]) -> float:
     return float(np.mean(values)) if len(values) else math.nan
 
 
-def cross_validation(run_of: Callable[[int, str], _zoo.RunSpec], grid: Sequence[float]
-                     ) -> Tuple[List[float], List[Dict[str, Any]], List[float]]:
+def cross_validation(run_of: Callable[[int, str], _zoo.RunSpec], grid: Sequence[float], cache: Optional[str] = None,
+                     seeds: Sequence[int] = SEEDS) -> Tuple[List[float], List[Dict[str, Any]], List[float]]:
     """Per seed: the grid delta with the lowest validation NLL on the 80 % split, its run on all the data, and
     the process CPU of the split runs and that run (``run_of(seed, arm)``: the run of an arm ``"cv delta=<d>"`` or
-    ``"delta=<d>"``)."""
+    ``"delta=<d>"``; the runs in ``cache``, by default this study's)."""
+    cache = cache or cache_dir()
     chosen, picked, cpu = [], [], []
-    for s in SEEDS:
-        split = {d: _zoo.cached(run_of(s, f"cv delta={d:g}"), cache_dir()) for d in grid}
+    for s in seeds:
+        split = {d: _zoo.cached(run_of(s, f"cv delta={d:g}"), cache) for d in grid}
         best = min(split, key=lambda d: split[d]["validation"]["nll"])
-        run = _zoo.cached(run_of(s, f"delta={best:g}"), cache_dir())
+        run = _zoo.cached(run_of(s, f"delta={best:g}"), cache)
         chosen.append(best)
         picked.append(run)
         cpu.append(run["cpu_seconds"] + sum(r["cpu_seconds"] for r in split.values()))

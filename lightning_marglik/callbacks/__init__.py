@@ -182,6 +182,15 @@ class MargLikCallback(MargLikCallbackCore, Callback):
             decided, and why, is in ``output_decision`` and on the prior (``prior.treatments["output layer"]``);
             a scalar prior learns its one precision. ``GaussianPrior(fixed=...)`` wins for the tensors it names.
             See ``benchmarks/results/never_worse_default.md``.
+        guard: After each estimate within training (not after the last epoch), score the learned weight decay
+            against the declared ``precision`` by the training data's approximate 5-fold cross-validated log
+            likelihood (:mod:`lightning_marglik.guard`: one Newton step per fold from the current weights, the
+            evidence's own curvature, no extra curvature pass) and feed the learned one back into the MAP loss only
+            while it scores at least as well; otherwise the evidence's learned tensors are decoupled for
+            training (``prior.treatments["prior guard"]``) and their learned precision stays the evidence's own
+            choice. Each decision is in ``guard_decisions`` and said at the end of training. Off under a
+            strategy that shards the parameters. ``False``: the learned weight decay is always fed back (the
+            plain Algorithm 1). See ``benchmarks/results/prior_guard.md``.
 
     Raises:
         ValueError: On an invalid argument (the message names it).

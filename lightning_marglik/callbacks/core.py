@@ -22,7 +22,7 @@ from ..distributed import reduce_statistics, run_on_all_ranks
 from ..evidence import SOLVERS, LaplaceEvidence
 from ..folding import Folded
 from ..hyperparameters import TREATMENTS
-from ..validators import choice, integer, number, optional
+from ..validators import choice, flag, integer, number, optional
 from . import checks
 from .arguments import CALLBACK_KEYWORDS
 from .averaging import WeightAveragingFollower
@@ -32,6 +32,7 @@ from .epoch_loss import EpochLoss
 from .estimating import EstimatorCore
 from .logged import log_after_training
 from .package import LightningModule, Trainer
+from .prior_guard import guard_off_reason, restore_guard, run_guard
 from .progress import progress
 from .report import announce_end
 from .schedule import EpochSchedule, SettledSchedule
@@ -50,6 +51,7 @@ class MargLikCallbackCore(TrainedModuleQueries, EstimatorCore):
 
     schedule: EpochSchedule
     _foreign_keywords = CALLBACK_KEYWORDS
+    _STATE = {**EstimatorCore._STATE, "guard_decisions": "guard_decisions"}
 
     def __init__(
         self,
@@ -72,6 +74,7 @@ class MargLikCallbackCore(TrainedModuleQueries, EstimatorCore):
         settle: Optional[float] = None,
         flush_denormals: bool = True,
         output_layer: str = "fixed",
+        guard: bool = True,
     ) -> None:
         options = CurvatureOptions(structure, approx, mc_samples, backend=backend)
         self.statistics = checks.check_statistics(statistics, options)
@@ -80,6 +83,7 @@ class MargLikCallbackCore(TrainedModuleQueries, EstimatorCore):
         self.settle = None if settle is None else schedule.settle  # type: ignore[attr-defined]
         self.frequency = schedule.frequency
         self.steps = integer(steps, "steps", 0)
+        self.guard = flag(guard, "guard", what="feed the learned weight decay back only while it scores better")
         super().__init__(options, schedule, lr, seed, scale_invariant, dataloader, flush_denormals)
         self.solver = choice(solver, SOLVERS, "solver")
         self.max_step = optional(number, max_step, "max_step", what="the largest change of log delta per estimate, or None")
@@ -95,12 +99,20 @@ class MargLikCallbackCore(TrainedModuleQueries, EstimatorCore):
         self._warned_ef = False  # the empirical Fisher's curvature check warns once per fit
         self._epoch_loss = EpochLoss()  # the epoch's training loss, for a settle rule
         self._cost = CostCheck()  # warns once if a run would cost more than twice one without the callback
+        self.guard_decisions: list = []  # the prior guard's decisions (prior_guard.run_guard)
+        self.guard_off: Optional[str] = None if self.guard else "off (guard=False)"  # why it does not run
 
     def _fit_checks(self) -> Dict[str, Any]:
         return dict(averaging=self._averaging, training_statistics=self._training is not None)
 
     def _setup_decisions(self) -> Dict[str, Any]:
         return dict(cost=self._cost, biases=self.biases, output_layer=self.output_layer)
+
+    def _decide_after_setup(self, trainer: Trainer) -> None:
+        prior, _ = self._hyperparameters()
+        if self.guard:
+            self.guard_off = guard_off_reason(trainer, prior)
+        restore_guard(prior, self.guard_decisions if self.guard_off is None else [])
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
@@ -121,7 +133,13 @@ class MargLikCallbackCore(TrainedModuleQueries, EstimatorCore):
             self.schedule.observe_loss(float(strategy.reduce(mean, reduce_op="mean")))
         if self.schedule.is_due(trainer):
             with self._cost.estimating(self):
-                self._log(pl_module, self.estimate(trainer, pl_module, epoch=trainer.current_epoch + 1))
+                epoch = trainer.current_epoch + 1
+                marglik = self.estimate(trainer, pl_module, epoch=epoch)
+                # a non-finite estimate left the hyperparameters, and the guard's choice, as they were; after the
+                # last epoch no training follows that a choice could guard
+                if math.isfinite(marglik) and epoch != trainer.max_epochs:
+                    run_guard(self, trainer, pl_module, epoch=epoch)
+                self._log(pl_module, marglik)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # weight averaging wrote the weights the fit returns (its callbacks run first): their evidence is owed

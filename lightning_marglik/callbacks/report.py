@@ -24,6 +24,7 @@ from ..hyperparameters import BIAS_NORMALIZATION, SCALE_INVARIANT
 from .logged import logged_values
 from .output_layer import OUTPUT_LAYER
 from .package import MONITOR
+from .prior_guard import GUARD, guard_phrase, guard_summary, guard_words
 from .schedule import BatchSchedule, EpochSchedule, Schedule, SettledSchedule
 
 __all__ = ["FLAT", "announce_end", "announce_setup", "setup_line", "summarize", "summary_line", "trend"]
@@ -84,12 +85,14 @@ def _decisions(callback: Any) -> List[str]:
         phrases.append(reason + (", as a learned one cost held-out NLL (output_layer='learn' learns it)" * fixed))
     for reason, (names, treatment) in prior.treatments.items():
         strongest = [name for name in names if name in prior.treated(treatment)]  # not those held for another reason
-        if reason != OUTPUT_LAYER and strongest and treatment in _TREATED:
+        if reason not in (OUTPUT_LAYER, GUARD) and strongest and treatment in _TREATED:
             label, why = _REASONS.get(reason, (reason, ""))
             phrases.append(f"{label} ({_names(strongest)}): {_TREATED[treatment]}{why}")
     learned = prior.learned_names()
     extra = "".join(f" and {name[len('log_'):]}" for name in likelihood.learnable())
     phrases.append(f"learns the precisions of {len(learned)} of {len(prior.param_names)} tensors{extra}")
+    if hasattr(callback, "guard_off"):  # MargLikCallback's (MargLikBoundCallback has none)
+        phrases.append(guard_phrase(callback))
     return phrases
 
 
@@ -151,7 +154,8 @@ def summarize(callback: Any) -> Dict[str, Any]:
         ``precisions`` (each learned tensor's precision, the geometric mean of a diagonal prior's), ``lowest`` and
         ``highest`` (``(name, precision)``, ``None`` if none is learned), ``held`` and ``decoupled`` (the
         tensors whose precision is held at, or whose weight decay stays at, the declared precision), ``trend``
-        and ``change`` (:func:`trend`).
+        and ``change`` (:func:`trend`), and ``guard`` (the prior guard's decisions,
+        :func:`~.prior_guard.guard_summary`; ``None`` where it did not run).
     """
     prior, likelihood = callback._hyperparameters()
     values = logged_values(prior, likelihood, callback.final_marglik)
@@ -173,6 +177,7 @@ def summarize(callback: Any) -> Dict[str, Any]:
         "decoupled": prior.treated("decoupled"),
         "trend": direction,
         "change": change,
+        "guard": guard_summary(getattr(callback, "guard_decisions", [])),
     }
 
 
@@ -210,6 +215,8 @@ def summary_line(who: str, summary: Dict[str, Any], knob: str = "frequency") -> 
         parts.append(f"held at the declared precision: {_names(summary['held'])}")
     if summary["decoupled"]:
         parts.append(f"decoupled: {_names(summary['decoupled'])}")
+    if summary.get("guard"):
+        parts.append(guard_words(summary["guard"]))
     parts.append(_trend_words(summary, knob))
     return f"{who} at the end of training: {'; '.join(parts)}."
 

@@ -1,0 +1,190 @@
+"""The prior guard as the library ships it, in every cell of issue 52 (items 3 and 4).
+
+``MargLikCallback(guard=True)`` (the default): after each estimate in training the learned weight decay is fed
+back only while the training data's approximate 5-fold cross-validated log likelihood scores it at least as
+well as the declared prior (``lightning_marglik.guard``). Arms, on one library commit:
+
+* ``delta=1``: no callback, the declared prior;
+* ``defaults``: ``MargLikCallback()``, the guard on;
+* ``no guard``: ``MargLikCallback(guard=False)``, the learned weight decay always fed back: the evidence's own
+  choice (the defaults before the guard);
+* cross-validation over a grid of fixed delta (80 / 20 split, the best validation NLL retrained on all the data),
+  which says where delta = 1 overfits.
+
+Cells: the 100-class MLP family of ``prior_strength.py`` (noise, N and depth; cross-validation in its three
+noise members), the never-worse study's 12 cells (``vs_cross_validation.py``'s recipes; cross-validation in
+bars / MLP, where that study found delta = 1 overfitting), and full MNIST with the paper's MLP
+784-1024-512-256-128-10 at a short schedule of the paper's shape (``paper_mnist.py``: Adam 1e-3, batch 128, the
+learning rate x0.1 after 50 %, 75 % and 92 % of ``MNIST_EPOCHS``; cross-validation on seed 0 only). Runs are
+cached in ``outputs/prior_guard/runs`` and name their library (``_zoo``'s harness, as every study).
+
+Usage::
+
+    python benchmarks/investigations/prior_guard.py --plan
+    python benchmarks/investigations/prior_guard.py --shard 0/2 & ... --shard 1/2
+    python benchmarks/investigations/prior_guard.py --analyse     # writes benchmarks/results/prior_guard.md
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import replace
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import _zoo  # noqa: E402
+import paper_mnist  # noqa: E402
+import prior_strength as family  # noqa: E402
+import vs_cross_validation as cells  # noqa: E402
+from _common import RESULTS, hand_written, now, write_with_data  # noqa: E402
+
+NAME = "prior_guard"
+SEEDS = family.SEEDS
+ARMS = ("delta=1", "defaults", "no guard")
+NO_GUARD = {"guard": False}
+family.ARMS["no guard"] = {"callback": NO_GUARD}
+MNIST_EPOCHS = 12
+MNIST_GRID = (0.1, 1.0, 10.0)
+CV_CELL = ("bars", "mlp")
+
+
+def cache_dir() -> str:
+    return os.path.join(_zoo.output_dir(NAME), "runs")
+
+
+def family_spec(member: family.Member, seed: int, arm: str) -> _zoo.RunSpec:
+    return replace(family.spec(member, seed, arm), trace=False)
+
+
+def cell_spec(dataset: str, network: str, seed: int, arm: str) -> _zoo.RunSpec:
+    if arm == "no guard":
+        return replace(cells.spec(dataset, network, seed, "defaults"), callback=dict(NO_GUARD))
+    return cells.spec(dataset, network, seed, arm)
+
+
+def mnist_spec(seed: int, arm: str) -> _zoo.RunSpec:
+    """The paper's MLP on full MNIST: ``delta=<d>`` / ``cv delta=<d>`` fixed (on all data / the split)."""
+    base = paper_mnist.spec("mlp", seed, "delta1", epochs=MNIST_EPOCHS)
+    if arm.startswith("cv delta="):
+        return replace(base, precision=float(arm[len("cv delta="):]), validation=family.VALIDATION)
+    if arm.startswith("delta="):
+        return replace(base, precision=float(arm[len("delta="):]))
+    callback = {} if arm == "defaults" else dict(NO_GUARD)
+    return replace(paper_mnist.spec("mlp", seed, "defaults", epochs=MNIST_EPOCHS), callback=callback)
+
+
+def _grid(grid: Sequence[float]) -> List[str]:
+    return [f"cv delta={d:g}" for d in grid] + [f"delta={d:g}" for d in grid if d != 1.0]
+
+
+def plan() -> List[_zoo.RunSpec]:
+    """Every run, the most expensive first (full MNIST, the ResNet cells, the family)."""
+    specs = [mnist_spec(s, arm) for s in SEEDS for arm in ARMS]
+    specs += [mnist_spec(0, arm) for arm in _grid(MNIST_GRID)]
+    study = sorted(family.STUDY_CELLS, key=lambda cell: "resnet" not in cell[1])
+    specs += [cell_spec(d, n, s, arm) for d, n in study for s in SEEDS for arm in ARMS]
+    specs += [cell_spec(*CV_CELL, s, arm) for s in SEEDS for arm in _grid(cells.GRID)]
+    specs += [family_spec(m, s, arm) for m in family.MEMBERS for s in SEEDS for arm in ARMS]
+    specs += [family_spec(m, s, arm) for m in family.CV_MEMBERS for s in SEEDS for arm in _grid(family.CV_GRID)]
+    unique = {s.key(): s for s in specs}  # the delta = 1 runs of a grid are the arms' own
+    return list(unique.values())
+
+
+# --- analysis ----------------------------------------------------------------------------------------
+
+
+def _table(rows: List[tuple]) -> List[str]:
+    """``rows``: (cell, runs by arm, cross-validation's (runs, cpu, chosen) or None)."""
+    lines = ["| cell | arm | acc | NLL | NLL - delta=1 | acc - delta=1 (points) | log delta of the weights, input to "
+             "output | cost | targets missed |", "|---|---|---:|---:|---:|---:|---|---:|---|"]
+    met = {arm: 0 for arm in ARMS[1:]}
+    for cell, runs, cv_runs in rows:
+        cv = None
+        if cv_runs is not None:
+            chosen, picked, cpu = cv_runs
+            cv_text, row = family._row("cross-validation (chose " + ", ".join(f"{d:g}" for d in chosen) + ")", picked,
+                                       runs["delta=1"], cpu)
+            cv = {**row, "overfits": sum(d > 1.0 for d in chosen) * 2 > len(chosen)}
+        for arm in ARMS:
+            text, row = family._row(arm, runs[arm], runs["delta=1"], cv=None if arm == "delta=1" else cv)
+            lines.append(f"| {cell}{' (overfits)' if cv and cv['overfits'] else ''} " + text)
+            met[arm] = met.get(arm, 0) + (not row["missed"])
+        if cv is not None:
+            lines.append(f"| {cell} " + cv_text)
+    lines += ["", "Cells meeting every target: " + "; ".join(f"{arm} {met[arm]} of {len(rows)}" for arm in ARMS[1:]), ""]
+    return lines
+
+
+def _decisions(title: str, runs: Dict[str, List[Dict[str, Any]]]) -> str:
+    """The guard's decisions per seed: at how many estimates the declared weight decay was kept."""
+    counts = [f"{sum(d['applied'] == 'declared' for d in r['guard'])}/{len(r['guard'])}" for r in runs["defaults"]]
+    return f"| {title} | {', '.join(counts)} |"
+
+
+def analyse() -> None:
+    path = RESULTS / f"{NAME}.md"
+    cache = cache_dir()
+    every = [_zoo.cached(s, cache) for s in plan()]
+    libraries = sorted({r["library"] for r in every})
+    family_rows, cell_rows = [], []
+    for m in family.MEMBERS:
+        runs = {arm: [_zoo.cached(family_spec(m, s, arm), cache) for s in SEEDS] for arm in ARMS}
+        cv = (family.cross_validation(lambda seed, arm: family_spec(m, seed, arm), family.CV_GRID, cache)
+              if m in family.CV_MEMBERS else None)
+        family_rows.append((m.cell, runs, cv))
+    for d, n in family.STUDY_CELLS:
+        runs = {arm: [_zoo.cached(cell_spec(d, n, s, arm), cache) for s in SEEDS] for arm in ARMS}
+        cv = (family.cross_validation(lambda seed, arm: cell_spec(d, n, seed, arm), cells.GRID, cache)
+              if (d, n) == CV_CELL else None)
+        cell_rows.append((f"{d} / {n}", runs, cv))
+    mnist = {arm: [_zoo.cached(mnist_spec(s, arm), cache) for s in SEEDS] for arm in ARMS}
+    mnist_cv = family.cross_validation(mnist_spec, MNIST_GRID, cache, seeds=(0,))
+    lines = [f"# {__doc__.splitlines()[0]}", "",
+             f"Date: {now()}. Command: `python benchmarks/investigations/prior_guard.py --shard K/2` (two processes), then "
+             f"`--analyse`. Library of the runs: {', '.join(libraries)}"
+             + (" (ONE library)" if len(libraries) == 1 else " (MIXED: void as a study)")
+             + f". {len(every)} runs, one CPU thread each, seeds {', '.join(map(str, SEEDS))}; `cost`: process CPU over "
+             "the same seed's delta = 1 run (cross-validation: its split runs and the retrain).", "",
+             "Targets (issue 52): NLL at most delta = 1's + 0.02, accuracy at most 1 point below; where delta = 1 "
+             "overfits (cross-validation chose a stronger prior in most seeds), NLL and accuracy at least "
+             "cross-validation's; cost at most 2x one run. `no guard` is the evidence's own choice.", "",
+             "## The 100-class MLP family (prior_strength.py's members)", ""] + _table(family_rows)
+    lines += ["## The never-worse study's 12 cells (vs_cross_validation.py's recipes)", ""] + _table(cell_rows)
+    lines += [f"## Full MNIST, the paper's MLP, {MNIST_EPOCHS} epochs (cross-validation on seed 0)", ""]
+    lines += _table([("mnist-60k / paper MLP", mnist, mnist_cv)])
+    lines += ["## The guard's decisions (estimates that kept the declared weight decay / estimates scored, per seed)",
+              "", "| cell | seeds 0, 1, 2 |", "|---|---|"]
+    lines += [_decisions(cell, runs) for cell, runs, _ in family_rows + cell_rows]
+    lines += [_decisions("mnist-60k / paper MLP", mnist), ""]
+    text = "\n".join(lines) + "\n\n" + hand_written(path)
+    write_with_data(path, text, {"libraries": libraries})
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plan", action="store_true", help="list the runs")
+    parser.add_argument("--shard", help="K/N: train shard K of N of the runs (cached)")
+    parser.add_argument("--analyse", action="store_true", help=f"write benchmarks/results/{NAME}.md")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    if args.plan:
+        specs = plan()
+        print(f"{len(specs)} runs")
+        for s in specs:
+            print(f"  {s.key()}: {s.dataset} {s.network} epochs={s.epochs} N={s.n_train} precision={s.precision:g} "
+                  f"callback={s.callback} validation={s.validation:g}")
+    if args.shard:
+        k, n = (int(v) for v in args.shard.split("/"))
+        _zoo.run_shard(plan(), k, n, cache_dir())
+    if args.analyse:
+        analyse()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""``MargLikCallback``'s prior guard: the learned weight decay reaches training only while it scores better.
+
+After each estimate within training, :func:`lightning_marglik.guard.approximate_cv` scores the training data's
+approximate cross-validated log likelihood under the learned weight decay and under the declared one; the
+learned one is fed back into the MAP loss only while it scores at least as well, otherwise the tensors the
+evidence learns are decoupled (``prior.treatments["prior guard"]``): the evidence goes on learning its own
+precisions (``prior.log_precision``, the evidence's own choice), training keeps the declared precision. Each
+decision is recorded (``callback.guard_decisions``, the history's ``"guard"`` entries) and said at the end of
+training. The estimate after training has no training to guard and is not scored.
+
+The guard is off, with the reason said at set-up, under a strategy that shards the parameters (its folds'
+gradients are whole-model vectors) and where the evidence learns no tensor's weight decay.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+from lightning_utilities.core.rank_zero import rank_zero_warn  # one rank state for both packages
+
+from ..curvature.batches import move, split_batch
+from ..guard import FOLDS, approximate_cv
+from ..hyperparameters import GaussianPrior
+from .data import isolate_rng
+from .package import LightningModule, Trainer
+from .sharding import shards_parameters
+
+__all__ = ["GUARD", "guard_off_reason", "guard_phrase", "guard_summary", "guard_words", "restore_guard", "run_guard"]
+
+#: The prior's treatment reason for the tensors whose learned weight decay the guard keeps out of training.
+GUARD = "prior guard"
+
+
+def _guarded(prior: GaussianPrior) -> List[str]:
+    """The tensors whose weight decay the evidence would set without the guard."""
+    own = prior.treatments.pop(GUARD, None)
+    names = prior.treated("learn")
+    if own is not None:
+        prior.treatments[GUARD] = own
+    return names
+
+
+def guard_off_reason(trainer: Trainer, prior: GaussianPrior) -> Optional[str]:
+    """Why the guard cannot run in this fit (``None``: it runs)."""
+    if shards_parameters(trainer):
+        return "off under a strategy that shards the parameters (its folds' gradients are whole-model vectors)"
+    if not _guarded(prior):
+        return "off: the evidence sets no tensor's weight decay"
+    return None
+
+
+def restore_guard(prior: GaussianPrior, decisions: List[Dict[str, Any]]) -> None:
+    """The prior as the last decision left it: a fresh fit starts with the learned weight decay fed back, a
+    resumed one where its checkpoint's last decision left it."""
+    declared = bool(decisions) and decisions[-1]["applied"] == "declared"
+    _apply(prior, declared)
+
+
+def _apply(prior: GaussianPrior, declared: bool) -> None:
+    prior.treatments.pop(GUARD, None)
+    if declared:
+        prior.treat(_guarded(prior), "decoupled", GUARD)
+
+
+def run_guard(callback: Any, trainer: Trainer, pl_module: LightningModule, epoch: int) -> Optional[Dict[str, Any]]:
+    """Score the learned against the declared weight decay at the current weights and apply the better one.
+
+    Args:
+        callback: The ``MargLikCallback`` whose estimate has just run (``callback.evidence``).
+        trainer: The trainer (its strategy sums the scores over processes).
+        pl_module: The module the evidence was taken of.
+        epoch: The epoch (from 1) the estimate followed.
+
+    Returns:
+        The decision (``epoch``, the two scores, ``applied``: ``"learned"`` or ``"declared"``), also appended to
+        ``callback.guard_decisions``; ``None`` where the guard does not run.
+    """
+    prior, _ = callback._hyperparameters()
+    if callback.guard_off is not None or callback.evidence is None:
+        return None
+    prior.treatments.pop(GUARD, None)
+    learned = prior.weight_decay_log_precision().detach()
+    _apply(prior, declared=True)
+    declared = prior.weight_decay_log_precision().detach()
+    param = prior.params[0]
+    batch_fn = callback._batch_fn(pl_module)
+    with isolate_rng():  # reading the training loader must not move the training's random state
+        batches = [split_batch(batch, batch_fn) for batch in callback._evidence_batches(trainer, pl_module)]
+    batches = [(move(inputs, param.device, param.dtype), target.to(param.device)) for inputs, target in batches]
+    strategy = trainer.strategy
+    try:
+        scores = approximate_cv(callback.evidence, pl_module, batches, {"learned": learned, "declared": declared},
+                                reduce=lambda t: strategy.reduce(t.to(strategy.root_device), reduce_op="sum").to(t.device))
+    except NotImplementedError as error:  # an operation without a forward-mode derivative: the same on every rank
+        callback.guard_off = f"off: the network's forward has no forward-mode derivative ({str(error).splitlines()[0]})"
+        rank_zero_warn(f"MargLikCallback: prior guard {callback.guard_off}; the learned weight decay is fed back from "
+                       "here on, as with guard=False.")
+        _apply(prior, declared=False)
+        return None
+    applied = "learned" if scores["learned"] >= scores["declared"] else "declared"
+    _apply(prior, declared=applied == "declared")
+    decision = {"epoch": epoch, **scores, "applied": applied}
+    callback.guard_decisions.append(decision)
+    return decision
+
+
+def guard_phrase(callback: Any) -> str:
+    """The set-up line's phrase: what the guard does, or why it is off."""
+    if callback.guard_off is not None:
+        return f"prior guard {callback.guard_off}"
+    return (f"prior guard: after each estimate in training, the learned weight decay is fed back only while its "
+            f"approximate {FOLDS}-fold cross-validated log likelihood beats the declared precision's (guard=False "
+            "feeds it back always)")
+
+
+def guard_summary(decisions: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """The end of training's facts of the guard: ``estimates`` scored, ``declared`` (how many kept the declared
+    weight decay) and the ``last`` decision; ``None`` if it never ran."""
+    if not decisions:
+        return None
+    declared = sum(d["applied"] == "declared" for d in decisions)
+    return {"estimates": len(decisions), "declared": declared, "last": dict(decisions[-1])}
+
+
+def guard_words(summary: Dict[str, Any]) -> str:
+    """The end-of-training phrase of :func:`guard_summary`'s facts."""
+    last = summary["last"]
+    scores = f"learned {last['learned']:.4g} against declared {last['declared']:.4g} at epoch={last['epoch']}"
+    if not summary["declared"]:
+        return f"prior guard: the learned weight decay scored better at all {summary['estimates']} estimates ({scores})"
+    return (f"prior guard: the declared weight decay kept for training at {summary['declared']} of "
+            f"{summary['estimates']} estimates, as the learned one scored worse by approximate cross-validation "
+            f"({scores}, log likelihood per datum); the learned precisions are the evidence's own choice, "
+            f"training {'kept the declared' if last['applied'] == 'declared' else 'used the learned'} at the end")

@@ -1,0 +1,159 @@
+"""Whether the learned weight decay predicts held-out data better than the declared one (issue 52's guard).
+
+Where the declared prior already fits, the Laplace-GGN evidence of a trained network chooses a prior too strong
+for the weights it trains: fed back as weight decay, the learned precision shrinks the directions the data do
+not determine, the evidence reads their smaller norm as a call for a stronger prior, and test NLL grows while
+accuracy stays (``benchmarks/results/prior_strength.md``). Kept apart from the MAP, the same evidence loses
+every win where the declared prior overfits. :func:`approximate_cv` scores both from the training data alone,
+so that a callback can feed the learned precision back only while it scores better.
+
+The score of a candidate weight decay ``delta`` is the training data's K-fold cross-validated log likelihood,
+each fold's refit one Newton step from the current weights ``theta`` on the other folds' MAP objective::
+
+    theta_k = theta - H_k^-1 (g - g_k + delta theta),    H_k = (K - 1) / K * s C + diag(delta),
+
+``g_k`` the fold's gradient of its negative log likelihood (tempered) and ``g`` their sum: the step is taken
+from weights that are not at the objective's optimum, with their full gradient (the mode correction of Lin,
+Antoran and Hernandez-Lobato, 2023). ``s C`` is the evidence's own curvature (its structure, its Monte-Carlo
+estimate), of which the held-in folds hold ``(K - 1) / K``: no pass of its own. The held-out fold is scored
+by the linearized network at ``theta_k`` (``f + J (theta_k - theta)``, one forward-mode product): the
+conditional likelihood of held-out data given the rest (Lotfi et al., ICML 2022), by a Newton refit instead of
+retraining. From an over-parameterised network the step overshoots, so the scores are not calibrated
+(log likelihoods per datum of -5 to -45 where the test's are -0.01 to -2.6); their order chose as the exact
+GGN's did in every member of the study (``benchmarks/results/prior_strength.md``).
+
+Cost: the folds' gradients (one forward and backward over the evidence data, in ``K`` pieces per batch) and
+one forward-mode pass per candidate; memory ``K + 3`` vectors of the prior's size.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, jvp
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from .curvature import eval_mode, locate
+from .curvature.batches import Inputs, batch_size, call_model, model_batch, slice_batch
+from .evidence import LaplaceEvidence
+from .linearized import _inverse_precision
+
+__all__ = ["FOLDS", "approximate_cv", "fold_pieces"]
+
+#: Folds of the approximate cross-validation.
+FOLDS = 5
+
+Batch = Tuple[Inputs, Tensor]
+Reduce = Callable[[Tensor], Tensor]
+
+
+def fold_pieces(batch: Batch, folds: int) -> List[Batch]:
+    """The batch cut into ``folds`` contiguous pieces (fold ``k`` of the data: the ``k``-th piece of every
+    batch); a batch of fewer examples than folds leaves the last pieces empty, and they are dropped.
+
+    Example:
+        >>> pieces = fold_pieces((torch.arange(7.0)[:, None], torch.arange(7)), 3)
+        >>> [p[1].tolist() for p in pieces]
+        [[0, 1, 2], [3, 4, 5], [6]]
+    """
+    inputs, target = batch
+    size = batch_size(inputs)
+    width = -(-size // folds)
+    return [(slice_batch(inputs, start, start + width), target[start:start + width]) for start in range(0, size, width)]
+
+
+def _flat(tensors: Sequence[Tensor]) -> Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def approximate_cv(
+    evidence: LaplaceEvidence,
+    model: nn.Module,
+    batches: Sequence[Batch],
+    candidates: Dict[str, Tensor],
+    folds: int = FOLDS,
+    reduce: Optional[Reduce] = None,
+) -> Dict[str, float]:
+    """The approximate K-fold cross-validated log likelihood per datum of each candidate weight decay.
+
+    Args:
+        evidence: The evidence at the model's current weights (its curvature, likelihood and prior).
+        model: The network the evidence was taken of, at those weights (called in eval mode).
+        batches: The evidence data, ``(inputs, targets)`` on the parameters' device and dtype.
+        candidates: Name -> log precision per prior group (the shape of ``prior.log_precision``).
+        folds: K, at least 2.
+        reduce: Sums a tensor over processes (``None``: one process).
+
+    Returns:
+        Name -> the held-out log likelihood per datum, summed over folds (and processes).
+
+    Raises:
+        ValueError: On fewer than 2 folds.
+
+    Example:
+        >>> from lightning_marglik import CategoricalLikelihood, GaussianPrior
+        >>> net = nn.Linear(3, 2)
+        >>> prior, likelihood = GaussianPrior(net), CategoricalLikelihood()
+        >>> x, y = torch.randn(20, 3), torch.arange(20) % 2
+        >>> evidence = LaplaceEvidence.fit(net, [(x, y)], likelihood, prior, mc_samples=0)
+        >>> scores = approximate_cv(evidence, net, [(x, y)], {"declared": prior.log_precision.detach()})
+        >>> scores["declared"] < 0
+        True
+    """
+    if folds < 2:
+        raise ValueError(f"`folds` must be at least 2, got {folds}.")
+    prior, likelihood = evidence.prior, evidence.likelihood
+    reduce = reduce or (lambda t: t)
+    names, _ = locate(model, prior)
+    theta = [p.detach() for p in prior.params]
+    pieces = [fold_pieces(batch, folds) for batch in batches]
+    inverse_temperature = float(likelihood.temperature.detach().reciprocal())
+    with eval_mode(model):
+        gradients = reduce(torch.stack([_fold_gradient(model, prior.params, likelihood, [p[k] for p in pieces if k < len(p)])
+                                        for k in range(folds)]) * inverse_temperature)
+        hyper = {name: value.detach().double() for name, value in likelihood.hyperparameters().items()}
+        scale = likelihood.curvature_scale(evidence.approx, hyper) * (folds - 1) / folds
+        total, flat_theta = gradients.sum(0), _flat(theta).double()
+        scores = {}
+        for name, log_precision in candidates.items():
+            delta = [d.exp() for d in prior.tensor_log_precisions(log_precision.detach().double())]
+            inverse = _inverse_precision(evidence.structures, prior.param_sizes, scale, delta)
+            decay = _flat([d.expand(size) for d, size in zip(delta, prior.param_sizes)]) * flat_theta
+            held_out = torch.zeros((), dtype=torch.float64, device=flat_theta.device)
+            for k in range(folds):
+                step = -inverse((total - gradients[k]).double() + decay)
+                tangent = [piece.view_as(p).to(p.dtype) for piece, p in zip(step.split(prior.param_sizes), theta)]
+                for fold_batches in pieces:
+                    if k < len(fold_batches):
+                        inputs, target = fold_batches[k]
+                        output = _linearized(model, names, theta, tangent, inputs)
+                        held_out = held_out - likelihood.nll(output, target).double().sum()
+            scores[name] = held_out
+        values = reduce(torch.stack(list(scores.values())))  # the evidence's n_data is summed over processes already
+    return {name: float(value) / float(evidence.n_data) for name, value in zip(scores, values)}
+
+
+def _fold_gradient(model: nn.Module, params: Sequence[Tensor], likelihood: object, pieces: Sequence[Batch]) -> Tensor:
+    """The gradient of the fold's summed negative log likelihood (untempered), flat, in the parameters' dtype."""
+    total = [torch.zeros_like(p) for p in params]
+    for inputs, target in pieces:
+        with torch.enable_grad():
+            loss = likelihood.nll(call_model(model, inputs), target).sum()  # type: ignore[attr-defined]
+            for t, g in zip(total, torch.autograd.grad(loss, list(params), allow_unused=True)):
+                if g is not None:
+                    t += g
+    return _flat(total)
+
+
+def _linearized(model: nn.Module, names: List[str], theta: List[Tensor], tangent: List[Tensor], inputs: Inputs) -> Tensor:
+    """``f(theta) + J(theta) tangent`` of the batch, by one forward-mode product."""
+    batch = model_batch(inputs)
+
+    def forward(*values: Tensor) -> Tensor:
+        return functional_call(model, dict(zip(names, values)), batch.args, batch.kwargs)
+
+    # attention's fused CPU kernels have no forward-mode derivative; the math one computes the same function
+    with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
+        output, change = jvp(forward, tuple(theta), tuple(tangent))
+    return output + change
