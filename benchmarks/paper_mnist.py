@@ -152,7 +152,7 @@ def mnist_arrays() -> Dict[str, np.ndarray]:
     (x_train, y_train), (x_test, y_test) = (_read_csv(csv_directory() / f"mnist_{s}.csv") for s in ("train", "test"))
     arrays = {"x_train": x_train, "y_train": y_train, "x_test": x_test, "y_test": y_test}
     npz.parent.mkdir(parents=True, exist_ok=True)
-    tmp = npz.with_suffix(".tmp.npz")
+    tmp = npz.with_suffix(f".{os.getpid()}.tmp.npz")  # two shards may write it at once: each its own file
     np.savez_compressed(tmp, **arrays)
     os.replace(tmp, npz)
     return arrays

@@ -369,12 +369,26 @@ def run_sampler_cases(out: Path) -> Dict[str, Any]:
     return results
 
 
+GUARD_CASE = "kron-ggn-classification"  # the prior guard's case: its weights (lr 0) and data
+
+
+def run_guard_case(out: Path) -> Dict[str, Any]:
+    """Two epochs (K=5): the prior guard scores the first epoch's estimate over both ranks' folds."""
+    module, dataset = make_case(GUARD_CASE)
+    callback = MargLikCallback(frequency=1, steps=5, settle=None)
+    recorder = Recorder()
+    trainer = ddp_trainer(out, [callback, recorder], max_epochs=2)
+    trainer.fit(module, train_dataloaders=train_loader(dataset))
+    return {"decisions": callback.guard_decisions, "after_first": recorder.epochs[0]["buffers"]}
+
+
 ERROR_CASES = ["error-setup", "error-batch", "error-collect"]
 
 
 def popen(out: Path) -> None:
     """Evidence cases, training, sampler cases, then the error cases: the run ends with an error by design."""
-    results = {"evidence": run_evidence_cases(out), "train": run_training(out), "samplers": run_sampler_cases(out)}
+    results = {"evidence": run_evidence_cases(out), "train": run_training(out), "samplers": run_sampler_cases(out),
+               "guard": run_guard_case(out)}
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     results["rank"] = rank
     write_result(out, f"popen-rank{rank}.json", results)

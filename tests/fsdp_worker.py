@@ -219,6 +219,7 @@ def run_cases(out: Path) -> Dict[str, Any]:
             **after,
             "warnings": [str(w.message) for w in caught if "MargLik" in str(w.message)],
             "fsdp_units": sum(isinstance(m, FullyShardedDataParallel) for m in fit.strategy.model.modules()),
+            "guard_off": getattr(callback, "guard_off", None),
         }
     return results
 

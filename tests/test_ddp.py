@@ -160,6 +160,29 @@ def test_evidence_under_ddp_equals_single_process(popen_run, popen_ranks, name):
         assert per_rank[0][key] == per_rank[1][key], key
 
 
+def test_the_prior_guard_under_ddp_scores_both_ranks_folds_as_one_process_scores_them(popen_run, popen_ranks):
+    """The guard's approximate cross-validation on 2 ranks equals one process's over both ranks' evidence batches
+    (a fold is the same piece of every batch, wherever the batch is), and both ranks decide alike."""
+    from lightning_marglik.distributed import evidence_loader
+    from lightning_marglik.guard import approximate_cv
+
+    name = ddp_worker.GUARD_CASE
+    module, case, _ = _reference(popen_run, name)
+    dataset = TensorDataset(case["x"], case["y"])
+    batches = [b for rank in range(2) for b in evidence_loader(ddp_worker.train_loader(dataset), rank, 2)]
+    evidence = LaplaceEvidence.fit(module, batches, module.likelihood, module.prior, "kron", "ggn")
+    learned = torch.tensor(popen_ranks[0]["guard"]["after_first"]["log_precision"], dtype=torch.float64)
+    decoupled = [i for i, n in enumerate(module.prior.param_names) if n.endswith("bias")]  # biases (and the held head)
+    learned[decoupled] = 0.0
+    learned[-2:] = 0.0  # the output layer held at the declared precision
+    expected = approximate_cv(evidence, module, batches, {"learned": learned, "declared": torch.zeros_like(learned)})
+    first = [r["guard"]["decisions"][0] for r in popen_ranks]
+    assert first[0] == first[1] and first[0]["epoch"] == 1
+    for key in ("learned", "declared"):
+        assert _close(first[0][key], expected[key]), f"{key}: {first[0][key]!r} != single-process {expected[key]!r}"
+    assert first[0]["applied"] == ("learned" if expected["learned"] >= expected["declared"] else "declared")
+
+
 def test_training_loader_pads_and_drops_but_the_evidence_does_not(popen_ranks):
     """The premise of the test above: Lightning's training loader repeated an example (37 -> 38)
     and each rank trained on 16 examples (drop_last), yet every evidence counted N=37."""

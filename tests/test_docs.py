@@ -119,12 +119,15 @@ def test_readme_lightning_example_trains_and_reads_the_result(tmp_path, monkeypa
     assert module.prior.precision[:-2].ne(1.0).all() and module.prior.precision[-2:].eq(1.0).all()
     assert module.likelihood.sigma.item() != 1.0
     assert "test_rmse" in printed
-    # each tensor says whether its δ is learned or held, and what map_loss applies: the learned δ on the hidden weight,
-    # the declared δ = 1 on its bias (biases="decoupled"); the output layer held at the declared δ = 1
+    # each tensor says whether its δ is learned or held, and what map_loss applies: the learned δ on the hidden weight
+    # (the declared δ = 1 where the prior guard's last decision kept it), the declared δ = 1 on its bias
+    # (biases="decoupled"); the output layer held at the declared δ = 1
     assert module.prior.learned_names() == ["0.weight", "0.bias"] == module.prior.param_names[:2]
     assert callback.output_decision["names"] == ["2.weight", "2.bias"] and callback.output_decision["treatment"] == "fixed"
     lines = [line for line in printed.splitlines() if ": prior precision " in line]
-    assert len(lines) == 4 and re.fullmatch(r"0\.weight: prior precision (\S+) learned, applied \1", lines[0]), lines
+    kept = callback.guard_decisions[-1]["applied"] == "declared"
+    weight = r"0\.weight: prior precision \S+ learned, applied 1" if kept else r"0\.weight: prior precision (\S+) learned, applied \1"
+    assert len(lines) == 4 and re.fullmatch(weight, lines[0]), lines
     assert re.fullmatch(r"0\.bias: prior precision \S+ learned, applied 1", lines[1]) and "precision 1 learned" not in lines[1]
     assert lines[2:] == ["2.weight: prior precision 1 held, applied 1", "2.bias: prior precision 1 held, applied 1"], lines
     assert re.search(r"^sigma \d\.\d{3} \(true: 0\.1\)$", printed, flags=re.MULTILINE), printed[-2000:]

@@ -92,6 +92,8 @@ def test_learned_log_delta_equals_single_process(ranks, single, name):
     assert a["warnings"] == []  # rank 0's: e.g. the check that the training loss carries the prior found it
     wrapped = "auto_wrap_policy" in fsdp_worker.CASES[name][1]
     assert a["fsdp_units"] == (4 if wrapped else 1)  # the root and, auto-wrapped, one unit per Linear
+    # the prior guard is off under FSDP (any FSDP unit, NO_SHARD too), and says why
+    assert a["guard_off"] == "off under a strategy that shards the parameters (its folds' gradients are whole-model vectors)"
 
 
 def test_weights_stay_sharded_and_unchanged(ranks):

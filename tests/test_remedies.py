@@ -409,8 +409,9 @@ def blob_data() -> TensorDataset:
 
 
 def fit_blobs(model, epochs=8, **callback):
+    """Algorithm 1 with every learned weight decay fed back (``guard=False``): the treatments are what is tested."""
     pl.seed_everything(0, verbose=False)
-    marglik = MargLikCallback(output_layer="learn", frequency=1, settle=None, **callback)
+    marglik = MargLikCallback(output_layer="learn", frequency=1, settle=None, guard=False, **callback)
     fitted = lightning_trainer([marglik], epochs)
     fitted.fit(model, lightning_loader(blob_data(), 20))
     return marglik, fitted
@@ -504,9 +505,9 @@ def test_trainer_remedy_options_are_checked():
 def test_trainer_biases_treatment_is_declared_again_on_resume(tmp_path):
     checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
     pl.seed_everything(0, verbose=False)
-    first = lightning_trainer([MargLikCallback(output_layer="learn", settle=None, frequency=1, biases="decoupled"), checkpoint], 3)
+    first = lightning_trainer([MargLikCallback(output_layer="learn", settle=None, frequency=1, biases="decoupled", guard=False), checkpoint], 3)
     first.fit(ZeroBiasClassifier(), lightning_loader(blob_data(), 20))
-    model, marglik = ZeroBiasClassifier(), MargLikCallback(output_layer="learn", settle=None, frequency=1, biases="decoupled")
+    model, marglik = ZeroBiasClassifier(), MargLikCallback(output_layer="learn", settle=None, frequency=1, biases="decoupled", guard=False)
     lightning_trainer([marglik, pl.callbacks.ModelCheckpoint(dirpath=tmp_path)], 5).fit(
         model, lightning_loader(blob_data(), 20), ckpt_path=checkpoint.last_model_path)
     assert marglik.estimations == 5 and model.prior.treated("decoupled") == ["0.bias", "2.bias"]
@@ -541,7 +542,7 @@ def test_the_callback_default_decouples_biases_and_normalization_unless_the_prio
 
     def fit(**kwargs):
         model = Net(**kwargs)
-        pl.Trainer(max_epochs=2, callbacks=[MargLikCallback(output_layer="learn", frequency=1, steps=10)], logger=False,
+        pl.Trainer(max_epochs=2, callbacks=[MargLikCallback(output_layer="learn", frequency=1, steps=10, guard=False)], logger=False,
                    enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False).fit(model, data)
         return model.prior
 

@@ -221,9 +221,15 @@ def test_a_real_fit_still_learning_says_rising_and_holds_the_facts():
     learned = {n: d for n, d in zip(prior.param_names, prior.precision.tolist()) if n in prior.learned_names()}
     assert summary["precisions"] == pytest.approx(learned, rel=1e-12)
     assert summary["lowest"][1] == min(learned.values()) and summary["highest"][1] == max(learned.values())
-    assert summary["held"] == ["2.weight", "2.bias"] and summary["decoupled"] == ["0.bias"]
+    # decoupled: the bias, and the first weight where the prior guard kept the declared weight decay at the end
+    guard = summary["guard"]
+    assert guard["estimates"] == 2 and guard["last"] == callback.guard_decisions[-1]  # the last epoch's is not scored
+    kept = guard["last"]["applied"] == "declared"
+    assert summary["held"] == ["2.weight", "2.bias"] and summary["decoupled"] == ["0.weight"] * kept + ["0.bias"]
     assert f"{summary['lowest'][1]:.3g} ({summary['lowest'][0]})" in end
     assert "held at the declared precision: 2.weight, 2.bias" in end
+    assert f"prior guard: the declared weight decay kept for training at {guard['declared']} of 2 estimates" in end \
+        if guard["declared"] else "prior guard: the learned weight decay scored better at all 2 estimates" in end
 
 
 def test_a_real_fit_at_fixed_weights_says_flat():

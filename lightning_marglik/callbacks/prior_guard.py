@@ -41,6 +41,8 @@ def _guarded(prior: GaussianPrior) -> List[str]:
 
 def guard_off_reason(trainer: Trainer, prior: GaussianPrior) -> Optional[str]:
     """Why the guard cannot run in this fit (``None``: it runs)."""
+    if prior.structure == "scalar":
+        return "off: a scalar prior's one precision cannot be kept from training apart (a layerwise prior's can)"
     if shards_parameters(trainer):
         return "off under a strategy that shards the parameters (its folds' gradients are whole-model vectors)"
     if not _guarded(prior):

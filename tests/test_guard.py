@@ -1,0 +1,220 @@
+"""The prior guard (issue 52): the approximate cross-validation against a dense float64 brute force, and what the
+callback does with it in a real ``Trainer``: the decision follows the scores, the learned weight decay reaches
+training only while it wins, the record survives a checkpoint on disk, the final epoch is not scored, and an
+operation without a forward-mode derivative turns the guard off with a warning instead of ending the fit."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_marglik import CategoricalLikelihood, GaussianLikelihood, GaussianPrior, LaplaceEvidence, MargLikCallback
+from lightning_marglik.callbacks.prior_guard import GUARD
+from lightning_marglik.guard import approximate_cv, fold_pieces
+from tests.lightning_models import Classifier, trainer
+from tests.reference import curvature_scale, jacobians, loss_hessians
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*does not have many workers.*", "ignore:.*LeafSpec.*")
+
+
+def _problem(kind: str, seed: int = 0):
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3 if kind == "classification" else 2)).double()
+    x = torch.randn(23, 3, dtype=torch.float64)
+    if kind == "classification":
+        y, likelihood = torch.randint(0, 3, (23,)), CategoricalLikelihood(temperature=0.7)
+    else:
+        y, likelihood = torch.randn(23, 2, dtype=torch.float64), GaussianLikelihood(sigma=0.6, temperature=0.7)
+    prior = GaussianPrior(net)
+    with torch.no_grad():
+        prior.log_precision.copy_(torch.tensor([0.3, -0.5, 1.1, 0.2], dtype=torch.float64))
+    batches = [(x[:10], y[:10]), (x[10:], y[10:])]  # 10 and 13 examples: uneven pieces
+    return net, likelihood, prior, batches
+
+
+def _brute_force(net, likelihood, prior, batches, candidates, folds, kind):
+    """K-fold CV by dense matrices: fold k is the k-th contiguous piece of every batch; its refit one Newton
+    step of the held-in objective with the dense GGN x (K - 1) / K; the held-out fold's linearized log likelihood."""
+    names = [n for n, _ in net.named_parameters()]
+    theta = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    fold = torch.cat([torch.arange(len(b[1])) // -(-len(b[1]) // folds) for b in batches])
+    f, jac = jacobians(net, names, x)
+    temperature = likelihood.temperature.detach()
+    log_sigma = getattr(likelihood, "log_sigma", None)
+    scale = curvature_scale(kind, "ggn", None if log_sigma is None else log_sigma.detach(), temperature.log())
+    ggn = torch.einsum("ncp,ncd,ndq->pq", jac, loss_hessians(f, y, kind, "ggn"), jac) * scale
+    if kind == "classification":
+        residual = f.softmax(1) - nn.functional.one_hot(y, 3).double()  # d nll / d f
+    else:
+        residual = (f - y) / likelihood.sigma.detach() ** 2
+    per_example = torch.einsum("nc,ncp->np", residual, jac) / temperature  # tempered nll gradients
+    sizes = [p.numel() for p in net.parameters()]
+    scores = {}
+    for name, log_delta in candidates.items():
+        delta = torch.cat([log_delta[i].exp().expand(s) for i, s in enumerate(sizes)])
+        total = 0.0
+        for k in range(folds):
+            held_in = per_example[fold != k].sum(0)
+            step = -torch.linalg.solve(ggn * (folds - 1) / folds + torch.diag(delta), held_in + delta * theta)
+            out = f[fold == k] + jac[fold == k] @ step
+            total -= likelihood.nll(out, y[fold == k]).sum().item()
+        scores[name] = total / len(y)
+    return scores
+
+
+@pytest.mark.parametrize("kind", ["classification", "regression"])
+def test_the_approximate_cross_validation_equals_a_dense_float64_brute_force(kind):
+    net, likelihood, prior, batches = _problem(kind)
+    evidence = LaplaceEvidence.fit(net, batches, likelihood, prior, structure="full", mc_samples=0)
+    candidates = {"learned": prior.log_precision.detach().clone(),
+                  "declared": torch.zeros(4, dtype=torch.float64), "strong": torch.full((4,), 3.0, dtype=torch.float64)}
+    got = approximate_cv(evidence, net, batches, candidates, folds=4)
+    expected = _brute_force(net, likelihood, prior, batches, candidates, 4, kind)
+    assert set(got) == set(candidates)
+    for name in candidates:
+        assert got[name] == pytest.approx(expected[name], rel=1e-10, abs=1e-12)
+    # the candidates are told apart (a stronger prior moves the refits): the comparison can fail
+    assert len({round(v, 6) for v in got.values()}) == 3
+
+
+def test_a_kronecker_evidence_scores_by_its_own_blocks_and_fewer_than_two_folds_are_refused():
+    net, likelihood, prior, batches = _problem("classification")
+    kron = LaplaceEvidence.fit(net, batches, likelihood, prior, structure="kron", mc_samples=0)
+    full = LaplaceEvidence.fit(net, batches, likelihood, prior, structure="full", mc_samples=0)
+    candidates = {"declared": torch.zeros(4, dtype=torch.float64)}
+    by_kron, by_full = approximate_cv(kron, net, batches, candidates), approximate_cv(full, net, batches, candidates)
+    assert math.isfinite(by_kron["declared"]) and by_kron["declared"] != pytest.approx(by_full["declared"], rel=1e-6)
+    with pytest.raises(ValueError, match="`folds` must be at least 2, got 1"):
+        approximate_cv(kron, net, batches, candidates, folds=1)
+
+
+def test_fold_pieces_cut_tuple_inputs_and_leave_no_empty_piece():
+    x, mask, y = torch.arange(4.0)[:, None], torch.ones(4, 2), torch.arange(4)
+    pieces = fold_pieces(((x, mask), y), 5)
+    assert [p[1].tolist() for p in pieces] == [[0], [1], [2], [3]]
+    assert pieces[2][0][1].shape == (1, 2)
+
+
+# --- in a Trainer ------------------------------------------------------------------------------
+
+
+def _data(n: int = 90, seed: int = 0) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 2, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    return DataLoader(TensorDataset(x, y), batch_size=30)
+
+
+def _fit(callback, epochs: int = 6, module=None, **kwargs):
+    torch.manual_seed(0)
+    module = module or Classifier(n_data=90)
+    t = trainer([callback], max_epochs=epochs, **kwargs)
+    t.fit(module, _data())
+    return module, t
+
+
+def test_each_decision_follows_its_scores_and_training_decays_by_the_last_one():
+    callback = MargLikCallback(frequency=1, steps=20)
+    module, _ = _fit(callback)
+    prior = module.prior
+    decisions = callback.guard_decisions
+    # every estimate but the last epoch's is scored (no training follows that one)
+    assert [d["epoch"] for d in decisions] == [1, 2, 3, 4, 5] and callback.estimations == 6
+    for d in decisions:
+        assert d["applied"] == ("learned" if d["learned"] >= d["declared"] else "declared")
+    guarded = prior.treatments.get(GUARD, ([], ""))[0]
+    body = ["0.weight"]  # the output layer is held, the biases decoupled: the first weight is what the evidence sets
+    decay = prior.per_tensor(prior.weight_decay_log_precision())
+    learned = prior.per_tensor(prior.log_precision.detach())
+    if decisions[-1]["applied"] == "declared":
+        assert guarded == body and decay[0].item() == pytest.approx(math.log(prior.initial_precision))
+    else:
+        assert guarded == [] and decay[0].item() == pytest.approx(learned[0].item())
+    assert callback.summary["guard"] == {
+        "estimates": 5, "declared": sum(d["applied"] == "declared" for d in decisions), "last": decisions[-1]}
+
+
+def test_guard_false_feeds_the_learned_weight_decay_back_and_a_bad_value_is_refused_by_name():
+    callback = MargLikCallback(frequency=1, steps=20, guard=False)
+    module, _ = _fit(callback, epochs=3)
+    assert callback.guard_decisions == [] and GUARD not in module.prior.treatments and callback.guard_off == "off (guard=False)"
+    assert callback.summary["guard"] is None
+    with pytest.raises(ValueError, match="`guard` must be True or False"):
+        MargLikCallback(guard="yes")
+
+
+def test_the_guard_changes_training_where_it_keeps_the_declared_prior():
+    """The same fit with and without the guard: equal until its first decision for the declared prior, then the
+    guarded run trains at the declared weight decay (its first weight differs)."""
+    guarded, plain = MargLikCallback(frequency=1, steps=20), MargLikCallback(frequency=1, steps=20, guard=False)
+    a, _ = _fit(guarded, epochs=4)
+    b, _ = _fit(plain, epochs=4)
+    kept = [d for d in guarded.guard_decisions if d["applied"] == "declared"]
+    if not kept:
+        pytest.skip("the guard kept the learned prior at every estimate on this data")
+    assert not torch.equal(a.net[0].weight, b.net[0].weight)
+    # the first estimate saw the same weights: its scores and the evidence's learned precisions are the same
+    assert guarded.history[0]["marglik"] == pytest.approx(plain.history[0]["marglik"], rel=1e-12)
+
+
+def test_the_decisions_survive_a_checkpoint_on_disk_and_a_resume_restores_the_treatment(tmp_path):
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    callback = MargLikCallback(frequency=1, steps=20)
+    first = Classifier(n_data=90)
+    torch.manual_seed(0)
+    trainer([callback, ModelCheckpoint(dirpath=tmp_path, save_last=True)], max_epochs=3).fit(first, _data())
+    saved = list(callback.guard_decisions)
+    assert [d["epoch"] for d in saved] == [1, 2]
+    # resumed to epoch 4, the last: nothing new is scored, so the prior's treatment at the end is the one restored
+    resumed, second = MargLikCallback(frequency=1, steps=20), Classifier(n_data=90)
+    trainer([resumed], max_epochs=4).fit(second, _data(), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert resumed.guard_decisions == saved
+    held = second.prior.treatments.get(GUARD, ([], ""))[0]
+    assert bool(held) == (saved[-1]["applied"] == "declared")
+
+
+class NoForwardMode(torch.autograd.Function):
+    """tanh with a backward and no jvp: forward-mode products through it fail."""
+
+    @staticmethod
+    def forward(x):
+        return torch.tanh(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (output,) = ctx.saved_tensors
+        return grad * (1 - output ** 2)
+
+
+class OpaqueTanh(nn.Module):
+    def forward(self, x):
+        return NoForwardMode.apply(x)
+
+
+def test_a_network_without_forward_mode_derivatives_turns_the_guard_off_with_a_warning_and_trains_on():
+    module = Classifier(n_data=90)
+    module.net[1] = OpaqueTanh()
+    callback = MargLikCallback(frequency=1, steps=20)
+    with pytest.warns(UserWarning, match="prior guard off: the network's forward has no forward-mode derivative"):
+        _fit(callback, epochs=3, module=module)
+    assert callback.guard_decisions == [] and callback.estimations == 3
+    assert not module.prior.treatments.get(GUARD, ([], ""))[0]
+    assert callback.guard_off.startswith("off: the network's forward has no forward-mode derivative")
+
+
+def test_a_scalar_prior_turns_the_guard_off_at_set_up_and_says_why():
+    module = Classifier(n_data=90)
+    module.prior = GaussianPrior(module.net, structure="scalar")
+    callback = MargLikCallback(frequency=1, steps=20)
+    _fit(callback, epochs=3, module=module)
+    assert callback.guard_off == "off: a scalar prior's one precision cannot be kept from training apart (a layerwise prior's can)"
+    assert callback.guard_decisions == [] and callback.estimations == 3 and GUARD not in module.prior.treatments
