@@ -126,10 +126,11 @@ def guard_summary(decisions: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
 def guard_words(summary: Dict[str, Any]) -> str:
     """The end-of-training phrase of :func:`guard_summary`'s facts."""
     last = summary["last"]
-    scores = f"learned {last['learned']:.4g} against declared {last['declared']:.4g} at epoch={last['epoch']}"
+    scores = (f"log likelihood per datum at epoch={last['epoch']}: learned {last['learned']:.4g}, "
+              f"declared {last['declared']:.4g}")
     if not summary["declared"]:
-        return f"prior guard: the learned weight decay scored better at all {summary['estimates']} estimates ({scores})"
+        return f"prior guard: the learned weight decay scored at least as well at all {summary['estimates']} estimates ({scores})"
     return (f"prior guard: the declared weight decay kept for training at {summary['declared']} of "
-            f"{summary['estimates']} estimates, as the learned one scored worse by approximate cross-validation "
-            f"({scores}, log likelihood per datum); the learned precisions are the evidence's own choice, "
-            f"training {'kept the declared' if last['applied'] == 'declared' else 'used the learned'} at the end")
+            f"{summary['estimates']} estimates, where the learned one scored worse by approximate cross-validation "
+            f"({scores}); the learned precisions are the evidence's own choice; at the end training applied the "
+            f"{last['applied']} one")
