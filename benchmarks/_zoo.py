@@ -793,3 +793,35 @@ def run_shard(specs: List[RunSpec], k: int, n: int, cache: str) -> None:
 
 def output_dir(script: str) -> str:
     return os.path.join(OUTPUTS, script)
+
+
+def study_main(argv: Optional[List[str]], doc: str, results: str, plan: Callable[[], List[RunSpec]], cache: str,
+               analyse: Callable[[], None], steps: Optional[Dict[str, Tuple[str, Callable[[], None]]]] = None) -> None:
+    """A study's command line: ``--plan`` lists its runs, ``--shard K/N`` trains shard K of N (cached in ``cache``),
+    each flag of ``steps`` (``--flag``: help, action) runs its action, then ``--analyse`` writes
+    ``benchmarks/results/<results>.md``."""
+    import argparse
+
+    steps = steps or {}
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--plan", action="store_true", help="list the runs")
+    parser.add_argument("--shard", help="K/N: train shard K of N of the runs (cached)")
+    for flag, (text, _) in steps.items():
+        parser.add_argument(flag, action="store_true", help=text)
+    parser.add_argument("--analyse", action="store_true", help=f"write benchmarks/results/{results}.md")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    if args.plan:
+        specs = plan()
+        print(f"{len(specs)} runs")
+        for s in specs:
+            print(f"  {s.key()}: {s.dataset} {s.network} epochs={s.epochs} N={s.n_train} precision={s.precision:g} "
+                  f"callback={s.callback} validation={s.validation:g}")
+    if args.shard:
+        k, n = (int(v) for v in args.shard.split("/"))
+        run_shard(plan(), k, n, cache)
+    for flag, (_, action) in steps.items():
+        if getattr(args, flag.lstrip("-").replace("-", "_")):
+            action()
+    if args.analyse:
+        analyse()

@@ -26,13 +26,11 @@ Usage::
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence
 
-import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -167,23 +165,7 @@ def analyse() -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--plan", action="store_true", help="list the runs")
-    parser.add_argument("--shard", help="K/N: train shard K of N of the runs (cached)")
-    parser.add_argument("--analyse", action="store_true", help=f"write benchmarks/results/{NAME}.md")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    if args.plan:
-        specs = plan()
-        print(f"{len(specs)} runs")
-        for s in specs:
-            print(f"  {s.key()}: {s.dataset} {s.network} epochs={s.epochs} N={s.n_train} precision={s.precision:g} "
-                  f"callback={s.callback} validation={s.validation:g}")
-    if args.shard:
-        k, n = (int(v) for v in args.shard.split("/"))
-        _zoo.run_shard(plan(), k, n, cache_dir())
-    if args.analyse:
-        analyse()
+    _zoo.study_main(None if argv is None else list(argv), __doc__, NAME, plan, cache_dir(), analyse)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ Usage::
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import math
@@ -573,29 +572,14 @@ def analyse() -> None:
     write_with_data(path, text, {"libraries": libraries})
 
 
+def write_mechanism() -> None:
+    with open(os.path.join(_zoo.output_dir(NAME), "mechanism.json"), "w") as f:
+        json.dump(mechanism(), f)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--plan", action="store_true", help="list the runs")
-    parser.add_argument("--shard", help="K/N: train shard K of N of the runs, the family's and the study cells' (cached)")
-    parser.add_argument("--mechanism", action="store_true", help="the post-hoc mechanism at cached weights")
-    parser.add_argument("--analyse", action="store_true", help=f"write benchmarks/results/{NAME}.md")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    if args.plan:
-        specs = plan() + study_plan()
-        print(f"{len(specs)} runs")
-        for s in specs:
-            print(f"  {s.key()}: {s.dataset} {s.network} epochs={s.epochs} N={s.n_train} precision={s.precision:g} "
-                  f"callback={s.callback} validation={s.validation:g}")
-    if args.shard:
-        k, n = (int(v) for v in args.shard.split("/"))
-        _zoo.run_shard(plan() + study_plan(), k, n, cache_dir())
-    if args.mechanism:
-        out = mechanism()
-        with open(os.path.join(_zoo.output_dir(NAME), "mechanism.json"), "w") as f:
-            json.dump(out, f)
-    if args.analyse:
-        analyse()
+    _zoo.study_main(None if argv is None else list(argv), __doc__, NAME, lambda: plan() + study_plan(), cache_dir(),
+                    analyse, {"--mechanism": ("the post-hoc mechanism at cached weights", write_mechanism)})
 
 
 if __name__ == "__main__":
