@@ -23,7 +23,9 @@ retraining. From an over-parameterised network the step overshoots, so the score
 GGN's did in every member of the study (``benchmarks/results/prior_strength.md``).
 
 Cost: the folds' gradients (one forward and backward over the evidence data, in ``K`` pieces per batch) and
-one forward-mode pass per candidate; memory ``K + 3`` vectors of the prior's size.
+one forward-mode pass per candidate (about 3 training epochs in all on a 10,000-class MLP); memory ``K + 3``
+vectors of the prior's size in the weights' dtype, float64 one structure's block at a time (on that MLP,
+P = 5.5M, the process peak rose from 1.12x to 1.42x that of training without the callback).
 """
 from __future__ import annotations
 
@@ -37,7 +39,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .curvature import eval_mode, locate
 from .curvature.batches import Inputs, batch_size, call_model, model_batch, slice_batch
 from .evidence import LaplaceEvidence
-from .linearized import _inverse_precision
 
 __all__ = ["FOLDS", "approximate_cv", "fold_pieces"]
 
@@ -61,10 +62,6 @@ def fold_pieces(batch: Batch, folds: int) -> List[Batch]:
     size = batch_size(inputs)
     width = -(-size // folds)
     return [(slice_batch(inputs, start, start + width), target[start:start + width]) for start in range(0, size, width)]
-
-
-def _flat(tensors: Sequence[Tensor]) -> Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors])
 
 
 def approximate_cv(
@@ -110,20 +107,28 @@ def approximate_cv(
     pieces = [fold_pieces(batch, folds) for batch in batches]
     inverse_temperature = float(likelihood.temperature.detach().reciprocal())
     with eval_mode(model):
-        gradients = reduce(torch.stack([_fold_gradient(model, prior.params, likelihood, [p[k] for p in pieces if k < len(p)])
-                                        for k in range(folds)]) * inverse_temperature)
+        # one (K, P) buffer, each fold's gradient summed into its row: no list of K flat copies to stack
+        gradients = theta[0].new_zeros(folds, sum(prior.param_sizes))
+        for k, row in enumerate(gradients):
+            _add_fold_gradient(row, model, prior.params, likelihood, [p[k] for p in pieces if k < len(p)])
+        gradients = reduce(gradients.mul_(inverse_temperature))
         hyper = {name: value.detach().double() for name, value in likelihood.hyperparameters().items()}
         scale = likelihood.curvature_scale(evidence.approx, hyper) * (folds - 1) / folds
-        total, flat_theta = gradients.sum(0), _flat(theta).double()
+        total, sizes = gradients.sum(0), prior.param_sizes
         scores = {}
         for name, log_precision in candidates.items():
             delta = [d.exp() for d in prior.tensor_log_precisions(log_precision.detach().double())]
-            inverse = _inverse_precision(evidence.structures, prior.param_sizes, scale, delta)
-            decay = _flat([d.expand(size) for d, size in zip(delta, prior.param_sizes)]) * flat_theta
-            held_out = torch.zeros((), dtype=torch.float64, device=flat_theta.device)
+            blocks = [(structure.indices, structure.inverse(scale, delta)) for structure in evidence.structures]
+            held_out = torch.zeros((), dtype=torch.float64, device=theta[0].device)
             for k in range(folds):
-                step = -inverse((total - gradients[k]).double() + decay)
-                tangent = [piece.view_as(p).to(p.dtype) for piece, p in zip(step.split(prior.param_sizes), theta)]
+                rest = (total - gradients[k]).split(sizes)
+                tangent: List[Tensor] = list(theta)
+                # block by block (the structures cover the prior's tensors, disjoint): float64 a block at a time
+                for indices, block in blocks:
+                    objective = [rest[i].double() + delta[i].expand(sizes[i]) * theta[i].reshape(-1).double()
+                                 for i in indices]
+                    for i, piece in zip(indices, block(objective)):
+                        tangent[i] = (-piece).view_as(theta[i]).to(theta[i].dtype)
                 for fold_batches in pieces:
                     if k < len(fold_batches):
                         inputs, target = fold_batches[k]
@@ -134,16 +139,17 @@ def approximate_cv(
     return {name: float(value) / float(evidence.n_data) for name, value in zip(scores, values)}
 
 
-def _fold_gradient(model: nn.Module, params: Sequence[Tensor], likelihood: object, pieces: Sequence[Batch]) -> Tensor:
-    """The gradient of the fold's summed negative log likelihood (untempered), flat, in the parameters' dtype."""
-    total = [torch.zeros_like(p) for p in params]
+def _add_fold_gradient(row: Tensor, model: nn.Module, params: Sequence[Tensor], likelihood: object,
+                       pieces: Sequence[Batch]) -> None:
+    """Add the gradient of the fold's summed negative log likelihood (untempered) into ``row`` (flat, in the
+    parameters' dtype)."""
+    views = [piece.view_as(p) for piece, p in zip(row.split([p.numel() for p in params]), params)]
     for inputs, target in pieces:
         with torch.enable_grad():
             loss = likelihood.nll(call_model(model, inputs), target).sum()  # type: ignore[attr-defined]
-            for t, g in zip(total, torch.autograd.grad(loss, list(params), allow_unused=True)):
+            for view, g in zip(views, torch.autograd.grad(loss, list(params), allow_unused=True)):
                 if g is not None:
-                    t += g
-    return _flat(total)
+                    view += g
 
 
 def _linearized(model: nn.Module, names: List[str], theta: List[Tensor], tangent: List[Tensor], inputs: Inputs) -> Tensor:
