@@ -20,7 +20,8 @@ by the linearized network at ``theta_k`` (``f + J (theta_k - theta)``, one forwa
 conditional likelihood of held-out data given the rest (Lotfi et al., ICML 2022), by a Newton refit instead of
 retraining. From an over-parameterised network the step overshoots, so the scores are not calibrated
 (log likelihoods per datum of -5 to -45 where the test's are -0.01 to -2.6); their order chose as the exact
-GGN's did in every member of the study (``benchmarks/results/prior_strength.md``).
+GGN's did at every estimate of the 100-class family's noise members, 3 seeds each (``prior_guard.md`` against
+``prior_strength.md`` in ``benchmarks/results/``).
 
 Cost: the folds' gradients (one forward and backward over the evidence data, in ``K`` pieces per batch) and
 one forward-mode pass per candidate (about 3 training epochs in all on a 10,000-class MLP); memory ``K + 3``
@@ -122,13 +123,14 @@ def approximate_cv(
             held_out = torch.zeros((), dtype=torch.float64, device=theta[0].device)
             for k in range(folds):
                 rest = (total - gradients[k]).split(sizes)
-                tangent: List[Tensor] = list(theta)
+                steps: Dict[int, Tensor] = {}
                 # block by block (the structures cover the prior's tensors, disjoint): float64 a block at a time
                 for indices, block in blocks:
                     objective = [rest[i].double() + delta[i].expand(sizes[i]) * theta[i].reshape(-1).double()
                                  for i in indices]
                     for i, piece in zip(indices, block(objective)):
-                        tangent[i] = (-piece).view_as(theta[i]).to(theta[i].dtype)
+                        steps[i] = (-piece).view_as(theta[i]).to(theta[i].dtype)
+                tangent = [steps[i] for i in range(len(theta))]
                 for fold_batches in pieces:
                     if k < len(fold_batches):
                         inputs, target = fold_batches[k]
