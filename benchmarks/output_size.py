@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import subprocess
@@ -149,8 +150,9 @@ def _epoch(net, loader, likelihood, prior, optimizer) -> Callable[[], None]:
     return run
 
 
-def cost(net, x, y, batch_size: int, mc_samples: Any, epochs: int = 1) -> Dict[str, Any]:
-    """One training epoch and one estimate, process CPU and peak RSS."""
+def cost(net, x, y, batch_size: int, mc_samples: Any, epochs: int = 1, guarded: bool = False) -> Dict[str, Any]:
+    """One training epoch and one estimate, process CPU and peak RSS (``guarded``: then the prior guard's scoring of
+    the learned against the declared weight decay, as ``MargLikCallback(guard=True)`` runs it after an estimate)."""
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -176,11 +178,22 @@ def cost(net, x, y, batch_size: int, mc_samples: Any, epochs: int = 1) -> Dict[s
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the exact-path notes of tied and positional embeddings
         estimate_cpu, _, evidence = timed(estimate)
+    peak_estimate = peak_mb()
+    guard = {}
+    if guarded:  # what MargLikCallback's default adds after the estimate: the prior guard's two candidates
+        from lightning_marglik.guard import approximate_cv
+
+        learned = prior.log_precision.detach().clone()
+        candidates = {"learned": learned, "declared": torch.full_like(learned, math.log(prior.initial_precision))}
+        guard_cpu = timed(lambda: approximate_cv(evidence, net, list(loader), candidates))[0]
+        guard = {"guard_cpu": guard_cpu, "epochs_per_guarded_estimate": (estimate_cpu + guard_cpu) / epoch_cpu,
+                 "peak_guard_mb": peak_mb(), "memory_ratio_guarded": peak_mb() / trained}
     return {
         "epoch_cpu": epoch_cpu, "estimate_cpu": estimate_cpu, "epochs_per_estimate": estimate_cpu / epoch_cpu,
         "run_ratio": (EPOCHS * epoch_cpu + ESTIMATES * estimate_cpu) / (EPOCHS * epoch_cpu),
-        "peak_before_mb": before, "peak_training_mb": trained, "peak_estimate_mb": peak_mb(),
-        "memory_ratio": peak_mb() / trained, "estimator": evidence.estimator, "n_params": sum(p.numel() for p in params),
+        "peak_before_mb": before, "peak_training_mb": trained, "peak_estimate_mb": peak_estimate,
+        "memory_ratio": peak_estimate / trained, "estimator": evidence.estimator, "n_params": sum(p.numel() for p in params),
+        **guard,
     }
 
 
@@ -303,7 +316,7 @@ def run_part(part: str) -> Dict[str, Any]:
             g = torch.Generator().manual_seed(0)
             x, y = torch.randn(8000, 3, 16, 16, generator=g), torch.randint(0, classes, (8000,), generator=g)
         torch.manual_seed(0)
-        return cost((mlp if kind == "mlp" else cnn)(classes), x, y, 128, "auto")
+        return cost((mlp if kind == "mlp" else cnn)(classes), x, y, 128, "auto", guarded=True)
     if kind == "exact":  # exact-mlp-C, run as its own process by main()
         classes = int(size.rsplit("-", 1)[1])
         x, y = teacher_data(8000, classes)
@@ -380,6 +393,17 @@ def render(data: Dict[str, Any]) -> str:
                          f"{q['default']['test_nll']:.4f} / {q['exact']['test_nll']:.4f} ({q['nll_diff']:+.4f}) | "
                          + (f"{q['seeds_nll_range'][0]:.4f}-{q['seeds_nll_range'][1]:.4f}, {q['seeds_nll_mean_diff']:+.4f} |"
                             f" {q['repeat_nll_diff']:+.4f} |" if "seeds_nll_range" in q else "| |"))
+    guarded = [p for p in ("mlp-10", "mlp-100", "mlp-1000", "mlp-10000", "cnn-100") if "guard_cpu" in parts.get(p, {})]
+    if guarded:
+        lines += ["", "## With the prior guard (issue 52's default): one estimate and its guard", "",
+                  "| network | parameters | estimate / epoch | estimate and guard / epoch | peak MB training / estimate / "
+                  "guard | guarded ratio (target 1.3) | measured |", "|---|---:|---:|---:|---:|---:|---|"]
+        for part in guarded:
+            r = parts[part]
+            lines.append(f"| {part} | {r['n_params']:,} | {r['epochs_per_estimate']:.2f} | "
+                         f"{r['epochs_per_guarded_estimate']:.2f} | {r['peak_training_mb']:.0f} / "
+                         f"{r['peak_estimate_mb']:.0f} / {r['peak_guard_mb']:.0f} | {r['memory_ratio_guarded']:.2f} | "
+                         f"{r.get('library', '?')}, {r.get('date', '?')} |")
     lines += _factor_lines(parts)
     return "\n".join(lines) + "\n\n" + hand_written(RESULT)
 
