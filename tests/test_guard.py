@@ -153,11 +153,10 @@ def test_the_guard_changes_training_where_it_keeps_the_declared_prior():
     guarded, plain = MargLikCallback(frequency=1, steps=20), MargLikCallback(frequency=1, steps=20, guard=False)
     a, _ = _fit(guarded, epochs=4)
     b, _ = _fit(plain, epochs=4)
-    kept = [d for d in guarded.guard_decisions if d["applied"] == "declared"]
-    if not kept:
-        pytest.skip("the guard kept the learned prior at every estimate on this data")
+    # on this data (fixed seeds) the guard keeps the declared weight decay from the first estimate on
+    assert [d["applied"] for d in guarded.guard_decisions] == ["declared"] * 3
     assert not torch.equal(a.net[0].weight, b.net[0].weight)
-    # the first estimate saw the same weights: its scores and the evidence's learned precisions are the same
+    # the first estimate saw the same weights: its evidence is the same
     assert guarded.history[0]["marglik"] == pytest.approx(plain.history[0]["marglik"], rel=1e-12)
 
 
