@@ -87,7 +87,8 @@ def approximate_cv(
         Name -> the held-out log likelihood per datum, summed over folds (and processes).
 
     Raises:
-        ValueError: On fewer than 2 folds.
+        ValueError: On fewer than 2 folds, or a candidate that is not a finite log precision of
+            ``prior.log_precision``'s shape.
 
     Example:
         >>> from lightning_marglik import CategoricalLikelihood, GaussianPrior
@@ -102,6 +103,12 @@ def approximate_cv(
     if folds < 2:
         raise ValueError(f"`folds` must be at least 2, got {folds}.")
     prior, likelihood = evidence.prior, evidence.likelihood
+    shape = tuple(prior.log_precision.shape)
+    for name, log_precision in candidates.items():
+        if tuple(log_precision.shape) != shape or not bool(torch.isfinite(log_precision).all()):
+            raise ValueError(f"candidate {name!r}: a finite log precision per prior group, shape {shape} (as "
+                             f"prior.log_precision), is needed; got shape {tuple(log_precision.shape)} "
+                             f"with values {log_precision.tolist()}.")
     reduce = reduce or (lambda t: t)
     names, _ = locate(model, prior)
     theta = [p.detach() for p in prior.params]

@@ -90,6 +90,11 @@ def test_a_kronecker_evidence_scores_by_its_own_blocks_and_fewer_than_two_folds_
     assert math.isfinite(by_kron["declared"]) and by_kron["declared"] != pytest.approx(by_full["declared"], rel=1e-6)
     with pytest.raises(ValueError, match="`folds` must be at least 2, got 1"):
         approximate_cv(kron, net, batches, candidates, folds=1)
+    # a hurried caller's candidates: one value for every group, or a NaN, are named, not scored as NaN
+    with pytest.raises(ValueError, match=r"candidate 'one': .* shape \(4,\) .* got shape \(\)"):
+        approximate_cv(kron, net, batches, {"one": torch.zeros((), dtype=torch.float64)})
+    with pytest.raises(ValueError, match=r"candidate 'nan': a finite log precision"):
+        approximate_cv(kron, net, batches, {"nan": torch.full((4,), float("nan"), dtype=torch.float64)})
 
 
 def test_fold_pieces_cut_tuple_inputs_and_leave_no_empty_piece():
