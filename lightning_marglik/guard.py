@@ -38,10 +38,10 @@ from torch.func import functional_call, jvp
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .curvature import eval_mode, locate
-from .curvature.batches import Inputs, batch_size, call_model, model_batch, slice_batch
+from .curvature.batches import Inputs, batch_dims, batch_size, call_model, model_batch, slice_batch
 from .evidence import LaplaceEvidence
 
-__all__ = ["FOLDS", "approximate_cv", "fold_pieces"]
+__all__ = ["FOLDS", "approximate_cv", "fold_calls", "fold_pieces"]
 
 #: Folds of the approximate cross-validation.
 FOLDS = 5
@@ -112,40 +112,101 @@ def approximate_cv(
     reduce = reduce or (lambda t: t)
     names, _ = locate(model, prior)
     theta = [p.detach() for p in prior.params]
-    pieces = [fold_pieces(batch, folds) for batch in batches]
+    sizes = prior.param_sizes
+    calls = fold_calls(batches, folds)
     inverse_temperature = float(likelihood.temperature.detach().reciprocal())
     with eval_mode(model):
         # one (K, P) buffer, each fold's gradient summed into its row: no list of K flat copies to stack
-        gradients = theta[0].new_zeros(folds, sum(prior.param_sizes))
-        for k, row in enumerate(gradients):
-            _add_fold_gradient(row, model, prior.params, likelihood, [p[k] for p in pieces if k < len(p)])
+        gradients = theta[0].new_zeros(folds, sum(sizes))
+        for row, fold in zip(gradients, calls):
+            _add_fold_gradient(row, model, prior.params, likelihood, fold)
         gradients = reduce(gradients.mul_(inverse_temperature))
         hyper = {name: value.detach().double() for name, value in likelihood.hyperparameters().items()}
         scale = likelihood.curvature_scale(evidence.approx, hyper) * (folds - 1) / folds
-        total, sizes = gradients.sum(0), prior.param_sizes
+        # one more weight-sized vector: the held-in folds' gradient, then (block by block, in place) the step
+        step = torch.empty_like(gradients[0])
         scores = {}
         for name, log_precision in candidates.items():
             delta = [d.exp() for d in prior.tensor_log_precisions(log_precision.detach().double())]
             blocks = [(structure.indices, structure.inverse(scale, delta)) for structure in evidence.structures]
             held_out = torch.zeros((), dtype=torch.float64, device=theta[0].device)
-            for k in range(folds):
-                rest = (total - gradients[k]).split(sizes)
-                steps: Dict[int, Tensor] = {}
+            for k, fold in enumerate(calls):
+                step.zero_()
+                for j, row in enumerate(gradients):
+                    if j != k:
+                        step.add_(row)
+                pieces = step.split(sizes)
                 # block by block (the structures cover the prior's tensors, disjoint): float64 a block at a time
                 for indices, block in blocks:
-                    objective = [rest[i].double() + delta[i].expand(sizes[i]) * theta[i].reshape(-1).double()
+                    objective = [theta[i].reshape(-1).to(torch.float64, copy=True).mul_(delta[i]).add_(pieces[i])
                                  for i in indices]
-                    for i, piece in zip(indices, block(objective)):
-                        steps[i] = (-piece).view_as(theta[i]).to(theta[i].dtype)
-                tangent = [steps[i] for i in range(len(theta))]
-                for fold_batches in pieces:
-                    if k < len(fold_batches):
-                        inputs, target = fold_batches[k]
-                        output = _linearized(model, names, theta, tangent, inputs)
-                        held_out = held_out - likelihood.nll(output, target).double().sum()
+                    for i, solved in zip(indices, block(objective)):
+                        pieces[i].copy_(solved).neg_()
+                tangent = [piece.view_as(t) for piece, t in zip(pieces, theta)]
+                for inputs, target in fold:
+                    output = _linearized(model, names, theta, tangent, inputs)
+                    held_out = held_out - likelihood.nll(output, target).double().sum()
             scores[name] = held_out
         values = reduce(torch.stack(list(scores.values())))  # the evidence's n_data is summed over processes already
     return {name: float(value) / float(evidence.n_data) for name, value in zip(scores, values)}
+
+
+def fold_calls(batches: Sequence[Batch], folds: int) -> List[List[Batch]]:
+    """Fold ``k``'s pieces of every batch (:func:`fold_pieces`), consecutive ones joined into calls of at most the
+    largest batch's size where their inputs concatenate (the same trailing shapes, the same shared values): a
+    fold's gradient and forward-mode products take about as many calls as training takes batches, not ``K`` times
+    as many (on a small network, the calls' overhead was most of the guard's time).
+
+    Example:
+        >>> batches = [(torch.arange(4.0)[:, None], torch.arange(4)), (torch.arange(4.0, 8)[:, None], torch.arange(4, 8))]
+        >>> [[target.tolist() for _, target in fold] for fold in fold_calls(batches, 2)]
+        [[[0, 1, 4, 5]], [[2, 3, 6, 7]]]
+    """
+    pieces = [fold_pieces(batch, folds) for batch in batches]
+    limit = max((len(target) for _, target in batches), default=0)
+    calls: List[List[Batch]] = []
+    for k in range(folds):
+        fold: List[Batch] = []
+        for inputs, target in (p[k] for p in pieces if k < len(p)):
+            joined = _joined(fold[-1], (inputs, target)) if fold and len(fold[-1][1]) + len(target) <= limit else None
+            if joined is None:
+                fold.append((inputs, target))
+            else:
+                fold[-1] = joined
+        calls.append(fold)
+    return calls
+
+
+class _Apart(Exception):
+    """Two pieces whose inputs do not concatenate into one call."""
+
+
+def _joined(first: Batch, second: Batch) -> Optional[Batch]:
+    """The two pieces as one, or ``None`` where their inputs or targets do not concatenate."""
+    (a, target_a), (b, target_b) = first, second
+    size_a, size_b = batch_size(a), batch_size(b)
+
+    def join(x: object, y: object, dim_x: object, dim_y: object) -> object:
+        if isinstance(x, tuple) and isinstance(y, tuple) and len(x) == len(y):
+            return tuple(join(*parts) for parts in zip(x, y, dim_x, dim_y))  # type: ignore[call-overload]
+        if isinstance(x, dict) and isinstance(y, dict) and x.keys() == y.keys():
+            return {key: join(x[key], y[key], dim_x[key], dim_y[key]) for key in x}  # type: ignore[index]
+        if isinstance(x, Tensor) and isinstance(y, Tensor):
+            if dim_x == dim_y == 0 and x.shape[1:] == y.shape[1:] and x.dtype == y.dtype:
+                return torch.cat([x, y])
+            if dim_x is None and dim_y is None and (x is y or (x.shape == y.shape and torch.equal(x, y))):
+                return x
+            raise _Apart
+        if x is y or (not isinstance(x, (tuple, dict, Tensor)) and type(x) is type(y) and x == y):
+            return x
+        raise _Apart
+
+    try:
+        inputs = join(a, b, batch_dims(a, size_a), batch_dims(b, size_b))
+        target = join(target_a, target_b, 0, 0)
+    except _Apart:
+        return None
+    return inputs, target  # type: ignore[return-value]
 
 
 def _add_fold_gradient(row: Tensor, model: nn.Module, params: Sequence[Tensor], likelihood: object,

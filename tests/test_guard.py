@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_marglik import CategoricalLikelihood, GaussianLikelihood, GaussianPrior, LaplaceEvidence, MargLikCallback
 from lightning_marglik.callbacks.prior_guard import GUARD
-from lightning_marglik.guard import approximate_cv, fold_pieces
+from lightning_marglik.guard import approximate_cv, fold_calls, fold_pieces
 from tests.lightning_models import Classifier, trainer
 from tests.reference import curvature_scale, jacobians, loss_hessians
 
@@ -104,6 +104,30 @@ def test_fold_pieces_cut_tuple_inputs_and_leave_no_empty_piece():
     assert pieces[2][0][1].shape == (1, 2)
 
 
+def test_fold_calls_join_a_folds_pieces_only_where_their_inputs_concatenate():
+    def batch(start, n, width=2, shared=None):
+        inputs = {"x": torch.arange(start, start + n * width, dtype=torch.float64).reshape(n, width), "scale": shared}
+        return inputs, torch.arange(start, start + n)
+
+    shared = torch.tensor([2.0])
+    # two batches of 6 into 3 folds: each fold's two pieces of 2 become one call of 4 (the limit is 6)
+    calls = fold_calls([batch(0, 6, shared=shared), batch(100, 6, shared=shared)], 3)
+    assert [[t.tolist() for _, t in fold] for fold in calls] == [[[0, 1, 100, 101]], [[2, 3, 102, 103]], [[4, 5, 104, 105]]]
+    assert calls[0][0][0]["x"].shape == (4, 2) and calls[0][0][0]["scale"] is shared
+    # inputs of other trailing shapes, a different shared value, or more than the largest batch stay apart
+    apart = [batch(0, 6), batch(100, 6, width=3)], [batch(0, 6, shared=shared), batch(100, 6, shared=shared + 1)]
+    for batches in apart:
+        assert [len(fold) for fold in fold_calls(list(batches), 3)] == [2, 2, 2]
+    assert [len(fold) for fold in fold_calls([batch(0, 4), batch(100, 4), batch(200, 4)], 2)] == [2, 2]
+    # what is joined is what was cut: every example once, in its fold
+    for folds in (2, 3, 5):
+        batches = [batch(0, 7), batch(100, 5), batch(200, 1)]
+        joined = [torch.cat([t for _, t in fold]).tolist() for fold in fold_calls(batches, folds)]
+        cut = [[i for p in (fold_pieces(b, folds) for b in batches) if k < len(p) for i in p[k][1].tolist()]
+               for k in range(folds)]
+        assert joined == cut
+
+
 # --- in a Trainer ------------------------------------------------------------------------------
 
 
@@ -129,18 +153,19 @@ def test_each_decision_follows_its_scores_and_training_decays_by_the_last_one():
     decisions = callback.guard_decisions
     # every estimate but the last epoch's is scored (no training follows that one)
     assert [d["epoch"] for d in decisions] == [1, 2, 3, 4, 5] and callback.estimations == 6
+    order = ["learned", "halfway", "declared"]  # ties go to the learned one, then halfway
     for d in decisions:
-        assert d["applied"] == ("learned" if d["learned"] >= d["declared"] else "declared")
-    guarded = prior.treatments.get(GUARD, ([], ""))[0]
+        best = max(d[name] for name in order)
+        assert d["applied"] == next(name for name in order if d[name] == best)
+    guarded, applied = prior.treatments.get(GUARD, ([], ""))
     body = ["0.weight"]  # the output layer is held, the biases decoupled: the first weight is what the evidence sets
-    decay = prior.per_tensor(prior.weight_decay_log_precision())
-    learned = prior.per_tensor(prior.log_precision.detach())
-    if decisions[-1]["applied"] == "declared":
-        assert guarded == body and decay[0].item() == pytest.approx(math.log(prior.initial_precision))
-    else:
-        assert guarded == [] and decay[0].item() == pytest.approx(learned[0].item())
-    assert callback.summary["guard"] == {
-        "estimates": 5, "declared": sum(d["applied"] == "declared" for d in decisions), "last": decisions[-1]}
+    decay = prior.per_tensor(prior.weight_decay_log_precision())[0].item()
+    learned, declared = prior.per_tensor(prior.log_precision.detach())[0].item(), math.log(prior.initial_precision)
+    expected = {"learned": ([], learned), "halfway": (body, (learned + declared) / 2), "declared": (body, declared)}
+    assert guarded == expected[decisions[-1]["applied"]][0]
+    assert decay == pytest.approx(expected[decisions[-1]["applied"]][1], rel=1e-12)
+    counts = {name: sum(d["applied"] == name for d in decisions) for name in order}
+    assert callback.summary["guard"] == {"estimates": 5, **counts, "last": decisions[-1]}
 
 
 def test_guard_false_feeds_the_learned_weight_decay_back_and_a_bad_value_is_refused_by_name():
@@ -178,8 +203,9 @@ def test_the_decisions_survive_a_checkpoint_on_disk_and_a_resume_restores_the_tr
     resumed, second = MargLikCallback(frequency=1, steps=20), Classifier(n_data=90)
     trainer([resumed], max_epochs=4).fit(second, _data(), ckpt_path=str(tmp_path / "last.ckpt"))
     assert resumed.guard_decisions == saved
-    held = second.prior.treatments.get(GUARD, ([], ""))[0]
-    assert bool(held) == (saved[-1]["applied"] == "declared")
+    held, treatment = second.prior.treatments.get(GUARD, ([], "learn"))
+    assert bool(held) == (saved[-1]["applied"] != "learned")
+    assert treatment == {"learned": "learn", "halfway": "halfway", "declared": "decoupled"}[saved[-1]["applied"]]
 
 
 class NoForwardMode(torch.autograd.Function):
