@@ -180,12 +180,11 @@ def cost(net, x, y, batch_size: int, mc_samples: Any, epochs: int = 1, guarded: 
         estimate_cpu, _, evidence = timed(estimate)
     peak_estimate = peak_mb()
     guard = {}
-    if guarded:  # what MargLikCallback's default adds after the estimate: the prior guard's three candidates
+    if guarded:  # what MargLikCallback's default adds after the estimate: the prior guard's two candidates
         from lightning_marglik.guard import approximate_cv
 
         learned = prior.log_precision.detach().clone()
-        declared = torch.full_like(learned, math.log(prior.initial_precision))
-        candidates = {"learned": learned, "halfway": (learned + declared) / 2, "declared": declared}
+        candidates = {"learned": learned, "declared": torch.full_like(learned, math.log(prior.initial_precision))}
         guard_cpu = timed(lambda: approximate_cv(evidence, net, list(loader), candidates))[0]
         guard = {"guard_cpu": guard_cpu, "epochs_per_guarded_estimate": (estimate_cpu + guard_cpu) / epoch_cpu,
                  "peak_guard_mb": peak_mb(), "memory_ratio_guarded": peak_mb() / trained}

@@ -23,10 +23,10 @@ retraining. From an over-parameterised network the step overshoots, so the score
 GGN's did at every estimate of the 100-class family's noise members, 3 seeds each (``prior_guard.md`` against
 ``prior_strength.md`` in ``benchmarks/results/``).
 
-Cost: the folds' gradients (one forward and backward over the evidence data, in ``K`` pieces per batch) and
-one forward-mode pass per candidate (about 3 training epochs in all on a 10,000-class MLP); memory ``K + 3``
-vectors of the prior's size in the weights' dtype, float64 one structure's block at a time (on that MLP,
-P = 5.5M, the process peak rose from 1.12x to 1.42x that of training without the callback).
+Cost: the folds' gradients (one forward and backward over the evidence data, a fold's pieces of consecutive
+batches joined into calls of a batch's size: :func:`fold_calls`) and one forward-mode pass per candidate;
+memory ``K + 1`` vectors of the prior's size in the weights' dtype (the folds' gradients, and the held-in
+gradient that each block's solve overwrites with its step), float64 one structure's block at a time.
 """
 from __future__ import annotations
 

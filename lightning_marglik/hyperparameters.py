@@ -45,10 +45,8 @@ __all__ = [
     "map_loss",
 ]
 
-TREATMENTS = ("decoupled", "fixed", "halfway", "learn")
-# the choices of the callbacks' biases=, output_layer= and scale_invariant= ("halfway" is the prior guard's)
-ARGUMENT_TREATMENTS = ("decoupled", "fixed", "learn")
-SCALE_INVARIANT_TREATMENTS = ARGUMENT_TREATMENTS
+TREATMENTS = ("decoupled", "fixed", "learn")
+SCALE_INVARIANT_TREATMENTS = TREATMENTS
 # the named reasons of GaussianPrior.treat (any other string names a reason of the user's own)
 SCALE_INVARIANT = "scale-invariant"
 BIAS_NORMALIZATION = "bias/normalization"
@@ -147,15 +145,13 @@ class GaussianPrior(nn.Module):
         ``"fixed"``: the evidence keeps their precision (like ``fixed=``). ``"decoupled"``: the
         evidence learns its own precision for them (``log_precision``), but the MAP loss
         (:meth:`penalty`) keeps the constructor's ``precision`` for them, so the learned value is
-        never fed back as weight decay. ``"halfway"``: as ``"decoupled"``, but the MAP loss applies the
-        geometric mean of the constructor's and the learned precision (``MargLikCallback``'s prior guard).
-        ``"learn"``: no special treatment. A tensor named under several reasons takes the strongest
-        treatment (``"fixed"``, then ``"decoupled"``, then ``"halfway"``); tensors in ``fixed`` keep that
-        treatment whatever ``treatment`` says.
+        never fed back as weight decay. ``"learn"``: no special treatment. A tensor named under
+        several reasons takes the strongest treatment (``"fixed"``, then ``"decoupled"``); tensors in
+        ``fixed`` keep that treatment whatever ``treatment`` says.
 
         Args:
             names: Names of covered parameters (``param_names``).
-            treatment: One of ``"decoupled"``, ``"fixed"``, ``"halfway"``, ``"learn"``.
+            treatment: One of ``"decoupled"``, ``"fixed"``, ``"learn"``.
             reason: Why: ``"scale-invariant"`` (:meth:`treat_scale_invariant`), ``"bias/normalization"``
                 (:func:`no_decay_names`) or a reason of the caller's own.
 
@@ -180,7 +176,7 @@ class GaussianPrior(nn.Module):
     def treated(self, treatment: str) -> List[str]:
         """The tensors whose strongest declared treatment (:meth:`treat`) is ``treatment``, in
         ``param_names`` order (those of ``fixed`` excluded)."""
-        rank = {"learn": 0, "halfway": 1, "decoupled": 2, "fixed": 3}
+        rank = {"learn": 0, "decoupled": 1, "fixed": 2}
         strongest: Dict[str, str] = {}
         for names, declared in self.treatments.values():
             for name in names:
@@ -380,14 +376,12 @@ class GaussianPrior(nn.Module):
 
     def weight_decay_log_precision(self) -> Tensor:
         """Log precision per group that the MAP loss uses (detached): ``log_precision``, except for
-        tensors under the ``"decoupled"`` treatment (:meth:`treat`), which keep the initial precision,
-        and those under ``"halfway"``, which take the mean of the initial and the learned log precision."""
+        tensors under the ``"decoupled"`` treatment (:meth:`treat`), which keep the initial precision."""
         log_precision = self.log_precision.detach()
-        initial = torch.full_like(log_precision, math.log(self.initial_precision))
-        for treatment, applied in (("halfway", (initial + log_precision) / 2), ("decoupled", initial)):
-            names = self.treated(treatment)
-            if names:
-                log_precision = torch.where(self._group_mask(names), applied, log_precision)
+        decoupled = self.treated("decoupled")
+        if decoupled:
+            initial = torch.full_like(log_precision, math.log(self.initial_precision))
+            log_precision = torch.where(self._group_mask(decoupled), initial, log_precision)
         return log_precision
 
     def log_hyperprior(self, log_precision: Tensor) -> Tensor:
@@ -418,11 +412,9 @@ class GaussianPrior(nn.Module):
 
     def extra_repr(self) -> str:
         hyper = "" if self.hyperprior is None else f", hyperprior={self.hyperprior!r}"
-        decoupled, halfway = self.treated("decoupled"), self.treated("halfway")
+        decoupled = self.treated("decoupled")
         # their printed precision is not their weight decay: say which is applied
         applied = f", decoupled={decoupled} (weight decay at precision={self.initial_precision:g})" if decoupled else ""
-        applied += (f", halfway={halfway} (weight decay at the geometric mean of precision={self.initial_precision:g} "
-                    "and the learned one)") if halfway else ""
         return (
             f"structure={self.structure!r}, groups={self.log_precision.numel()}, learn={self.learn}, "
             f"fixed={self.fixed}{applied}{hyper}"

@@ -325,30 +325,6 @@ def test_treatments_of_several_reasons_combine_strongest_first():
     assert set(prior.treatments) == {SCALE_INVARIANT, BIAS_NORMALIZATION}
 
 
-def test_a_halfway_treatment_decays_at_the_geometric_mean_and_yields_to_decoupled():
-    """The prior guard's third weight decay: the MAP loss applies sqrt(declared x learned) precision; a tensor
-    also decoupled for another reason keeps the declared one."""
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).double()
-    prior = GaussianPrior(net, precision=2.0)
-    with torch.no_grad():
-        prior.log_precision.copy_(torch.tensor([3.0, -1.0, 0.5, 2.0], dtype=torch.float64))
-    prior.treat(["0.weight", "0.bias"], "halfway", "prior guard")
-    wd = prior.weight_decay_log_precision()
-    assert wd.tolist() == pytest.approx([(3.0 + math.log(2.0)) / 2, (-1.0 + math.log(2.0)) / 2, 0.5, 2.0], rel=1e-15)
-    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
-    prior.record_n_data(5)
-    expected = CategoricalLikelihood().nll(net(x), y).mean() + 0.5 * (wd.exp() * prior.group_sq_norms()).sum() / 5
-    assert torch.allclose(map_loss(net(x), y, CategoricalLikelihood(), prior), expected, rtol=1e-14)
-    prior.treat(["0.bias"], "decoupled", BIAS_NORMALIZATION)
-    assert prior.treated("halfway") == ["0.weight"] and prior.treated("decoupled") == ["0.bias"]
-    assert prior.weight_decay_log_precision()[1].item() == pytest.approx(math.log(2.0), rel=1e-15)
-    assert "halfway=['0.weight']" in repr(prior)
-    # the callbacks' arguments take the three user treatments only
-    with pytest.raises(ValueError, match="`output_layer` must be one of"):
-        MargLikCallback(output_layer="halfway")
-
-
 def test_treat_is_checked():
     net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
     prior = GaussianPrior(net)

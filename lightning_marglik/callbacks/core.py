@@ -21,7 +21,7 @@ from ..curvature.exchange import sharded_pass
 from ..distributed import reduce_statistics, run_on_all_ranks
 from ..evidence import SOLVERS, LaplaceEvidence
 from ..folding import Folded
-from ..hyperparameters import ARGUMENT_TREATMENTS
+from ..hyperparameters import TREATMENTS
 from ..validators import choice, flag, integer, number, optional
 from . import checks
 from .arguments import CALLBACK_KEYWORDS
@@ -87,8 +87,8 @@ class MargLikCallbackCore(TrainedModuleQueries, EstimatorCore):
         super().__init__(options, schedule, lr, seed, scale_invariant, dataloader, flush_denormals)
         self.solver = choice(solver, SOLVERS, "solver")
         self.max_step = optional(number, max_step, "max_step", what="the largest change of log delta per estimate, or None")
-        self.biases = optional(choice, biases, ARGUMENT_TREATMENTS, "biases")
-        self.output_layer = choice(output_layer, ARGUMENT_TREATMENTS, "output_layer")
+        self.biases = optional(choice, biases, TREATMENTS, "biases")
+        self.output_layer = choice(output_layer, TREATMENTS, "output_layer")
         # statistics='training': the sums of the training passes in estimation epochs
         self._training = TrainingStatistics(schedule, self.statistics_fraction) if self.statistics == "training" else None
         self._averaging = WeightAveragingFollower()  # keeps the hyperparameters out of Lightning's weight averages

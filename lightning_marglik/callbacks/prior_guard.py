@@ -1,13 +1,12 @@
 """``MargLikCallback``'s prior guard: the learned weight decay reaches training only while it scores better.
 
 After each estimate within training, :func:`lightning_marglik.guard.approximate_cv` scores the training data's
-approximate cross-validated log likelihood under three weight decays of the tensors the evidence learns: the
-learned one, the declared one, and halfway between them (the geometric mean of the two precisions). Training
-applies the best scoring (ties go to the learned one, then halfway): the learned one is fed back into the MAP
-loss as before, otherwise those tensors are treated apart (``prior.treatments["prior guard"]``: ``"decoupled"``
-for the declared, ``"halfway"``): the evidence goes on learning its own precisions (``prior.log_precision``, the
-evidence's own choice), training applies the chosen one. Each decision is recorded (``callback.guard_decisions``)
-and said at the end of training. The estimate after training has no training to guard and is not scored.
+approximate cross-validated log likelihood under the learned weight decay and under the declared one; the
+learned one is fed back into the MAP loss only while it scores at least as well, otherwise the tensors the
+evidence learns are decoupled (``prior.treatments["prior guard"]``): the evidence goes on learning its own
+precisions (``prior.log_precision``, the evidence's own choice), training keeps the declared precision. Each
+decision is recorded (``callback.guard_decisions``, the history's ``"guard"`` entries) and said at the end of
+training. The estimate after training has no training to guard and is not scored.
 
 The guard is off, with the reason said at set-up, under a strategy that shards the parameters (its folds'
 gradients are whole-model vectors) and where the evidence learns no tensor's weight decay.
@@ -25,12 +24,10 @@ from .data import isolate_rng
 from .package import LightningModule, Trainer
 from .sharding import shards_parameters
 
-__all__ = ["CANDIDATES", "GUARD", "guard_off_reason", "guard_phrase", "guard_summary", "guard_words", "restore_guard", "run_guard"]
+__all__ = ["GUARD", "guard_off_reason", "guard_phrase", "guard_summary", "guard_words", "restore_guard", "run_guard"]
 
 #: The prior's treatment reason for the tensors whose learned weight decay the guard keeps out of training.
 GUARD = "prior guard"
-#: The weight decays scored, in the order ties are decided, with the treatment that applies each.
-CANDIDATES = {"learned": "learn", "halfway": "halfway", "declared": "decoupled"}
 
 
 def _guarded(prior: GaussianPrior) -> List[str]:
@@ -56,13 +53,14 @@ def guard_off_reason(trainer: Trainer, prior: GaussianPrior) -> Optional[str]:
 def restore_guard(prior: GaussianPrior, decisions: List[Dict[str, Any]]) -> None:
     """The prior as the last decision left it: a fresh fit starts with the learned weight decay fed back, a
     resumed one where its checkpoint's last decision left it."""
-    _apply(prior, decisions[-1]["applied"] if decisions else "learned")
+    declared = bool(decisions) and decisions[-1]["applied"] == "declared"
+    _apply(prior, declared)
 
 
-def _apply(prior: GaussianPrior, applied: str) -> None:
+def _apply(prior: GaussianPrior, declared: bool) -> None:
     prior.treatments.pop(GUARD, None)
-    if applied != "learned":
-        prior.treat(_guarded(prior), CANDIDATES[applied], GUARD)
+    if declared:
+        prior.treat(_guarded(prior), "decoupled", GUARD)
 
 
 def run_guard(callback: Any, trainer: Trainer, pl_module: LightningModule, epoch: int) -> Optional[Dict[str, Any]]:
@@ -75,16 +73,16 @@ def run_guard(callback: Any, trainer: Trainer, pl_module: LightningModule, epoch
         epoch: The epoch (from 1) the estimate followed.
 
     Returns:
-        The decision (``epoch``, the score of each of :data:`CANDIDATES`, ``applied``: the best of them), also
-        appended to ``callback.guard_decisions``; ``None`` where the guard does not run.
+        The decision (``epoch``, the two scores, ``applied``: ``"learned"`` or ``"declared"``), also appended to
+        ``callback.guard_decisions``; ``None`` where the guard does not run.
     """
     prior, _ = callback._hyperparameters()
     if callback.guard_off is not None or callback.evidence is None:
         return None
-    candidates = {}
-    for name in CANDIDATES:
-        _apply(prior, name)
-        candidates[name] = prior.weight_decay_log_precision().detach()
+    prior.treatments.pop(GUARD, None)
+    learned = prior.weight_decay_log_precision().detach()
+    _apply(prior, declared=True)
+    declared = prior.weight_decay_log_precision().detach()
     param = prior.params[0]
     batch_fn = callback._batch_fn(pl_module)
     with isolate_rng():  # reading the training loader must not move the training's random state
@@ -92,16 +90,16 @@ def run_guard(callback: Any, trainer: Trainer, pl_module: LightningModule, epoch
     batches = [(move(inputs, param.device, param.dtype), target.to(param.device)) for inputs, target in batches]
     strategy = trainer.strategy
     try:
-        scores = approximate_cv(callback.evidence, pl_module, batches, candidates,
+        scores = approximate_cv(callback.evidence, pl_module, batches, {"learned": learned, "declared": declared},
                                 reduce=lambda t: strategy.reduce(t.to(strategy.root_device), reduce_op="sum").to(t.device))
     except NotImplementedError as error:  # an operation without a forward-mode derivative: the same on every rank
         callback.guard_off = f"off: the network's forward has no forward-mode derivative ({str(error).splitlines()[0]})"
         rank_zero_warn(f"MargLikCallback: prior guard {callback.guard_off}; the learned weight decay is fed back from "
                        "here on, as with guard=False.")
-        _apply(prior, "learned")
+        _apply(prior, declared=False)
         return None
-    applied = max(CANDIDATES, key=scores.__getitem__)  # the first of equal scores: ties go to the learned one
-    _apply(prior, applied)
+    applied = "learned" if scores["learned"] >= scores["declared"] else "declared"
+    _apply(prior, declared=applied == "declared")
     decision = {"epoch": epoch, **scores, "applied": applied}
     callback.guard_decisions.append(decision)
     return decision
@@ -111,28 +109,28 @@ def guard_phrase(callback: Any) -> str:
     """The set-up line's phrase: what the guard does, or why it is off."""
     if callback.guard_off is not None:
         return f"prior guard {callback.guard_off}"
-    return (f"prior guard: after each estimate in training, the learned weight decay, the declared one and halfway "
-            f"between them are scored by the approximate {FOLDS}-fold cross-validated log likelihood, and training "
-            "applies the best (guard=False feeds the learned one back always)")
+    return (f"prior guard: after each estimate in training, the learned weight decay is fed back only while its "
+            f"approximate {FOLDS}-fold cross-validated log likelihood beats the declared precision's (guard=False "
+            "feeds it back always)")
 
 
 def guard_summary(decisions: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
-    """The end of training's facts of the guard: ``estimates`` scored, how many applied each candidate
-    (``learned``, ``halfway``, ``declared``) and the ``last`` decision; ``None`` if it never ran."""
+    """The end of training's facts of the guard: ``estimates`` scored, ``declared`` (how many kept the declared
+    weight decay) and the ``last`` decision; ``None`` if it never ran."""
     if not decisions:
         return None
-    counts = {name: sum(d["applied"] == name for d in decisions) for name in CANDIDATES}
-    return {"estimates": len(decisions), **counts, "last": dict(decisions[-1])}
+    declared = sum(d["applied"] == "declared" for d in decisions)
+    return {"estimates": len(decisions), "declared": declared, "last": dict(decisions[-1])}
 
 
 def guard_words(summary: Dict[str, Any]) -> str:
     """The end-of-training phrase of :func:`guard_summary`'s facts."""
     last = summary["last"]
-    scores = ", ".join(f"{name} {last[name]:.4g}" for name in CANDIDATES if name in last)  # a checkpoint of the two-candidate guard has no halfway
-    scores = f"log likelihood per datum at epoch={last['epoch']}: {scores}"
-    if summary["learned"] == summary["estimates"]:
-        return f"prior guard: the learned weight decay scored best at all {summary['estimates']} estimates ({scores})"
-    kept = " and ".join(f"the {name} one at {summary[name]}" for name in ("declared", "halfway") if summary[name])
-    return (f"prior guard: training applied {kept} of {summary['estimates']} estimates, where the learned one "
-            f"scored worse by approximate cross-validation ({scores}); the learned precisions are the evidence's own "
-            f"choice; at the end training applied the {last['applied']} one")
+    scores = (f"log likelihood per datum at epoch={last['epoch']}: learned {last['learned']:.4g}, "
+              f"declared {last['declared']:.4g}")
+    if not summary["declared"]:
+        return f"prior guard: the learned weight decay scored at least as well at all {summary['estimates']} estimates ({scores})"
+    return (f"prior guard: the declared weight decay kept for training at {summary['declared']} of "
+            f"{summary['estimates']} estimates, where the learned one scored worse by approximate cross-validation "
+            f"({scores}); the learned precisions are the evidence's own choice; at the end training applied the "
+            f"{last['applied']} one")
