@@ -13,6 +13,10 @@ defaults, seeds 0-2, MNIST-14 test images as out-of-distribution inputs.
 (the posterior as trained, post-hoc precisions, the output layer's block alone, probit and MC), scored on the
 same test and OOD inputs as the network alone; writes ``results/predictive.md``.
 
+``--cells`` (with ``--analyse``): the same variants on issue 52's 12 cells (digits, bars and MNIST with the MLP, CNN,
+Fixup and BatchNorm ResNets; ``investigations/prior_guard.py``'s runs of the defaults arm, read from its cache:
+train them with its own command first), each scored on its first test images and its OOD inputs.
+
 ``--peer`` (after ``--analyse``, whose rows it sets beside): laplace-torch's recommended recipe (last-layer kron
 Laplace, a scalar prior precision by its post-hoc marginal likelihood, GLM probit) and its full-network kron GLM, on
 the same runs and inputs, scored alike (needs ``laplace-torch``).
@@ -164,22 +168,27 @@ def meets(row: Dict[str, float], network: Dict[str, float]) -> bool:
     return all(row[k] <= network[k] for k in TARGETS)
 
 
-def report(runs: Dict[str, List[Dict[str, Any]]], command: str, elapsed: float) -> str:
-    """The results page's analysis part."""
+STUDY_CELLS = (f"Cells: {', '.join(f'shapes8 / {n}' for n in NETWORKS)}, seeds {', '.join(map(str, SEEDS))}, {EPOCHS} "
+               f"epochs, {N_TRAIN} training images, the first {_zoo.LINEARIZED} test images and {_zoo.LINEARIZED} "
+               "MNIST-14 test images (OOD).")
+
+
+def report(runs: Dict[str, List[Dict[str, Any]]], command: str, elapsed: float,
+           title: str = "## Why the predictive is under-confident, and a candidate default (items 1 and 2)",
+           cells: str = STUDY_CELLS) -> str:
+    """The results page's analysis part: ``runs`` by cell name (``"shapes8 / mlp"``), seeds in order."""
     libraries = sorted({r["library"] for rs in runs.values() for r in rs})
     lines = [
-        "## Why the predictive is under-confident, and a candidate default (items 1 and 2)", "",
+        title, "",
         f"Date: {now()}. Command: `{command}` ({elapsed / 60:.1f} min). Runs trained on library {', '.join(libraries)}; "
-        "analysed by this script at the commit named in the reading below. "
-        f"Cells: {', '.join(f'shapes8 / {n}' for n in NETWORKS)}, seeds {', '.join(map(str, SEEDS))}, {EPOCHS} epochs, "
-        f"{N_TRAIN} training images, the first {_zoo.LINEARIZED} test images and {_zoo.LINEARIZED} MNIST-14 test images "
-        "(OOD). Every predictive is the linearized (GLM) one of a kron-GGN posterior at the final weights; "
-        f"MC: {MC_SAMPLES} draws. Means over seeds; `meets`: seeds whose NLL and ECE are at most the network's alone.",
+        f"analysed by this script at the commit named in the reading below. {cells} Every predictive is the "
+        f"linearized (GLM) one of a kron-GGN posterior at the final weights; MC: {MC_SAMPLES} draws. Means over seeds; "
+        "`meets`: seeds whose NLL and ECE are at most the network's alone.",
         "",
     ]
-    for network, rs in runs.items():
+    for cell, rs in runs.items():
         names = list(rs[0]["scores"])
-        lines += [f"### shapes8 / {network}", "", "| predictive | acc | NLL | ECE | OOD AUROC | meets NLL and ECE |",
+        lines += [f"### {cell}", "", "| predictive | acc | NLL | ECE | OOD AUROC | meets NLL and ECE |",
                   "|---|---:|---:|---:|---:|---:|"]
         for name in names:
             mean = {k: float(np.mean([r["scores"][name][k] for r in rs])) for k in ("acc", "nll", "ece", "auroc")}
@@ -198,6 +207,23 @@ def report(runs: Dict[str, List[Dict[str, Any]]], command: str, elapsed: float) 
         lines.append(f"| (scalar prior, post hoc) | | {np.mean([r['log_delta']['post hoc scalar'] for r in rs]):.2f} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def guard_cells() -> Dict[str, List[Dict[str, Any]]]:
+    """:func:`analyse_run` on the prior guard study's 12 cells, its ``defaults`` arm, from its cache (never trained
+    here: a run missing from the cache is an error naming the command that trains it)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "investigations"))
+    import prior_guard as study  # noqa: E402  (the investigations' folder, on the path from here)
+
+    cache, runs = study.cache_dir(), {}
+    for dataset, network in study.family.STUDY_CELLS:
+        specs = [study.cell_spec(dataset, network, seed, "defaults") for seed in study.SEEDS]
+        missing = [s.key() for s in specs if not os.path.exists(os.path.join(cache, s.key() + ".json"))]
+        if missing:
+            raise SystemExit(f"{missing} are not in {cache}: train them with "
+                             "`python benchmarks/investigations/prior_guard.py --shard 0/1` first")
+        runs[f"{dataset} / {network}"] = [analyse_run(s, cache) for s in specs]
+    return runs
 
 
 # --- the peer side by side (item 3) ----------------------------------------------------------------------------
@@ -425,6 +451,8 @@ def main(argv: Any = None) -> None:
     parser.add_argument("--cost", action="store_true", help="the one call against a forward pass")
     parser.add_argument("--regression", action="store_true",
                         help="the one call's regression predictive against the network plus its learned sigma")
+    parser.add_argument("--cells", action="store_true",
+                        help="with --analyse: the variants on issue 52's 12 cells (the prior guard study's cached runs)")
     parser.add_argument("--peer", action="store_true",
                         help="laplace-torch's last-layer and full-network recipes on the analysed runs")
     args = parser.parse_args(argv)
@@ -436,7 +464,7 @@ def main(argv: Any = None) -> None:
     freeze_startup()
     path = RESULTS / "predictive.md"
     command = "python benchmarks/predictive.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    data = {"cost": None, "analysis": None, "peer": None, "regression": None}
+    data = {"cost": None, "analysis": None, "cells": None, "peer": None, "regression": None}
     if path.exists():
         from _common import read_data
         data.update(read_data(path))
@@ -447,7 +475,19 @@ def main(argv: Any = None) -> None:
         start = time.perf_counter()
         runs = {network: [analyse_run(spec(network, seed, args.quick), args.cache) for seed in SEEDS]
                 for network in NETWORKS}
-        data["analysis"] = {"runs": runs, "text": report(runs, command, time.perf_counter() - start)}
+        data["analysis"] = {"runs": runs, "text": report({f"shapes8 / {n}": r for n, r in runs.items()}, command,
+                                                         time.perf_counter() - start)}
+    if args.cells:
+        if not args.analyse:
+            raise SystemExit("--cells is a part of --analyse: run them together")
+        start = time.perf_counter()
+        runs = guard_cells()
+        data["cells"] = {"runs": runs, "text": report(
+            runs, command, time.perf_counter() - start,
+            title="## The variants on issue 52's 12 cells (item 2: every cell of the never-worse study)",
+            cells=f"Cells: issue 52's 12 (benchmarks/investigations/prior_guard.py, its `defaults` arm, seeds "
+                  f"{', '.join(map(str, SEEDS))}), the first {_zoo.LINEARIZED} test images and {_zoo.LINEARIZED} OOD "
+                  "images of each (the study's own).")}
     if args.peer:
         if not data["analysis"]:
             raise SystemExit("--peer sets its rows beside the analysis's: run --analyse first (or with it)")
@@ -462,8 +502,8 @@ def main(argv: Any = None) -> None:
                                               for seed in SEEDS] for depth in REGRESSION_DEPTHS}
         data["regression"] = {"runs": regression,
                               "text": regression_report(regression, command, time.perf_counter() - start)}
-    parts = [part["text"] for part in (data["cost"], data["analysis"], data.get("peer"), data.get("regression"))
-             if part]
+    parts = [part["text"] for part in (data["cost"], data["analysis"], data.get("cells"), data.get("peer"),
+                                       data.get("regression")) if part]
     text = "\n\n".join(["# The posterior predictive (issue 53)", *parts, hand_written(path)])
     write_with_data(path, text, data)
     print(text)

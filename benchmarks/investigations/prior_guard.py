@@ -23,6 +23,7 @@ Usage::
     python benchmarks/investigations/prior_guard.py --plan
     python benchmarks/investigations/prior_guard.py --shard 0/2 & ... --shard 1/2
     python benchmarks/investigations/prior_guard.py --analyse     # writes benchmarks/results/prior_guard.md
+    python benchmarks/investigations/prior_guard.py --recheck     # seed 0 of the defaults arm again, compared
 """
 from __future__ import annotations
 
@@ -164,8 +165,34 @@ def analyse() -> None:
     write_with_data(path, text, {"libraries": libraries})
 
 
+def recheck() -> None:
+    """Seed 0 of every cell's ``defaults`` arm trained again by this checkout's library (cached apart, in
+    ``outputs/prior_guard/recheck_<commit>``), against the study's runs: whether a later change of the guard kept
+    its decisions and test metrics (printed; the results file's reading quotes it)."""
+    import json
+
+    from common import library_state
+
+    state = library_state()  # "HEAD <commit>", and whether the library had uncommitted changes
+    commit = state.split()[1] + ("_dirty" if "uncommitted" in state else "") if state.startswith("HEAD ") else "unknown"
+    cache = os.path.join(_zoo.output_dir(NAME), f"recheck_{commit}")
+    specs = [mnist_spec(0, "defaults")] + [cell_spec(d, n, 0, "defaults") for d, n in family.STUDY_CELLS]
+    specs += [family_spec(m, 0, "defaults") for m in family.MEMBERS]
+    same = 0
+    for spec in specs:
+        new, old = _zoo.cached(spec, cache), _zoo.cached(spec, cache_dir())
+        identical = [d["applied"] for d in new["guard"]] == [d["applied"] for d in old["guard"]] and new["final"] == old["final"]
+        moved = max((abs(a[k] - b[k]) / abs(b[k]) for a, b in zip(new["guard"], old["guard"]) for k in ("learned", "declared")),
+                    default=0.0)
+        same += identical
+        print(f"{spec.key()}: {new['library']} against {old['library']}: "
+              f"{'the same decisions and test metrics' if identical else 'DIFFERENT'}; scores moved {moved:.1e} relative")
+    print(json.dumps({"identical": same, "runs": len(specs)}))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    _zoo.study_main(None if argv is None else list(argv), __doc__, NAME, plan, cache_dir(), analyse)
+    steps = {"--recheck": ("train seed 0 of every cell's defaults arm with this library and compare", recheck)}
+    _zoo.study_main(None if argv is None else list(argv), __doc__, NAME, plan, cache_dir(), analyse, steps)
 
 
 if __name__ == "__main__":
