@@ -2,6 +2,8 @@
 ``fixed=`` (the form issue 42's study measured); the layer found in the networks people use (issue 51)."""
 from __future__ import annotations
 
+import traceback
+
 import pytest
 import torch
 from torch import nn
@@ -96,22 +98,47 @@ def test_the_forward_that_finds_it_leaves_modes_and_weights_alone():
 def test_treatments_recorded_on_the_prior_with_the_reason():
     module = Wrapped(mlp())
     prior = GaussianPrior(module.net)
-    decided = treat_output_layer(module, prior, torch.randn(5, 3), "fixed")
+    decided = treat_output_layer(module, prior, find_output_layer(module, torch.randn(5, 3)), "fixed")
     assert decided == {"names": ["2.weight", "2.bias"], "treatment": "fixed",
                        "reason": "output layer `net.2`: held at the declared precision"}
     assert prior.treatments[OUTPUT_LAYER] == (["2.weight", "2.bias"], "fixed")
     assert prior.fixed_names() == ["2.weight", "2.bias"]
     scalar = GaussianPrior(module.net, structure="scalar")  # one precision: nothing can be held apart
-    decided = treat_output_layer(module, scalar, torch.randn(5, 3), "fixed")
+    decided = treat_output_layer(module, scalar, find_output_layer(module, torch.randn(5, 3)), "fixed")
     assert decided["treatment"] == "learn" and "scalar" in decided["reason"] and scalar.fixed_names() == []
     user = GaussianPrior(module.net, fixed=["2.bias"])  # the user's fixed= is theirs; the weight is ours
-    treat_output_layer(module, user, torch.randn(5, 3), "decoupled")
+    treat_output_layer(module, user, find_output_layer(module, torch.randn(5, 3)), "decoupled")
     assert user.treatments[OUTPUT_LAYER] == (["2.weight"], "decoupled") and user.fixed == ["2.bias"]
     tied = Tied()
-    decided = treat_output_layer(tied, GaussianPrior(tied), torch.tensor([[0, 1, 2]]), "fixed")
+    decided = treat_output_layer(tied, GaussianPrior(tied), find_output_layer(tied, torch.tensor([[0, 1, 2]])), "fixed")
     assert decided == {"names": [], "treatment": "learn", "reason": (
         "nothing treated: the output is computed from `emb.weight` outside the module that owns it (tied weights or a "
         "functional call), not by a layer of its own")}
+
+
+def test_set_up_checks_the_targets_and_finds_the_output_layer_in_one_forward():
+    """Set-up's analysis sends its batch through ``forward`` once for the target check and the output layer's
+    search together (issue 55: one forward fewer), once for the scale-invariance check in training modes, and
+    then through the evidence pass (and, where set-up finds the estimate costly, the cost check's timed passes)."""
+    torch.manual_seed(0)
+    module = Classifier(n_data=64)
+    calls = []
+    forward = module.forward
+
+    def counted(*args, **kwargs):
+        files = [frame.filename for frame in traceback.extract_stack()]
+        passes = ("curvature/hooks.py", "callbacks/cost.py")  # the evidence pass and the cost check's timing
+        if any(f.endswith("callbacks/setup_analysis.py") for f in files) and not any(f.endswith(passes) for f in files):
+            calls.append("train" if module.training else "eval")
+        return forward(*args, **kwargs)
+
+    module.forward = counted
+    callback = MargLikCallback(frequency=1)
+    x, y = blobs(64, 0).tensors
+    trainer([callback], max_epochs=1).fit(module, loader(TensorDataset(x.double(), y)))
+    assert calls == ["eval", "train"]
+    assert callback.output_decision == {"names": ["2.weight", "2.bias"], "treatment": "fixed",
+                                        "reason": "output layer `net.2`: held at the declared precision"}
 
 
 @pytest.mark.parametrize("bad, message", [("hold", "output_layer"), (None, "output_layer"), (True, "output_layer")])
@@ -178,7 +205,7 @@ def test_an_output_made_by_elementwise_tensors_alone_holds_nothing_and_says_so()
     net = RootTensors(lambda net, out: out)
     net.forward = lambda x: (x * net.scale).sum(-1)  # the root's input scale alone: no weight matrix applied
     assert find_output_layer(net, torch.randn(5, 4, 3)) == OutputLayer((), (), (), ())
-    assert treat_output_layer(net, GaussianPrior(net), torch.randn(5, 4, 3), "fixed")["reason"] == (
+    assert treat_output_layer(net, GaussianPrior(net), find_output_layer(net, torch.randn(5, 4, 3)), "fixed")["reason"] == (
         "nothing treated: no layer with a weight matrix (a trainable tensor of two or more dimensions) makes the "
         "network's output")
 
@@ -186,8 +213,8 @@ def test_an_output_made_by_elementwise_tensors_alone_holds_nothing_and_says_so()
 def test_a_root_that_applies_its_own_matrix_last_is_the_output_layer_with_that_matrix_alone():
     found = find_output_layer(RootTensors(lambda net, out: out @ net.mix), torch.randn(5, 4, 3))
     assert found == OutputLayer(("",), ("mix",), (), ())  # not its position table, scale or temperature
-    decided = treat_output_layer(net := RootTensors(lambda net, out: out @ net.mix), GaussianPrior(net),
-                                 torch.randn(5, 4, 3), "fixed")
+    net = RootTensors(lambda net, out: out @ net.mix)
+    decided = treat_output_layer(net, GaussianPrior(net), found, "fixed")
     assert decided["reason"] == "output layer the root module: held at the declared precision"
 
 
@@ -269,9 +296,10 @@ def torchvision_net(name: str) -> nn.Module:
         "mobilenet_v3_small"])
 def test_the_classifier_of_real_models_is_the_output_layer(make, inputs, layer, names):
     net = make()
-    assert find_output_layer(net, inputs()) == OutputLayer((layer,), tuple(names), (), ())
+    found = find_output_layer(net, inputs())
+    assert found == OutputLayer((layer,), tuple(names), (), ())
     prior = GaussianPrior(net)
-    decided = treat_output_layer(net, prior, inputs(), "fixed")
+    decided = treat_output_layer(net, prior, found, "fixed")
     assert decided == {"names": names, "treatment": "fixed", "reason": f"output layer `{layer}`: held at the declared precision"}
     assert prior.fixed_names() == names
 
@@ -279,9 +307,9 @@ def test_the_classifier_of_real_models_is_the_output_layer(make, inputs, layer, 
 def test_a_language_models_head_tied_to_its_embedding_holds_nothing_and_says_so():
     net = hf_text("gpt2-lm")
     assert net.model.lm_head.weight is net.model.transformer.wte.weight
-    assert find_output_layer(net, _tokens()) == OutputLayer(
-        ("model.lm_head",), (), (("model.lm_head.weight", "model.transformer.wte"),), ())
-    decided = treat_output_layer(net, prior := GaussianPrior(net), _tokens(), "fixed")
+    found = find_output_layer(net, _tokens())
+    assert found == OutputLayer(("model.lm_head",), (), (("model.lm_head.weight", "model.transformer.wte"),), ())
+    decided = treat_output_layer(net, prior := GaussianPrior(net), found, "fixed")
     assert decided == {"names": [], "treatment": "learn", "reason": (
         "nothing treated: `model.lm_head.weight` is tied to `model.transformer.wte` (a tied tensor is learned with "
         "the module it is shared with)")}

@@ -19,6 +19,7 @@ from ..hyperparameters import BIAS_NORMALIZATION, GaussianPrior, Likelihood, no_
 from ..private import early_stopping_checks_at_epoch_end
 from ..validators import choice, number
 from .data import BatchFn
+from .output_layer import OutputLayer, forward_finding_output_layer
 from .package import MONITOR, LightningModule, LightningPackage, MargLikConfigurationError, Trainer
 
 __all__ = [
@@ -213,21 +214,36 @@ def check_finite_hyperparameters(prior: GaussianPrior, likelihood: Likelihood, d
 
 def check_forward(
     pl_module: LightningModule, likelihood: Likelihood, batch: Any, batch_fn: BatchFn, device: torch.device,
-    dtype: torch.dtype,
-) -> Tuple[Any, torch.Tensor]:
+    dtype: torch.dtype, output_layer: bool = False,
+) -> Tuple[Any, torch.Tensor, Optional[OutputLayer]]:
     """One evidence batch through the eval-mode ``forward``: a single output tensor that fits the targets.
 
+    Args:
+        pl_module: The module.
+        likelihood: The likelihood whose targets the outputs must fit.
+        batch: One evidence batch.
+        batch_fn: The module's ``marglik_batch`` (``None``: ``(inputs, targets)`` batches).
+        device: The parameters' device.
+        dtype: The parameters' dtype.
+        output_layer: Whether the same forward also finds the output layer
+            (:func:`.output_layer.forward_finding_output_layer`: with gradients on).
+
     Returns:
-        The batch's inputs (on ``device``, in ``dtype``) and the outputs.
+        The batch's inputs (on ``device``, in ``dtype``), the outputs, and the output layer found (``None``
+        where not asked for).
 
     Raises:
         MargLikConfigurationError: On a batch or output the evidence cannot take, naming the fix.
     """
+    found = None
     try:
         inputs, target = split_batch(batch, batch_fn)
         inputs = move(inputs, device, dtype)
-        with eval_mode(pl_module), torch.no_grad():
-            output = call_model(pl_module, inputs)
+        if output_layer:
+            output, found = forward_finding_output_layer(pl_module, inputs)
+        else:
+            with eval_mode(pl_module), torch.no_grad():
+                output = call_model(pl_module, inputs)
     except (TypeError, NotImplementedError) as err:
         raise MargLikConfigurationError(f"MargLikCallback, one evidence batch through forward: {err}") from err
     try:
@@ -238,7 +254,7 @@ def check_forward(
             "(batch, outputs) that fit the targets; map batches with `marglik_batch(self, batch) -> "
             "(inputs, targets)` on the LightningModule, or pass `dataloader=`."
         ) from err
-    return inputs, output
+    return inputs, output, found
 
 
 def treat_biases(prior: GaussianPrior, biases: Optional[str]) -> None:

@@ -29,7 +29,10 @@ from ..curvature.batches import call_model
 from ..hyperparameters import GaussianPrior
 from .package import LightningModule
 
-__all__ = ["OUTPUT_LAYER", "OutputLayer", "find_output_layer", "output_layer_learned", "treat_output_layer"]
+__all__ = [
+    "OUTPUT_LAYER", "OutputLayer", "find_output_layer", "forward_finding_output_layer", "output_layer_learned",
+    "treat_output_layer",
+]
 
 OUTPUT_LAYER = "output layer"  # the prior's treatment reason (``GaussianPrior.treatments``)
 
@@ -114,7 +117,23 @@ def _inside(name: str, layer: str) -> bool:
 
 
 def find_output_layer(pl_module: LightningModule, inputs: Any) -> OutputLayer:
-    """The output layer(s) of ``pl_module``, from one eval-mode forward of ``inputs`` with gradients on.
+    """The output layer(s) of ``pl_module``, from one eval-mode forward of ``inputs`` with gradients on
+    (:func:`forward_finding_output_layer`'s).
+
+    Args:
+        pl_module: The module whose ``forward`` gives the network's output.
+        inputs: One batch of model inputs.
+
+    Returns:
+        The layers found, the tensors to treat, and what was left out and why; empty where the output
+        depends on no weight matrix.
+    """
+    return forward_finding_output_layer(pl_module, inputs)[1]
+
+
+def forward_finding_output_layer(pl_module: LightningModule, inputs: Any) -> Tuple[Tensor, OutputLayer]:
+    """One eval-mode forward of ``inputs`` with gradients on: its output (detached), and the output layer(s)
+    found in its graph. Set-up's target check and the output layer's search share it.
 
     Forward hooks record the output of each module that owns a weight matrix (the innermost, where a
     module returns its child's output). The walk back from the network's output stops, on each path,
@@ -127,8 +146,10 @@ def find_output_layer(pl_module: LightningModule, inputs: Any) -> OutputLayer:
         inputs: One batch of model inputs.
 
     Returns:
-        The layers found, the tensors to treat, and what was left out and why; empty where the output
-        depends on no weight matrix.
+        The output, and what :func:`find_output_layer` returns.
+
+    Raises:
+        TypeError: Where ``forward`` returns no tensor (:func:`~lightning_marglik.curvature.batches.call_model`).
     """
     modules = {n: m for n, m in pl_module.named_modules() if not isinstance(m, parametrize.ParametrizationList)}
     own = {name: _own(module) for name, module in modules.items()}
@@ -193,8 +214,8 @@ def find_output_layer(pl_module: LightningModule, inputs: Any) -> OutputLayer:
             elif id(p) in found[layer]:
                 held.add(id(p))
     named = list(pl_module.named_parameters())
-    return OutputLayer(layers, tuple(n for n, p in named if id(p) in held), tuple(shared),
-                       tuple(n for n, p in named if id(p) in outside))
+    return output.detach(), OutputLayer(layers, tuple(n for n, p in named if id(p) in held), tuple(shared),
+                                        tuple(n for n, p in named if id(p) in outside))
 
 
 def _listed(names: Tuple[str, ...]) -> str:
@@ -219,13 +240,13 @@ def _nothing(found: OutputLayer) -> str:
     return "no layer with a weight matrix (a trainable tensor of two or more dimensions) makes the network's output"
 
 
-def treat_output_layer(pl_module: LightningModule, prior: GaussianPrior, inputs: Any, treatment: str) -> Dict[str, Any]:
-    """Find the output layer and give its tensors to the prior with ``treatment`` (reason :data:`OUTPUT_LAYER`).
+def treat_output_layer(pl_module: LightningModule, prior: GaussianPrior, found: OutputLayer, treatment: str) -> Dict[str, Any]:
+    """Give the output layer's tensors to the prior with ``treatment`` (reason :data:`OUTPUT_LAYER`).
 
     Args:
-        pl_module: The module (its ``forward`` is run once).
+        pl_module: The module the output layer was found in (its parameters' names).
         prior: The prior that takes the treatment.
-        inputs: One batch of model inputs.
+        found: The output layer (:func:`find_output_layer`, or set-up's :func:`forward_finding_output_layer`).
         treatment: ``output_layer`` of the callback.
 
     Returns:
@@ -233,7 +254,6 @@ def treat_output_layer(pl_module: LightningModule, prior: GaussianPrior, inputs:
         ``"learn"`` for a scalar prior, which has one precision for all, and where nothing is treated) and
         ``reason`` (the layer(s) and the treatment, or why nothing is treated).
     """
-    found = find_output_layer(pl_module, inputs)
     ours = {id(p): n for n, p in zip(prior.param_names, prior.params)}
     full = dict(pl_module.named_parameters())
     names = [ours[id(full[n])] for n in found.names if id(full[n]) in ours]

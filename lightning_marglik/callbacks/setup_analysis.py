@@ -4,7 +4,8 @@ Two moments. :func:`check_fit` runs in Lightning's ``setup`` (before the optimiz
 model, the processes, the strategy's sharding, stock early stopping, the model's ``forward``, a named
 evidence loader, and (``MargLikCallback``) weight averaging and the training statistics' needs.
 :func:`analyse_setup` runs when training starts, on one evidence batch: the hyperparameters are finite, the
-batch goes through ``forward`` and fits the targets, the scale-invariant tensors are treated, the evidence
+batch goes through ``forward`` and fits the targets (``MargLikCallback``: the same forward finds the output
+layer, treated below), the scale-invariant tensors are treated, the evidence
 pass runs on the batch (and resolves ``mc_samples="auto"`` into the estimator every later pass is given),
 and (``MargLikCallback``) the cost is checked and the biases and the output layer are treated. Its
 :class:`SetupAnalysis` records what it decided, as :func:`.report.setup_line` prints it, and the first
@@ -152,7 +153,9 @@ def analyse_setup(
     dtype, device = prior.params[0].dtype, prior.params[0].device
     checks.check_finite_hyperparameters(prior, likelihood, dtype)
     batch = callback._first_batch(trainer, pl_module, warn=True)
-    inputs, output = checks.check_forward(pl_module, likelihood, batch, callback._batch_fn(pl_module), device, dtype)
+    # one forward for the target check and, where the output layer is treated, its search
+    inputs, output, found = checks.check_forward(pl_module, likelihood, batch, callback._batch_fn(pl_module), device,
+                                                 dtype, output_layer=output_layer is not None)
     # decided in Lightning's training modes; the first training batch re-checks them (follow_training_modes)
     scale_note = checks.treat_scale_invariant(pl_module, prior, inputs, callback.scale_invariant)
     started = time.perf_counter()
@@ -172,5 +175,6 @@ def analyse_setup(
     if output_layer is not None:
         # declared when training starts, as the scale-invariant treatment: resumes get them again
         checks.treat_biases(prior, biases)
-        analysis.output_decision = treat_output_layer(pl_module, prior, inputs, output_layer)
+        assert found is not None  # check_forward found it (output_layer given)
+        analysis.output_decision = treat_output_layer(pl_module, prior, found, output_layer)
     return analysis
