@@ -49,6 +49,11 @@ sys.path.insert(0, str(ROOT))
 LIBRARY = next((sys.argv[i + 1] for i, arg in enumerate(sys.argv[:-1]) if arg == "--library"), None)
 if LIBRARY:
     sys.path.insert(0, LIBRARY)
+    # imported now: the benchmarks' own modules put this checkout first on the path when they are imported
+    import lightning_marglik  # noqa: E402
+
+    if not Path(lightning_marglik.__file__).resolve().is_relative_to(Path(LIBRARY).resolve()):
+        raise SystemExit(f"--library {LIBRARY}: lightning_marglik was imported from {lightning_marglik.__file__}")
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import pytorch_lightning as pl  # noqa: E402
