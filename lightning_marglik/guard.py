@@ -159,8 +159,10 @@ def fold_calls(batches: Sequence[Batch], folds: int) -> List[List[Batch]]:
 
     Example:
         >>> batches = [(torch.arange(4.0)[:, None], torch.arange(4)), (torch.arange(4.0, 8)[:, None], torch.arange(4, 8))]
-        >>> [[target.tolist() for _, target in fold] for fold in fold_calls(batches, 2)]
-        [[[0, 1, 4, 5]], [[2, 3, 6, 7]]]
+        >>> first, second = fold_calls(batches, 2)  # one call per fold: the k-th halves of both batches
+        >>> (_, target), = first
+        >>> target.tolist()
+        [0, 1, 4, 5]
     """
     pieces = [fold_pieces(batch, folds) for batch in batches]
     limit = max((len(target) for _, target in batches), default=0)
