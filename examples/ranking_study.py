@@ -68,7 +68,7 @@ from lightning_marglik.denormals import DenormalFlush  # noqa: E402
 from lightning_marglik.diagnostics import ef_ratio_of, rescale_empirical_fisher, traces_from_statistics  # noqa: E402
 from lightning_marglik.gprior import curvature_diagonal, optimize_g_prior  # noqa: E402
 from lightning_marglik.linearized import linearized_evidence  # noqa: E402
-from lightning_marglik.callbacks.output_layer import treat_output_layer  # noqa: E402
+from lightning_marglik.callbacks.output_layer import find_output_layer, treat_output_layer  # noqa: E402
 from lightning_marglik.folding import fold_batchnorm  # noqa: E402
 from lightning_marglik.symmetries import canonicalize  # noqa: E402
 from lightning_marglik.selection import full_ggn_refusal, quiet_lightning, resolve_auto  # noqa: E402
@@ -307,7 +307,7 @@ def posthoc_evidence(net: nn.Module, state: Dict[str, Any], loader: DataLoader, 
         prior_obj.log_precision.copy_(torch.stack([online[n] for n in prior_obj.param_names]) if prior == "layerwise"
                                       else state["log_precision"])
         if approx in HELD_OUTPUT:  # before folding, which carries the treatment over
-            treat_output_layer(net, prior_obj, next(iter(loader))[0], "fixed")
+            treat_output_layer(net, prior_obj, find_output_layer(net, next(iter(loader))[0]), "fixed")
         if method in FOLDED:  # the prior carried over as select_models does: a new bias from delta = 1
             folded = fold_batchnorm(net, next(iter(loader))[0], prior=prior_obj)
             net, prior_obj = folded.model, folded.prior
