@@ -123,7 +123,8 @@ def approximate_cv(
         gradients = reduce(gradients.mul_(inverse_temperature))
         hyper = {name: value.detach().double() for name, value in likelihood.hyperparameters().items()}
         scale = likelihood.curvature_scale(evidence.approx, hyper) * (folds - 1) / folds
-        # one more weight-sized vector: the held-in folds' gradient, then (block by block, in place) the step
+        # one more weight-sized vector: the held-in folds' gradient, then (block by block, in place) the step; the
+        # evidence's structures cover every prior tensor once (fixed ones too), so no gradient is left in it
         step = torch.empty_like(gradients[0])
         scores = {}
         for name, log_precision in candidates.items():
@@ -199,7 +200,8 @@ def _joined(first: Batch, second: Batch) -> Optional[Batch]:
             if dim_x is None and dim_y is None and (x is y or (x.shape == y.shape and torch.equal(x, y))):
                 return x
             raise _Apart
-        if x is y or (not isinstance(x, (tuple, dict, Tensor)) and type(x) is type(y) and x == y):
+        # a shared value other than a tensor: the same object, or an equal plain scalar (an array's == is no bool)
+        if x is y or (isinstance(x, (bool, int, float, str)) and type(x) is type(y) and x == y):
             return x
         raise _Apart
 
