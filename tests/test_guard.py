@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -119,6 +120,11 @@ def test_fold_calls_join_a_folds_pieces_only_where_their_inputs_concatenate():
     for batches in apart:
         assert [len(fold) for fold in fold_calls(list(batches), 3)] == [2, 2, 2]
     assert [len(fold) for fold in fold_calls([batch(0, 4), batch(100, 4), batch(200, 4)], 2)] == [2, 2]
+    # shared values other than tensors: an equal plain scalar joins, an equal array of another object stays apart
+    # (its == is elementwise), neither raises
+    for shared_a, shared_b, calls_per_fold in ((3, 3, 1), (np.ones(2), np.ones(2), 2)):
+        assert [len(fold) for fold in fold_calls([batch(0, 6, shared=shared_a), batch(100, 6, shared=shared_b)], 3)] \
+            == [calls_per_fold] * 3
     # what is joined is what was cut: every example once, in its fold
     for folds in (2, 3, 5):
         batches = [batch(0, 7), batch(100, 5), batch(200, 1)]
