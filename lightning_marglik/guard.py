@@ -30,6 +30,7 @@ gradient that each block's solve overwrites with its step), float64 one structur
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -115,7 +116,9 @@ def approximate_cv(
     sizes = prior.param_sizes
     calls = fold_calls(batches, folds)
     inverse_temperature = float(likelihood.temperature.detach().reciprocal())
-    with eval_mode(model):
+    with eval_mode(model), contextlib.ExitStack() as reusing:
+        for structure in evidence.structures:  # the candidates' inverses share each factor's decomposition
+            reusing.enter_context(structure.reusing_decompositions())
         # one (K, P) buffer, each fold's gradient summed into its row: no list of K flat copies to stack
         gradients = theta[0].new_zeros(folds, sum(sizes))
         for row, fold in zip(gradients, calls):

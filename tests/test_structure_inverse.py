@@ -11,6 +11,7 @@ diagonal input factor, a weight stored (in, out) (HF Conv1D).
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import pytest
@@ -88,3 +89,36 @@ def test_the_inverse_is_the_dense_inverse_of_the_posterior_precision(name, struc
     # linearized_evidence's preconditioner: the structures' blocks put together over the flat parameters
     combined = _inverse_precision(evidence.structures, prior.param_sizes, scale, delta)
     assert torch.equal(torch.stack([combined(column) for column in torch.eye(prior.n_params)], 1), dense)
+
+
+@pytest.mark.parametrize("structure", ["kron", "ekfac", "diag", "full"])
+def test_inverses_reusing_their_decompositions_equal_fresh_ones_bit_for_bit(structure):
+    """The prior guard's candidates share each factor's decomposition (``reusing_decompositions``): the operators at
+    two precisions equal those decomposed afresh, and a Kronecker layer is decomposed once for both."""
+    model, x, y, _ = case("cnn_bn_res")
+    prior, lik = hyper(model, "classification")
+    evidence = LaplaceEvidence.fit(model, batches(x, y, 8), lik, prior, structure=structure)
+    scale = lik.curvature_scale("ggn", {k: v.detach() for k, v in lik.hyperparameters().items()})
+    deltas = [_structure_delta(prior), [d * 7.0 for d in _structure_delta(prior)]]
+    fresh = [operator_matrix(evidence, scale, delta) for delta in deltas]
+    decompositions = []
+    eigh = torch.linalg.eigh
+
+    def counted(matrix, *args, **kwargs):
+        decompositions.append(matrix.shape)
+        return eigh(matrix, *args, **kwargs)
+
+    torch.linalg.eigh = counted
+    try:
+        with contextlib.ExitStack() as reusing:
+            for s in evidence.structures:
+                reusing.enter_context(s.reusing_decompositions())
+            reused = [operator_matrix(evidence, scale, delta) for delta in deltas]
+            twice = len(decompositions)
+            reused.append(operator_matrix(evidence, scale, deltas[0]))
+            assert len(decompositions) == twice  # a third inverse decomposes nothing
+    finally:
+        torch.linalg.eigh = eigh
+    assert all(torch.equal(a, b) for a, b in zip(fresh + fresh[:1], reused))
+    if structure == "kron":  # EKFAC holds its bases from the pass; diag and full decompose in prepare
+        assert decompositions  # the first inverse decomposed the layers; the others reused them

@@ -7,9 +7,10 @@ processes in ONE flattened collective.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, ClassVar, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -234,6 +235,11 @@ class Structure:
             jacobians[i] = columns.unsqueeze(0)
         dense = self.covariance(jacobians, scale, delta)[0]  # type: ignore[arg-type]
         return lambda pieces: list((dense @ torch.cat(pieces)).split(own))
+
+    def reusing_decompositions(self) -> ContextManager[None]:
+        """Inside, :meth:`inverse` at several precisions decomposes each factor once (the prior guard scores
+        two); released on leaving. The default has nothing to reuse: its decomposition is :meth:`prepare`'s."""
+        return contextlib.nullcontext()
 
     @staticmethod
     def _guard(matrix: Tensor) -> bool:

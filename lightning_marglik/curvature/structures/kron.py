@@ -14,6 +14,7 @@ log-determinant, its derivatives, ``H^-1`` and the covariance keep their forms w
 """
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -171,6 +172,7 @@ class KronStructure(Structure):
     def __init__(self, indices: Sequence[int], sizes: Sequence[int], layers: List[LayerPlan],
                  max_output_factor: Optional[int] = None, sum_dtype: torch.dtype = torch.float64) -> None:
         super().__init__(indices, sizes)
+        self._reused: Optional[Dict[int, Dict[str, Bases]]] = None  # reusing_decompositions's eigenbases
         self.layers = layers
         self.max_output_factor = max_output_factor
         self.shapes = [layer_rule(layer.module).kron_shape(layer.module) for layer in layers]
@@ -352,6 +354,24 @@ class KronStructure(Structure):
                            torch.stack([torch.outer(q_g, w_a) for (q_g, _), (w_a, _) in zip(outs, ins)]))
         return bases
 
+    @contextlib.contextmanager
+    def reusing_decompositions(self) -> Iterator[None]:
+        """Inside, each layer's eigenbases are decomposed once for every :meth:`inverse` (they do not depend on the
+        precision); released on leaving, so that no eigenbasis outlives the caller's use."""
+        self._reused = {}
+        try:
+            yield
+        finally:
+            self._reused = None
+
+    def _bases(self, j: int) -> Dict[str, Bases]:
+        """:meth:`_eigenbases`, decomposed once inside :meth:`reusing_decompositions`."""
+        if self._reused is None:
+            return self._eigenbases(j)
+        if j not in self._reused:
+            self._reused[j] = self._eigenbases(j)
+        return self._reused[j]
+
     def inverse(self, scale: Tensor, delta: List[Tensor]) -> InverseFn:
         """``H_b^-1`` per tensor in its block's eigenbasis: ``kron(G, A)``'s ``U_G (x) U_A`` as
         ``1 / (s q_i w_j + delta)`` (per conv group; an Embedding's ``I (x) U_G``), a bias's ``U_G``
@@ -368,7 +388,7 @@ class KronStructure(Structure):
         """
         blocks: Dict[int, Callable[[Tensor], Tensor]] = {}
         for j, (layer, shape) in enumerate(zip(self.layers, self.shapes)):
-            bases = self._eigenbases(j)
+            bases = self._bases(j)
             for role, index in layer.roles.items():
                 blocks[index] = _rotated_inverse(*_view(shape, role), bases[role], scale, delta[index])
         operators = [blocks[i] for i in self.indices]
