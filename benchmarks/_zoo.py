@@ -763,13 +763,31 @@ def train_peer(spec: RunSpec) -> Dict[str, Any]:
     return result
 
 
+def run_path(spec: RunSpec, cache: str) -> str:
+    """Where :func:`cached` keeps ``spec``'s run (its weights beside it, ``.pt``)."""
+    return os.path.join(cache, spec.key() + ".json")
+
+
+def stored(spec: RunSpec, cache: str) -> Dict[str, Any]:
+    """A run :func:`cached` wrote, read only: a study that reads another's runs must not train missing ones with
+    its own library into that cache.
+
+    Raises:
+        FileNotFoundError: If ``cache`` holds no run of ``spec``.
+    """
+    path = run_path(spec, cache)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{spec.key()} is not in {cache}: train it with its study's own command first")
+    with open(path) as f:
+        return json.load(f)
+
+
 def cached(spec: RunSpec, cache: str, rerun: bool = False, log: Callable[[str], None] = print) -> Dict[str, Any]:
     """``train(spec)`` (``train_peer`` for a peer run), read from / written to ``cache`` (one JSON per spec)."""
     os.makedirs(cache, exist_ok=True)
-    path = os.path.join(cache, spec.key() + ".json")
+    path = run_path(spec, cache)
     if os.path.exists(path) and not rerun:
-        with open(path) as f:
-            return json.load(f)
+        return stored(spec, cache)
     result = train_peer(spec) if spec.peer is not None else train(spec)
     if WEIGHTS in result:  # beside the JSON: the final (and best-evidence) state dicts, for metrics added later
         torch.save(result.pop(WEIGHTS), os.path.join(cache, spec.key() + ".pt"))

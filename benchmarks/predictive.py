@@ -234,7 +234,7 @@ def guard_cells() -> Dict[str, List[Dict[str, Any]]]:
     cache, runs = study.cache_dir(), {}
     for dataset, network in study.family.STUDY_CELLS:
         specs = [study.cell_spec(dataset, network, seed, "defaults") for seed in study.SEEDS]
-        missing = [s.key() for s in specs if not os.path.exists(os.path.join(cache, s.key() + ".json"))]
+        missing = [s.key() for s in specs if not os.path.exists(_zoo.run_path(s, cache))]
         if missing:
             raise SystemExit(f"{missing} are not in {cache}: train them with "
                              "`python benchmarks/investigations/prior_guard.py --shard 0/1` first")

@@ -180,7 +180,7 @@ def recheck() -> None:
     specs += [family_spec(m, 0, "defaults") for m in family.MEMBERS]
     same = 0
     for spec in specs:
-        new, old = _zoo.cached(spec, cache), _zoo.cached(spec, cache_dir())
+        new, old = _zoo.cached(spec, cache), _zoo.stored(spec, cache_dir())  # the study's runs are never retrained
         identical = [d["applied"] for d in new["guard"]] == [d["applied"] for d in old["guard"]] and new["final"] == old["final"]
         moved = max((abs(a[k] - b[k]) / abs(b[k]) for a, b in zip(new["guard"], old["guard"]) for k in ("learned", "declared")),
                     default=0.0)
