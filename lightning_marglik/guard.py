@@ -41,6 +41,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .curvature import eval_mode, locate
 from .curvature.batches import Inputs, batch_dims, batch_size, call_model, model_batch, slice_batch
 from .evidence import LaplaceEvidence
+from .validators import integer
 
 __all__ = ["FOLDS", "approximate_cv", "fold_calls", "fold_pieces"]
 
@@ -55,11 +56,15 @@ def fold_pieces(batch: Batch, folds: int) -> List[Batch]:
     """The batch cut into ``folds`` contiguous pieces (fold ``k`` of the data: the ``k``-th piece of every
     batch); a batch of fewer examples than folds leaves the last pieces empty, and they are dropped.
 
+    Raises:
+        ValueError: If ``folds`` is not an integer of at least 1.
+
     Example:
         >>> pieces = fold_pieces((torch.arange(7.0)[:, None], torch.arange(7)), 3)
         >>> [len(target) for _, target in pieces] == [3, 3, 1]
         True
     """
+    folds = integer(folds, "folds", minimum=1)
     inputs, target = batch
     size = batch_size(inputs)
     width = -(-size // folds)
@@ -88,8 +93,8 @@ def approximate_cv(
         Name -> the held-out log likelihood per datum, summed over folds (and processes).
 
     Raises:
-        ValueError: On fewer than 2 folds, or a candidate that is not a finite log precision of
-            ``prior.log_precision``'s shape.
+        ValueError: On fewer than 2 folds, no example in ``batches``, or a candidate that is not a finite log
+            precision of ``prior.log_precision``'s shape.
 
     Example:
         >>> from lightning_marglik import CategoricalLikelihood, GaussianPrior
@@ -115,6 +120,8 @@ def approximate_cv(
     theta = [p.detach() for p in prior.params]
     sizes = prior.param_sizes
     calls = fold_calls(batches, folds)
+    if not any(calls):
+        raise ValueError("`batches` holds no example: pass the evidence data the evidence was fit on.")
     inverse_temperature = float(likelihood.temperature.detach().reciprocal())
     with eval_mode(model), contextlib.ExitStack() as reusing:
         for structure in evidence.structures:  # the candidates' inverses share each factor's decomposition
@@ -161,6 +168,9 @@ def fold_calls(batches: Sequence[Batch], folds: int) -> List[List[Batch]]:
     fold's gradient and forward-mode products take about as many calls as training takes batches, not ``K`` times
     as many (on a small network, the calls' overhead was most of the guard's time).
 
+    Raises:
+        ValueError: If ``folds`` is not an integer of at least 1 (:func:`fold_pieces`).
+
     Example:
         >>> batches = [(torch.arange(4.0)[:, None], torch.arange(4)), (torch.arange(4.0, 8)[:, None], torch.arange(4, 8))]
         >>> first, second = fold_calls(batches, 2)  # one call per fold: the k-th halves of both batches
@@ -168,8 +178,8 @@ def fold_calls(batches: Sequence[Batch], folds: int) -> List[List[Batch]]:
         >>> target.tolist()
         [0, 1, 4, 5]
     """
-    pieces = [fold_pieces(batch, folds) for batch in batches]
-    limit = max((len(target) for _, target in batches), default=0)
+    pieces = [fold_pieces(batch, folds) for batch in batches]  # batches read once: an iterator is taken too
+    limit = max((sum(len(target) for _, target in cut) for cut in pieces), default=0)
     calls: List[List[Batch]] = []
     for k in range(folds):
         fold: List[Batch] = []

@@ -96,6 +96,12 @@ def test_a_kronecker_evidence_scores_by_its_own_blocks_and_fewer_than_two_folds_
         approximate_cv(kron, net, batches, {"one": torch.zeros((), dtype=torch.float64)})
     with pytest.raises(ValueError, match=r"candidate 'nan': a finite log precision"):
         approximate_cv(kron, net, batches, {"nan": torch.full((4,), float("nan"), dtype=torch.float64)})
+    # no data, or folds that are no count, are named before any pass; an iterator of batches scores as the list does
+    with pytest.raises(ValueError, match="`batches` holds no example"):
+        approximate_cv(kron, net, [], candidates)
+    with pytest.raises(ValueError, match=r"`folds` must be an int >= 1, got 2.5"):
+        approximate_cv(kron, net, batches, candidates, folds=2.5)
+    assert approximate_cv(kron, net, iter(batches), candidates) == by_kron
 
 
 def test_fold_pieces_cut_tuple_inputs_and_leave_no_empty_piece():
@@ -120,6 +126,10 @@ def test_fold_calls_join_a_folds_pieces_only_where_their_inputs_concatenate():
     for batches in apart:
         assert [len(fold) for fold in fold_calls(list(batches), 3)] == [2, 2, 2]
     assert [len(fold) for fold in fold_calls([batch(0, 4), batch(100, 4), batch(200, 4)], 2)] == [2, 2]
+    assert [len(fold) for fold in fold_calls(iter([batch(0, 6), batch(100, 6)]), 3)] == [1, 1, 1]  # read once
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match=r"`folds` must be an int >= 1"):
+            fold_calls([batch(0, 6)], bad)
     # shared values other than tensors: an equal plain scalar joins, an equal array of another object stays apart
     # (its == is elementwise), neither raises
     for shared_a, shared_b, calls_per_fold in ((3, 3, 1), (np.ones(2), np.ones(2), 2)):

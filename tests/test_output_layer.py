@@ -114,6 +114,9 @@ def test_treatments_recorded_on_the_prior_with_the_reason():
     assert decided == {"names": [], "treatment": "learn", "reason": (
         "nothing treated: the output is computed from `emb.weight` outside the module that owns it (tied weights or a "
         "functional call), not by a layer of its own")}
+    # inputs where the layer found belongs (this function's signature before issue 55) are named, not an AttributeError
+    with pytest.raises(TypeError, match="takes the OutputLayer that find_output_layer.* got Tensor"):
+        treat_output_layer(module, GaussianPrior(module.net), torch.randn(5, 3), "fixed")
 
 
 def test_set_up_checks_the_targets_and_finds_the_output_layer_in_one_forward():

@@ -253,7 +253,13 @@ def treat_output_layer(pl_module: LightningModule, prior: GaussianPrior, found: 
         What was decided: ``names`` (the prior's names of the layer's tensors), ``treatment`` (as applied:
         ``"learn"`` for a scalar prior, which has one precision for all, and where nothing is treated) and
         ``reason`` (the layer(s) and the treatment, or why nothing is treated).
+
+    Raises:
+        TypeError: If ``found`` is not an :class:`OutputLayer` (model inputs, as this function took before).
     """
+    if not isinstance(found, OutputLayer):
+        raise TypeError(f"treat_output_layer takes the OutputLayer that find_output_layer(pl_module, inputs) returns, "
+                        f"got {type(found).__name__}.")
     ours = {id(p): n for n, p in zip(prior.param_names, prior.params)}
     full = dict(pl_module.named_parameters())
     names = [ours[id(full[n])] for n in found.names if id(full[n]) in ours]
