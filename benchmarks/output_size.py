@@ -179,15 +179,7 @@ def cost(net, x, y, batch_size: int, mc_samples: Any, epochs: int = 1, guarded: 
         warnings.simplefilter("ignore")  # the exact-path notes of tied and positional embeddings
         estimate_cpu, _, evidence = timed(estimate)
     peak_estimate = peak_mb()
-    guard = {}
-    if guarded:  # what MargLikCallback's default adds after the estimate: the prior guard's two candidates
-        from lightning_marglik.guard import approximate_cv
-
-        learned = prior.log_precision.detach().clone()
-        candidates = {"learned": learned, "declared": torch.full_like(learned, math.log(prior.initial_precision))}
-        guard_cpu = timed(lambda: approximate_cv(evidence, net, list(loader), candidates))[0]
-        guard = {"guard_cpu": guard_cpu, "epochs_per_guarded_estimate": (estimate_cpu + guard_cpu) / epoch_cpu,
-                 "peak_guard_mb": peak_mb(), "memory_ratio_guarded": peak_mb() / trained}
+    guard = _guard(evidence, net, loader, prior.log_precision, estimate_cpu, epoch_cpu, trained) if guarded else {}
     return {
         "epoch_cpu": epoch_cpu, "estimate_cpu": estimate_cpu, "epochs_per_estimate": estimate_cpu / epoch_cpu,
         "run_ratio": (EPOCHS * epoch_cpu + ESTIMATES * estimate_cpu) / (EPOCHS * epoch_cpu),
@@ -195,6 +187,20 @@ def cost(net, x, y, batch_size: int, mc_samples: Any, epochs: int = 1, guarded: 
         "memory_ratio": peak_estimate / trained, "estimator": evidence.estimator, "n_params": sum(p.numel() for p in params),
         **guard,
     }
+
+
+def _guard(evidence, net, loader, learned, estimate_cpu: float, epoch_cpu: float, trained_mb: float) -> Dict[str, Any]:
+    """What ``MargLikCallback``'s default adds after an estimate: the prior guard's scoring of the ``learned`` log
+    precision against the declared one, its process CPU and the process's peak RSS after it."""
+    import torch
+
+    from lightning_marglik.guard import approximate_cv
+
+    learned = learned.detach().clone()
+    declared = torch.full_like(learned, math.log(evidence.prior.initial_precision))
+    guard_cpu = timed(lambda: approximate_cv(evidence, net, list(loader), {"learned": learned, "declared": declared}))[0]
+    return {"guard_cpu": guard_cpu, "epochs_per_guarded_estimate": (estimate_cpu + guard_cpu) / epoch_cpu,
+            "peak_guard_mb": peak_mb(), "memory_ratio_guarded": peak_mb() / trained_mb}
 
 
 def quality(classes: int) -> Dict[str, Any]:
@@ -291,6 +297,10 @@ def factor(classes: int) -> Dict[str, Any]:
             "diagonal_layers": [layer.name for layer, d in zip(structure.layers, structure.diagonal) if d],
             "estimator": evidence.estimator,
         }
+        if arm == "diagonal":  # the default's structure: the guard follows its estimate, as in MargLikCallback()
+            evidence.set_hyperparameters(solution.values)
+            out[arm].update(_guard(evidence, net, loader, solution.values["log_precision"], estimate_cpu, epoch_cpu,
+                                   out["peak_training_mb"]))
         del evidence, solution
     return out
 
@@ -324,7 +334,7 @@ def run_part(part: str) -> Dict[str, Any]:
         return cost(mlp(classes), x, y, 128, 0)
     if kind == "gpt2" and size.startswith("50257"):  # issue 54: the real vocabulary, its head tied or not
         net, tokens, labels = gpt2(lora=False, vocabulary=50257, sequences=64, tied=size == "50257")
-        return cost(net, tokens, labels, 32, "auto", epochs=3)
+        return cost(net, tokens, labels, 32, "auto", epochs=3, guarded=True)
     if kind == "gpt2":
         net, tokens, labels = gpt2(lora=size == "lora")
         return cost(net, tokens, labels, 32, "auto")
@@ -417,18 +427,28 @@ def _factor_lines(parts: Dict[str, Any]) -> List[str]:
     if targets:
         lines += ["", f"## Issue 54's targets: one default estimate (at most {TARGET_EPOCHS:g} training epochs and "
                   f"{TARGET_MEMORY:g}x training's peak memory)", "",
-                  "| case | epoch CPU s | estimate / epoch | peak MB training / estimate (ratio) | met | library, machine, date |",
-                  "|---|---:|---:|---:|---|---|"]
+                  "Since issue 52 the default estimate within training is followed by the prior guard: where a part "
+                  "measured it, the target is judged on the estimate and its guard together.", "",
+                  "| case | epoch CPU s | estimate / epoch: alone / with the guard | peak MB training / estimate / "
+                  "guard | ratio: estimate / with the guard | met | library, machine, date |",
+                  "|---|---:|---:|---:|---:|---|---|"]
         for name, part in targets:
             r = parts[part]
             r = dict(r, **r["diagonal"]) if "diagonal" in r else r  # the sweep's row: the defaults' structure
             if "error" in r:
-                lines.append(f"| {name} | error: {r['error']} | | | | |")
+                lines.append(f"| {name} | error: {r['error']} | | | | | |")
                 continue
-            met = r["epochs_per_estimate"] <= TARGET_EPOCHS and r["memory_ratio"] <= TARGET_MEMORY
-            lines.append(f"| {name} | {r['epoch_cpu']:.2f} | {r['epochs_per_estimate']:.2f} | "
-                         f"{r['peak_training_mb']:.0f} / {r['peak_estimate_mb']:.0f} ({r['memory_ratio']:.2f}) | "
-                         f"{'yes' if met else 'no'} | {r.get('library', '?')}, {r.get('machine', '?')}, {r.get('date', '?')} |")
+            epochs, ratio = (r.get("epochs_per_guarded_estimate", r["epochs_per_estimate"]),
+                             r.get("memory_ratio_guarded", r["memory_ratio"]))
+            met = epochs <= TARGET_EPOCHS and ratio <= TARGET_MEMORY
+            guarded = "guard_cpu" in r
+            lines.append(f"| {name} | {r['epoch_cpu']:.2f} | {r['epochs_per_estimate']:.2f} / "
+                         f"{epochs:.2f} | {r['peak_training_mb']:.0f} / {r['peak_estimate_mb']:.0f} / "
+                         f"{r['peak_guard_mb']:.0f} | {r['memory_ratio']:.2f} / {ratio:.2f} | "
+                         if guarded else
+                         f"| {name} | {r['epoch_cpu']:.2f} | {r['epochs_per_estimate']:.2f} / – | "
+                         f"{r['peak_training_mb']:.0f} / {r['peak_estimate_mb']:.0f} / – | {r['memory_ratio']:.2f} / – | ")
+            lines[-1] += f"{'yes' if met else 'no'} | {r.get('library', '?')}, {r.get('machine', '?')}, {r.get('date', '?')} |"
     sweep = [c for c in FACTOR_CLASSES if f"factor-{c}" in parts]
     if sweep:
         lines += ["", "## The output-side factor: its diagonal against exact (MLP 128-512-C, N = 8,192, the same "
