@@ -108,6 +108,23 @@ def test_log_det_inverse_and_covariance_are_the_dense_ones(name):
     assert rel_err(evidence.jacobian_covariance(jac), jac @ inverse @ jac.transpose(1, 2)) <= TOL
 
 
+@pytest.mark.parametrize("name", ["mlp, output layer only", "embedding, groupnorm", "conv groups"])
+def test_an_inverse_solved_a_few_rows_at_a_time_is_the_dense_one(name, monkeypatch):
+    """Where a block's left basis is the identity (diag(G), an Embedding's I (x) U_G) its rows are solved a few at
+    a time: at one row per piece, still the dense inverse."""
+    from lightning_marglik.curvature.structures import kron as kron_module
+
+    build, limit = CASES[name]
+    model, x, y, problem = build()
+    prior, lik = hyper(model, "classification")
+    evidence = LaplaceEvidence.fit(model, batches(x, y, 8), lik, prior, mc_samples=0, max_output_factor=limit)
+    monkeypatch.setattr(kron_module, "_TERMS", 1)
+    log_delta, log_sigma, log_t = problem.reference("kron", "ggn").hyper_from(prior, lik)
+    scale = curvature_scale("classification", "ggn", log_sigma, log_t)
+    precision = scale * dense_curvature(problem, limit) + torch.diag(log_delta.exp())
+    assert rel_err(operator_matrix(evidence, scale, _structure_delta(prior)), torch.linalg.inv(precision)) <= TOL
+
+
 def test_the_limit_selects_the_layers_by_their_outputs_and_the_record_says_why():
     model, x, y, _ = small_case(mlp)
     data = batches(x, y, 8)
