@@ -14,6 +14,7 @@ for rank 1, every case is a fresh Trainer in one process group, each rank writes
 * ``train``: ``MargLikCheckpoint`` (best and ``last.ckpt``) and ``MargLikEarlyStopping`` under FSDP2,
   with Lightning's full (one file) and distributed (a directory) checkpoints.
 * ``resume``: three epochs straight against two, then a fresh Trainer resumed from ``last.ckpt``.
+* ``gradients``: :func:`tests.fsdp_worker.run_gradients` under FSDP2.
 * ``refused``: ``ModelParallelStrategy``'s default on one node (tensor parallelism over both ranks).
 """
 from __future__ import annotations
@@ -34,7 +35,7 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: `tests` importable
 
 from lightning_marglik import GaussianPrior, MargLikCallback, MargLikCheckpoint, MargLikEarlyStopping, map_loss  # noqa: E402
-from tests.fsdp_worker import CALLBACKS, Model, hyperparameters, make_data, strategy, trainer  # noqa: E402
+from tests.fsdp_worker import CALLBACKS, Model, hyperparameters, make_data, run_gradients, strategy, trainer  # noqa: E402
 from tests.worker_harness import TIMEOUT, loader, run_worker, two_processes, write_result  # noqa: E402
 
 N = 37
@@ -256,6 +257,7 @@ def main(out: Path) -> None:
         "cases": run_cases(out), "grad": run_grad(out),
         "train": {"full": run_training(out, False), "distributed": run_training(out, True)}, "resume": run_resume(out),
         "refused": run_refused(out),
+        "gradients": run_gradients(out, FullyShardedModel, fsdp2, lambda _, module: whole_weights(module)),
     }
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     results["rank"] = rank

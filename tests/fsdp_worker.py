@@ -11,6 +11,8 @@ process group, each case a fresh Trainer; every rank writes ``OUT_DIR/rank<r>.js
   the refusal at set-up, whose full-state-dict save on the CPU would crash the process).
 * ``resume``: under FULL_SHARD with sharded state dicts (a checkpoint is a directory), three epochs
   straight against two, then a fresh Trainer resumed from ``last.ckpt`` for the third.
+* ``gradients``: three epochs of Adam with an estimate after each, the module's ``optimizer_zero_grad`` Lightning's
+  or its own: whether the callback freed the applied gradients, and the whole weights.
 * ``map``: two epochs of ``map_loss`` training under DDP and under FULL_SHARD (one unit per Linear).
 * ``refused``: fits that must fail at set-up with the callback's error (``use_orig_params=False``;
   FSDP2 and the tensor-parallel refusal: ``tests/fsdp2_worker.py``); the message of each is recorded.
@@ -26,7 +28,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 import pytorch_lightning as pl
 import torch
@@ -269,6 +271,44 @@ def run_resume(out: Path) -> Dict[str, Any]:
     return {"straight": straight, "first": first, "resumed": resumed}
 
 
+class OwnZeroGrad:
+    """A module's own ``optimizer_zero_grad`` (Lightning's body): the callback leaves the gradients to it."""
+
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        optimizer.zero_grad()
+
+
+class GradientsFreed(Callback):
+    """After the callback at each epoch's end: whether every weight's gradient has been freed."""
+
+    def __init__(self) -> None:
+        self.freed: List[bool] = []
+
+    def on_train_epoch_end(self, trainer_, pl_module):
+        self.freed.append(all(p.grad is None for p in pl_module.parameters()))
+
+
+def run_gradients(out: Path, model: type, strategy_: Callable[[], Any],
+                  weights: Callable[[pl.Trainer, Any], List[list]]) -> Dict[str, Any]:
+    """Three epochs of Adam with an estimate after each, under a sharding ``strategy_``: with ``model``'s default
+    ``optimizer_zero_grad`` (the callback frees the applied gradients before each estimate) and with its own (the
+    callback leaves them): whether they were freed after each estimate, and the whole weights at the end."""
+    results = {}
+    for name, cls in (("default", model), ("own_zero_grad", type("OwnZeroGradModel", (OwnZeroGrad, model), {}))):
+        module = cls(lr=1e-2, seed=4)
+        freed = GradientsFreed()
+        fit = trainer(out, strategy_(), [MargLikCallback(structure="kron", frequency=1, steps=20, settle=None), freed],
+                      max_epochs=3)
+        fit.fit(module, train_dataloaders=loader(make_data(64, seed=4)))
+        results[name] = {"freed": freed.freed, "weights": weights(fit, module), **hyperparameters(module)}
+    return results
+
+
+def full_shard() -> Any:
+    """FULL_SHARD with one unit per Linear."""
+    return strategy("fsdp", {"sharding_strategy": "FULL_SHARD", "auto_wrap_policy": {nn.Linear}})
+
+
 def run_map_training(out: Path) -> Dict[str, Any]:
     """Two epochs of map_loss at a strong prior (precision 100), no estimate: the whole weights under DDP and
     under FULL_SHARD with one unit per Linear, whose units reshard while training_step adds the prior's term."""
@@ -354,7 +394,7 @@ def main(out: Path) -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     results: Dict[str, Any] = {"cases": run_cases(out), "train": run_training(out), "resume": run_resume(out), "map": run_map_training(out), "refused": run_refused(out),
-                               "failures": run_failures(out)}
+                               "failures": run_failures(out), "gradients": run_gradients(out, Model, full_shard, whole_weights)}
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     results["rank"] = rank
     write_result(out, f"rank{rank}.json", results)

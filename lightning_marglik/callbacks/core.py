@@ -36,7 +36,7 @@ from .prior_guard import guard_off_reason, restore_guard, run_guard
 from .progress import progress
 from .report import announce_end
 from .schedule import EpochSchedule, SettledSchedule
-from .sharding import shards_parameters, whole_parameters
+from .sharding import release_applied_gradients, shards_parameters, whole_parameters
 from .trained import TrainedModuleQueries
 from .training_statistics import TrainingStatistics
 
@@ -132,6 +132,7 @@ class MargLikCallbackCore(TrainedModuleQueries, EstimatorCore):
             mean = torch.tensor(self._epoch_loss.mean, device=strategy.root_device)
             self.schedule.observe_loss(float(strategy.reduce(mean, reduce_op="mean")))
         if self.schedule.is_due(trainer):
+            release_applied_gradients(trainer, pl_module, self._package.lightning_module)
             with self._cost.estimating(self):
                 epoch = trainer.current_epoch + 1
                 marglik = self.estimate(trainer, pl_module, epoch=epoch)

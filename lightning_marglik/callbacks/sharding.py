@@ -30,10 +30,12 @@ from typing import Any, ContextManager, Iterator, List, Optional
 import torch
 from torch import nn
 
-from ..private import fsdp2_recomputing, fsdp_state_dict_type, fsdp_strategy_kwargs
-from .package import MargLikConfigurationError, Trainer
+from lightning_utilities.core.overrides import is_overridden
 
-__all__ = ["check_strategy", "shards_parameters", "whole_parameters"]
+from ..private import fsdp2_recomputing, fsdp_state_dict_type, fsdp_strategy_kwargs
+from .package import LightningModule, MargLikConfigurationError, Trainer
+
+__all__ = ["check_strategy", "release_applied_gradients", "shards_parameters", "whole_parameters"]
 
 # strategy class name (either Lightning package) -> why the callbacks cannot follow it
 _REFUSED = {
@@ -123,6 +125,31 @@ def shards_parameters(trainer: Trainer) -> bool:
     """Whether the trained module is wrapped by FSDP (FSDP1 units or FSDP2 ``fully_shard`` modules): there
     the evidence's layer-owned curvature (``kron``) is summed onto one rank per layer, not replicated."""
     return bool(_fsdp_modules(trainer))
+
+
+def release_applied_gradients(trainer: Trainer, pl_module: LightningModule, lightning_module: type) -> bool:
+    """Under FSDP, free the gradients the optimizers have applied before an estimate at an epoch's end.
+
+    There Lightning's automatic optimization has stepped on them (an epoch's last batch steps, whatever
+    ``accumulate_grad_batches``), and its ``optimizer_zero_grad`` sets them to ``None`` before the next backward:
+    freed now instead of then, their shards (a quarter of the training state under Adam) are not held through the
+    estimate's peak. Left alone under DDP (its gradients are views of its buckets), with manual optimization and
+    where the module overrides ``optimizer_zero_grad`` (the gradients are then the module's to keep).
+
+    Args:
+        trainer: The trainer (its strategy's model, its optimizers).
+        pl_module: The trained module.
+        lightning_module: Its Lightning package's ``LightningModule`` class.
+
+    Returns:
+        Whether the gradients were freed.
+    """
+    if (not shards_parameters(trainer) or not pl_module.automatic_optimization
+            or is_overridden("optimizer_zero_grad", pl_module, lightning_module)):
+        return False
+    for optimizer in trainer.optimizers:
+        optimizer.zero_grad(set_to_none=True)
+    return True
 
 
 def whole_parameters(trainer: Trainer, copy_for: Optional[str] = None) -> ContextManager[Any]:
