@@ -24,10 +24,14 @@ Parts (each in a fresh process, so that its peak memory is its own; ``--parts`` 
   (``max_output_factor = min(C - 1, 4096)``: above 512 classes the output layer only, at 10 and 100 the
   512-wide hidden layer too) and, where it still fits (C <= 10,000), exact: estimate CPU in training
   epochs, peak RSS against training's (the diagonal first, so that its peak is its own), evidence per
-  datum and learned log δ at the optimum.
+  datum and learned log δ at the optimum; after the diagonal's estimate, the prior guard's scoring.
 * ``gpt2-50257`` and ``gpt2-50257-untied``: the GPT-2 LM of ``gpt2`` with the real 50,257-token vocabulary,
   64 sequences of 32 tokens, its head tied to the token embedding or a separate trained Linear; 3 epochs,
-  the cost of the fastest, then one estimate at the defaults.
+  the cost of the fastest, then one estimate at the defaults and the prior guard's scoring.
+
+``mlp-C``, ``cnn-100``, the factor parts' diagonal and the GPT-2 50,257 parts time the prior guard after the
+estimate as ``MargLikCallback()`` runs it within training (issue 52's default): issue 54's targets are judged on
+the estimate and its guard together.
 
 Whole-run ratios at the defaults are computed from the measured parts: 40 epochs with 4 estimates,
 ``(40 t_epoch + 4 t_estimate) / (40 t_epoch)``.

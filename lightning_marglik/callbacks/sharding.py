@@ -28,9 +28,8 @@ from contextlib import contextmanager, nullcontext
 from typing import Any, ContextManager, Iterator, List, Optional
 
 import torch
-from torch import nn
-
 from lightning_utilities.core.overrides import is_overridden
+from torch import nn
 
 from ..private import fsdp2_recomputing, fsdp_state_dict_type, fsdp_strategy_kwargs
 from .package import LightningModule, MargLikConfigurationError, Trainer
@@ -133,8 +132,8 @@ def release_applied_gradients(trainer: Trainer, pl_module: LightningModule, ligh
     There Lightning's automatic optimization has stepped on them (an epoch's last batch steps, whatever
     ``accumulate_grad_batches``), and its ``optimizer_zero_grad`` sets them to ``None`` before the next backward:
     freed now instead of then, their shards (a quarter of the training state under Adam) are not held through the
-    estimate's peak. Left alone under DDP (its gradients are views of its buckets), with manual optimization and
-    where the module overrides ``optimizer_zero_grad`` (the gradients are then the module's to keep).
+    estimate's peak. Left alone under DDP (there every rank's own factors of every layer set the peak), with manual
+    optimization and where the module overrides ``optimizer_zero_grad`` (the gradients are then the module's).
 
     Args:
         trainer: The trainer (its strategy's model, its optimizers).

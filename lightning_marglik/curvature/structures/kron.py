@@ -159,7 +159,8 @@ def _row_wise_inverse(view: Tuple[int, int, int], right: Optional[Tensor], value
                       scale: Tensor, delta: Tensor) -> Callable[[Tensor], Tensor]:
     """:func:`_rotated_inverse` where the left basis is the identity (a diagonal output factor, an Embedding's
     ``I (x) U_G``): the matrices' rows are independent, so they are solved a few at a time into the result, with
-    no other array of the tensor's size (a 10,000-class head on 512 features: four of 41 MB in float64)."""
+    no other array of the tensor's size (the whole-matrix form holds four more: 41 MB each for a 10,000-class head
+    on 512 features, in float64)."""
     rows = max(1, _TERMS // view[2])
 
     def apply(vector: Tensor) -> Tensor:
