@@ -35,11 +35,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, jvp
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .curvature import eval_mode, locate
-from .curvature.batches import Inputs, batch_dims, batch_size, call_model, model_batch, slice_batch
+from .curvature.batches import Inputs, batch_dims, batch_size, call_model, slice_batch
+from .curvature.forward_mode import output_and_change
 from .evidence import LaplaceEvidence
 from .validators import integer
 
@@ -241,12 +241,7 @@ def _add_fold_gradient(row: Tensor, model: nn.Module, params: Sequence[Tensor], 
 
 def _linearized(model: nn.Module, names: List[str], theta: List[Tensor], tangent: List[Tensor], inputs: Inputs) -> Tensor:
     """``f(theta) + J(theta) tangent`` of the batch, by one forward-mode product."""
-    batch = model_batch(inputs)
-
-    def forward(*values: Tensor) -> Tensor:
-        return functional_call(model, dict(zip(names, values)), batch.args, batch.kwargs)
-
     # attention's fused CPU kernels have no forward-mode derivative; the math one computes the same function
     with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
-        output, change = jvp(forward, tuple(theta), tuple(tangent))
+        output, change = output_and_change(model, names, theta, tangent, inputs)
     return output + change

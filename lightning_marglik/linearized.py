@@ -38,10 +38,10 @@ from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, jvp
 
 from .curvature import CurvatureOptions, collect_statistics, eval_mode, locate
 from .curvature.batches import BatchFn, move, split_batch
+from .curvature.forward_mode import output_and_change
 from .curvature.statistics import Structure
 from .evidence import LaplaceEvidence
 from .hyperparameters import GaussianPrior, Likelihood
@@ -158,12 +158,7 @@ def linearized_evidence(
     theta = [p.clone().requires_grad_(True) for p in star]
 
     def outputs(inputs, params: List[Tensor]) -> Tensor:
-        def forward(*values: Tensor) -> Tensor:
-            args = inputs if isinstance(inputs, tuple) else ({} if isinstance(inputs, dict) else (inputs,))
-            kwargs = inputs if isinstance(inputs, dict) else {}
-            return functional_call(model, dict(zip(names, values)), args, kwargs)
-
-        f0, jv = jvp(forward, tuple(star), tuple(p - s for p, s in zip(params, star)))
+        f0, jv = output_and_change(model, names, star, [p - s for p, s in zip(params, star)], inputs)
         return f0.detach() + jv
 
     def objective() -> Tensor:

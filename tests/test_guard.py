@@ -5,6 +5,8 @@ operation without a forward-mode derivative turns the guard off with a warning i
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -262,3 +264,30 @@ def test_a_scalar_prior_turns_the_guard_off_at_set_up_and_says_why():
     _fit(callback, epochs=3, module=module)
     assert callback.guard_off == "off: a scalar prior's one precision cannot be kept from training apart (a layerwise prior's can)"
     assert callback.guard_decisions == [] and callback.estimations == 3 and GUARD not in module.prior.treatments
+
+
+# a fresh process: torch loads its forward-mode decompositions at a process's first dual tensor, once
+_FIRST_PRODUCT = """
+import warnings, torch
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    {call}
+print(sum("torch.jit.script" in str(w.message) for w in caught))
+"""
+
+
+def _torch_script_warnings(call: str) -> int:
+    done = subprocess.run([sys.executable, "-c", _FIRST_PRODUCT.format(call=call)], capture_output=True, text=True,
+                          check=True)
+    return int(done.stdout.split()[-1])
+
+
+def test_the_first_forward_mode_product_keeps_torchs_own_deprecation_warning_from_the_user():
+    """torch scripts its forward-mode decompositions at a process's first forward-mode product and warns of its own
+    deprecation of torch.jit.script there: every default fit's first guard showed it. The guard's and the linearized
+    evidence's products (curvature.forward_mode) keep it quiet; a plain jvp in a fresh process still warns."""
+    if not _torch_script_warnings("torch.func.jvp(torch.tanh, (torch.ones(2),), (torch.ones(2),))"):
+        pytest.skip("this torch loads its forward-mode decompositions without the warning")
+    ours = ("from lightning_marglik.curvature.forward_mode import output_and_change; "
+            "output_and_change(torch.nn.Linear(2, 1), ['weight'], [torch.ones(1, 2)], [torch.ones(1, 2)], torch.ones(3, 2))")
+    assert _torch_script_warnings(ours) == 0
