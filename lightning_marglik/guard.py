@@ -31,7 +31,6 @@ gradient that each block's solve overwrites with its step), float64 one structur
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -142,8 +141,6 @@ def approximate_cv(
             delta = [d.exp() for d in prior.tensor_log_precisions(log_precision.detach().double())]
             blocks = [(structure.indices, structure.inverse(scale, delta)) for structure in evidence.structures]
             held_out = torch.zeros((), dtype=torch.float64, device=theta[0].device)
-            samplers = [_sampler(structure, scale, delta) for structure in evidence.structures] if SAMPLES else []
-            generator = torch.Generator().manual_seed(0)
             for k, fold in enumerate(calls):
                 step.zero_()
                 for j, row in enumerate(gradients):
@@ -157,64 +154,12 @@ def approximate_cv(
                     for i, solved in zip(indices, block(objective)):
                         pieces[i].copy_(solved).neg_()
                 tangent = [piece.view_as(t) for piece, t in zip(pieces, theta)]
-                if not SAMPLES:
-                    for inputs, target in fold:
-                        output = _linearized(model, names, theta, tangent, inputs)
-                        held_out = held_out - likelihood.nll(output, target).double().sum()
-                    continue
-                # pilot: the held-out fold scored by the refit's posterior predictive, SAMPLES draws of N(step, H_k^-1)
-                per_sample = []
-                for _ in range(SAMPLES):
-                    noise = [None] * len(theta)
-                    for structure, draw in zip(evidence.structures, samplers):
-                        for i, z in zip(structure.indices, draw(generator)):
-                            noise[i] = z
-                    drawn = [t + z.to(t.dtype).view_as(t) for t, z in zip(tangent, noise)]
-                    per_sample.append(torch.cat([-likelihood.nll(_linearized(model, names, theta, drawn, inputs), target)
-                                                 .double() for inputs, target in fold]))
-                lp = torch.stack(per_sample)
-                held_out = held_out + (torch.logsumexp(lp, 0) - math.log(SAMPLES)).sum()
+                for inputs, target in fold:
+                    output = _linearized(model, names, theta, tangent, inputs)
+                    held_out = held_out - likelihood.nll(output, target).double().sum()
             scores[name] = held_out
         values = reduce(torch.stack(list(scores.values())))  # the evidence's n_data is summed over processes already
     return {name: float(value) / float(evidence.n_data) for name, value in zip(scores, values)}
-
-
-#: Pilot only: draws of the refit's posterior per held-out fold (0: its point, as shipped).
-SAMPLES = 0
-
-
-def _sampler(structure, scale, delta):
-    """Pilot: draws of ``N(0, H_b^-1)`` on the structure's tensors (flat, in its ``indices`` order)."""
-    from .curvature.structures.diag import DiagStructure
-    from .curvature.structures.kron import KronStructure, _rows, _view
-
-    if isinstance(structure, KronStructure):
-        plan = []
-        for j, (layer, shape) in enumerate(zip(structure.layers, structure.shapes)):
-            bases = structure._bases(j)
-            for role, index in layer.roles.items():
-                (m, r, c), transposed = _view(shape, role)
-                left, right, values = bases[role]
-                plan.append((index, (m, c, r) if transposed else (m, r, c), transposed, left, right,
-                             (scale * _rows(values) + delta[index]).rsqrt()))
-
-        def draw(generator):
-            out = {}
-            for index, xshape, transposed, left, right, root in plan:
-                x = torch.randn(xshape, generator=generator, dtype=torch.float64) * root
-                x = left @ x if left is not None else x
-                x = x @ right.mT if right is not None else x
-                out[index] = (x.transpose(1, 2) if transposed else x).reshape(-1)
-            return [out[i] for i in structure.indices]
-        return draw
-    if isinstance(structure, DiagStructure):
-        diagonal = structure.diagonal()
-        roots = [(scale * diagonal[i] + delta[i]).rsqrt() for i in structure.indices]
-
-        def draw(generator):
-            return [torch.randn(r.shape, generator=generator, dtype=torch.float64) * r for r in roots]
-        return draw
-    raise NotImplementedError(type(structure).__name__)
 
 
 def fold_calls(batches: Sequence[Batch], folds: int) -> List[List[Batch]]:
