@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from . import solvers
 from .curvature import CurvatureOptions, CurvatureStatistics, collect_statistics
 from .curvature.batches import BatchFn
+from .curvature.statistics import Jacobian
 from .denormals import DenormalFlush
 from .hyperparameters import GaussianPrior, Likelihood, assign_hyperparameters, learnable_values
 from .validators import choice, flag, number, optional
@@ -377,10 +378,14 @@ class LaplaceEvidence:
         Returns:
             Covariances ``(B, C, C)`` of the linearized outputs.
         """
+        return self.block_covariance(list(torch.split(jacobians.to(torch.float64), self.prior.param_sizes, dim=2)))
+
+    def block_covariance(self, blocks: List[Jacobian]) -> Tensor:
+        """:meth:`jacobian_covariance` of the Jacobians per prior tensor: ``(B, C, numel_t)`` in float64, or a
+        :class:`~.curvature.statistics.RankOneJacobian` for an ``nn.Linear`` weight a ``kron`` structure covers."""
         values = self._current()
         scale = self._scale(values)
         delta = [d.exp() for d in self.prior.tensor_log_precisions(values["log_precision"])]
-        blocks = list(torch.split(jacobians.to(torch.float64), self.prior.param_sizes, dim=2))
         return sum(s.covariance(blocks, scale, delta) for s in self.structures)
 
     # --- optimization -------------------------------------------------------------------------

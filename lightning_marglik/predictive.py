@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import weakref
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -18,6 +18,8 @@ from torch import Tensor, nn
 from .curvature import eval_mode, locate
 from .curvature.batches import batch_size, call_model, move
 from .curvature.functional import jacobian_rows
+from .curvature.statistics import RankOneJacobian
+from .curvature.structures import KronStructure
 from .evidence import LaplaceEvidence
 from .hyperparameters import CategoricalLikelihood, GaussianLikelihood, GaussianPrior
 from .validators import choice
@@ -64,8 +66,54 @@ def linearized_outputs(evidence: LaplaceEvidence, model: nn.Module, x: Tensor) -
             "that diverged): the linearized predictive has no posterior to use. Check the weights, or fit the "
             "evidence again at finite ones."
         )
-    mean, jacobians = output_jacobians(evidence.prior, model, x)
-    return mean, evidence.jacobian_covariance(jacobians)
+    mean, blocks = _jacobian_blocks(evidence, model, x)
+    return mean, evidence.block_covariance(blocks)
+
+
+def _jacobian_blocks(evidence: LaplaceEvidence, model: nn.Module, x: Any) -> "tuple[Tensor, List[Any]]":
+    """The eval-mode outputs ``(B, C)`` and their Jacobians per prior tensor (float64): ``(B, C, numel)``, or a
+    :class:`~.curvature.statistics.RankOneJacobian` for the weight of an ``nn.Linear`` on inputs ``(B, in)``
+    (:func:`_rank_one_layers`)."""
+    prior = evidence.prior
+    candidates = _rank_one_layers(evidence, model)
+    inputs: Dict[nn.Module, List[Tensor]] = {module: [] for module in candidates}
+    handles = [module.register_forward_hook(lambda m, args, _: inputs[m].append(args[0])) for module in candidates]
+    try:
+        mean, x = _outputs(prior, model, x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    # called once, on inputs (B, in): the weight's Jacobian is g a^T, its g the bias's Jacobian
+    rank_one = {candidates[m]: seen[0] for m, seen in inputs.items() if len(seen) == 1 and seen[0].dim() == 2}
+    names, _ = locate(model, prior)
+    factored = {weight for weight, _ in rank_one}
+    rows = [i for i in range(len(prior.params)) if i not in factored]
+    b, c = mean.shape
+    identity = torch.eye(c, dtype=mean.dtype, device=mean.device).expand(b, c, c)
+    with eval_mode(model):
+        flat = jacobian_rows(model, [names[i] for i in rows], [prior.params[i] for i in rows], x, identity)
+    blocks: List[Any] = [None] * len(prior.params)
+    for i, block in zip(rows, flat.reshape(b, c, -1).to(torch.float64).split([prior.param_sizes[i] for i in rows], 2)):
+        blocks[i] = block
+    for (weight, bias), a in rank_one.items():
+        blocks[weight] = RankOneJacobian(blocks[bias], a.to(torch.float64))
+    return mean, blocks
+
+
+def _rank_one_layers(evidence: LaplaceEvidence, model: nn.Module) -> Dict[nn.Module, Tuple[int, int]]:
+    """The ``nn.Linear`` layers of the evidence's ``kron`` structures whose weight and bias are both prior tensors
+    (their indices): on inputs ``(B, in)`` their weight's Jacobian is the bias's times the input."""
+    prior, found = evidence.prior, {}
+    for structure in evidence.structures:
+        if type(structure) is not KronStructure:  # EKFAC's moments take the whole Jacobian
+            continue
+        for layer, shape in zip(structure.layers, structure.shapes):
+            module, roles = layer.module, layer.roles
+            if (type(module) is nn.Linear and {"weight", "bias"} <= roles.keys() and shape.groups == 1
+                    and not shape.transposed and not shape.diagonal_input
+                    and prior.params[roles["weight"]] is module.weight and prior.params[roles["bias"]] is module.bias):
+                found[module] = (roles["weight"], roles["bias"])
+    return found
 
 
 def output_jacobians(prior: GaussianPrior, model: nn.Module, x: Any) -> "tuple[Tensor, Tensor]":
@@ -76,6 +124,20 @@ def output_jacobians(prior: GaussianPrior, model: nn.Module, x: Any) -> "tuple[T
             finite (a NaN or inf input).
     """
     names, _ = locate(model, prior)  # any graph: the Jacobian comes from torch.func
+    mean, x = _outputs(prior, model, x)
+    b, c = mean.shape
+    identity = torch.eye(c, dtype=mean.dtype, device=mean.device).expand(b, c, c)
+    with eval_mode(model):
+        jacobians = jacobian_rows(model, names, prior.params, x, identity).reshape(b, c, -1)
+    return mean, jacobians
+
+
+def _outputs(prior: GaussianPrior, model: nn.Module, x: Any) -> "tuple[Tensor, Any]":
+    """The eval-mode outputs ``f(x)`` ``(B, C)``, checked, and ``x`` on the weights' device and dtype.
+
+    Raises:
+        ValueError: As :func:`output_jacobians`.
+    """
     params = prior.params
     x = move(x, params[0].device, params[0].dtype)
     try:
@@ -93,11 +155,7 @@ def output_jacobians(prior: GaussianPrior, model: nn.Module, x: Any) -> "tuple[T
     if bad:
         raise ValueError(f"The network's outputs are not finite for {len(bad)} of {mean.shape[0]} inputs (rows "
                          f"{bad[:5]}{', ...' if len(bad) > 5 else ''}): check those inputs for NaN or inf.")
-    b, c = mean.shape
-    identity = torch.eye(c, dtype=mean.dtype, device=mean.device).expand(b, c, c)
-    with eval_mode(model):
-        jacobians = jacobian_rows(model, names, params, x, identity).reshape(b, c, -1)
-    return mean, jacobians
+    return mean, x
 
 
 def predict_regression(evidence: LaplaceEvidence, model: nn.Module, x: Tensor) -> RegressionPrediction:

@@ -119,3 +119,48 @@ def test_predictive_of_a_non_finite_evidence_is_refused_with_its_cause(structure
             predict()
     with pytest.raises(ValueError, match="evidence is not finite at these weights.*diverged"):
         predict_classification(ev, model, x)
+
+
+class _Tokens(torch.nn.Module):
+    """A Linear on token positions (inputs (B, T, in)) and one on 2-D inputs, the second called twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.positions = torch.nn.Linear(3, 4)
+        self.shared = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.positions(x)).mean(1)  # x (B, T, 3)
+        return self.head(torch.tanh(self.shared(torch.tanh(self.shared(h)))))
+
+
+@pytest.mark.parametrize("case", ["mlp", "positions and a shared layer"])
+def test_a_linear_weights_jacobian_taken_as_its_two_factors_gives_the_whole_jacobians_covariance(case):
+    """On inputs (B, in) an nn.Linear weight's Jacobian is g a^T (g the bias's): the predictive takes the factors
+    and gives the covariance of the whole Jacobians to 1e-12;
+    a Linear on positions (B, T, in) or called twice keeps the whole Jacobian, and the same covariance."""
+    from lightning_marglik.curvature.statistics import RankOneJacobian
+    from lightning_marglik.predictive import _jacobian_blocks, linearized_outputs, output_jacobians
+
+    torch.manual_seed(0)
+    if case == "mlp":
+        model = mlp_deep(3).double()
+        x, y = make_data(model, 40, "classification", 3, seed=1)
+        x_test = torch.randn(7, 4, dtype=torch.float64)
+    else:
+        model = _Tokens().double()
+        x, y = torch.randn(40, 5, 3, dtype=torch.float64), torch.randint(0, 3, (40,))
+        x_test = torch.randn(7, 5, 3, dtype=torch.float64)
+    prior = GaussianPrior(model, structure="layerwise")
+    with torch.no_grad():
+        prior.log_precision.copy_(torch.linspace(-1.0, 1.0, prior.log_precision.numel()))
+    ev = LaplaceEvidence.fit(model, loader(x, y), CategoricalLikelihood(), prior, "kron", mc_samples=0)
+    _, blocks = _jacobian_blocks(ev, model, x_test)
+    factored = [name for name, block in zip(prior.param_names, blocks) if isinstance(block, RankOneJacobian)]
+    # the MLP's three weights; of the other, the head only (positions: (B, T, in); the shared layer: called twice)
+    assert factored == (["0.weight", "2.weight", "4.weight"] if case == "mlp" else ["head.weight"])
+    mean, cov = linearized_outputs(ev, model, x_test)
+    whole_mean, jac = output_jacobians(prior, model, x_test)
+    assert torch.equal(mean, whole_mean)
+    assert rel_err(cov, ev.jacobian_covariance(jac)) <= 1e-12

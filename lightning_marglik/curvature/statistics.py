@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import copy
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, ClassVar, ContextManager, Dict, List, Optional, Sequence, Tuple
+from typing import (
+    TYPE_CHECKING, Callable, ClassVar, ContextManager, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union,
+)
 
 import torch
 from torch import Tensor, nn
@@ -21,7 +23,7 @@ if TYPE_CHECKING:
     from ..hyperparameters import GaussianPrior
     from .structures.derivatives import LogDetDerivatives
 
-__all__ = ["BatchCurvature", "CurvatureStatistics", "LayerPlan", "Structure", "with_notes"]
+__all__ = ["BatchCurvature", "CurvatureStatistics", "LayerPlan", "RankOneJacobian", "Structure", "with_notes"]
 
 SumFn = Callable[[Tensor], Tensor]
 GatherFn = Callable[[Tensor], List[Tensor]]
@@ -51,6 +53,24 @@ class BatchCurvature:
 
     layers: List[Tuple[LayerPlan, Tensor, Tensor]]
     rows: Optional[Tensor]
+
+
+class RankOneJacobian(NamedTuple):
+    """The Jacobian of an ``nn.Linear`` weight on inputs ``(B, in)``, ``(B, C, out, in)``, as its factors: per input
+    and output, the output's gradient in the layer's output ``g[b, c]`` (the bias's Jacobian) times the layer's input
+    ``a[b]`` (``J[b, c] = g[b, c] a[b]^T``). A Kronecker block's covariance takes it in ``B (C out^2 + in^2)``
+    operations where the whole Jacobian takes ``B C out in (out + in)``.
+
+    Attributes:
+        g: ``(B, C, out)``.
+        a: ``(B, in)``.
+    """
+
+    g: Tensor
+    a: Tensor
+
+
+Jacobian = Union[Tensor, RankOneJacobian]  # a tensor's output Jacobian as Structure.covariance takes it
 
 
 class Structure:
@@ -206,8 +226,9 @@ class Structure:
         (closed form from the cached decomposition; see :mod:`.structures.derivatives`)."""
         raise NotImplementedError
 
-    def covariance(self, jacobians: List[Tensor], scale: Tensor, delta: List[Tensor]) -> Tensor:
-        """``sum_t J_t H_b^-1 J_t^T`` over the covered tensors; ``jacobians[t]`` is ``(B, C, numel_t)``."""
+    def covariance(self, jacobians: List[Jacobian], scale: Tensor, delta: List[Tensor]) -> Tensor:
+        """``sum_t J_t H_b^-1 J_t^T`` over the covered tensors; ``jacobians[t]`` is ``(B, C, numel_t)``, or a
+        :class:`RankOneJacobian` where the tensor is an ``nn.Linear`` weight a ``KronStructure`` covers."""
         raise NotImplementedError
 
     def inverse(self, scale: Tensor, delta: List[Tensor]) -> InverseFn:

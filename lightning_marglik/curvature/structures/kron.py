@@ -23,7 +23,7 @@ from torch import Tensor
 from ..exchange import Exchange
 from ..layers import FactorMasks, KronShape, is_kron_layer, kron_masks, layer_kron, layer_rule
 from ..options import CurvatureOptions
-from ..statistics import BatchCurvature, InverseFn, LayerPlan, Structure
+from ..statistics import BatchCurvature, InverseFn, Jacobian, LayerPlan, RankOneJacobian, Structure
 from .derivatives import LogDetDerivatives, separable_terms
 from .diag import DiagStructure
 from .sharded import ShardedStructure
@@ -433,15 +433,23 @@ class KronStructure(Structure):
         operators = [blocks[i] for i in self.indices]
         return lambda pieces: [operator(piece) for operator, piece in zip(operators, pieces)]
 
-    def covariance(self, jacobians: List[Tensor], scale: Tensor, delta: List[Tensor]) -> Tensor:
-        b, c = jacobians[self.indices[0]].shape[:2]
-        cov = jacobians[self.indices[0]].new_zeros(b, c, c)
+    def covariance(self, jacobians: List[Jacobian], scale: Tensor, delta: List[Tensor]) -> Tensor:
+        first = jacobians[self.indices[0]]
+        first = first.g if isinstance(first, RankOneJacobian) else first
+        b, c = first.shape[:2]
+        cov = first.new_zeros(b, c, c)
         for j, layer in enumerate(self.layers):
             g, a = self._factors(j)
             if "weight" in layer.roles:
                 jac = jacobians[layer.roles["weight"]]
                 d_w = delta[layer.roles["weight"]]
-                if self.shapes[j].diagonal_input:  # weight (vocabulary, dim): kron(A, G), A diagonal
+                if isinstance(jac, RankOneJacobian):  # g a^T: each factor rotated into its own basis
+                    (q, vec_g), (w, vec_a) = _eigh(g), _eigh(a[0])
+                    inputs = _rotate(jac.a, vec_a).pow(2)  # (B, in)
+                    weights = inputs @ (1 / (scale * torch.outer(q, w) + d_w)).T  # (B, out)
+                    rotated = _rotate(jac.g, vec_g)
+                    cov += torch.einsum("bci,bi,bdi->bcd", rotated, weights, rotated)
+                elif self.shapes[j].diagonal_input:  # weight (vocabulary, dim): kron(A, G), A diagonal
                     q, vec = _eigh(g)
                     rotated = _rotate(jac.reshape(b, c, a.shape[0], -1), vec)
                     variance = 1 / (scale * torch.outer(a, q) + d_w)
