@@ -83,17 +83,16 @@ def _jacobian_blocks(evidence: LaplaceEvidence, model: nn.Module, x: Any) -> "tu
     finally:
         for handle in handles:
             handle.remove()
-    # called once, on inputs (B, in): the weight's Jacobian is g a^T, its g the bias's Jacobian
-    rank_one = {candidates[m]: seen[0] for m, seen in inputs.items() if len(seen) == 1 and seen[0].dim() == 2}
+    # called once, on one row per input (B, in): the weight's Jacobian is g a^T, its g the bias's Jacobian
+    b = mean.shape[0]
+    rank_one = {candidates[m]: seen[0] for m, seen in inputs.items()
+                if len(seen) == 1 and seen[0].dim() == 2 and seen[0].shape[0] == b}
     names, _ = locate(model, prior)
     factored = {weight for weight, _ in rank_one}
     rows = [i for i in range(len(prior.params)) if i not in factored]
-    b, c = mean.shape
-    identity = torch.eye(c, dtype=mean.dtype, device=mean.device).expand(b, c, c)
-    with eval_mode(model):
-        flat = jacobian_rows(model, [names[i] for i in rows], [prior.params[i] for i in rows], x, identity)
+    flat = _class_rows(model, [names[i] for i in rows], [prior.params[i] for i in rows], x, mean)
     blocks: List[Any] = [None] * len(prior.params)
-    for i, block in zip(rows, flat.reshape(b, c, -1).to(torch.float64).split([prior.param_sizes[i] for i in rows], 2)):
+    for i, block in zip(rows, flat.to(torch.float64).split([prior.param_sizes[i] for i in rows], 2)):
         blocks[i] = block
     for (weight, bias), a in rank_one.items():
         blocks[weight] = RankOneJacobian(blocks[bias], a.to(torch.float64))
@@ -102,7 +101,8 @@ def _jacobian_blocks(evidence: LaplaceEvidence, model: nn.Module, x: Any) -> "tu
 
 def _rank_one_layers(evidence: LaplaceEvidence, model: nn.Module) -> Dict[nn.Module, Tuple[int, int]]:
     """The ``nn.Linear`` layers of the evidence's ``kron`` structures whose weight and bias are both prior tensors
-    (their indices): on inputs ``(B, in)`` their weight's Jacobian is the bias's times the input."""
+    (their indices): on inputs ``(B, in)``, row ``b`` input ``b``'s, their weight's Jacobian is the bias's times the
+    input."""
     prior, found = evidence.prior, {}
     for structure in evidence.structures:
         if type(structure) is not KronStructure:  # EKFAC's moments take the whole Jacobian
@@ -125,11 +125,15 @@ def output_jacobians(prior: GaussianPrior, model: nn.Module, x: Any) -> "tuple[T
     """
     names, _ = locate(model, prior)  # any graph: the Jacobian comes from torch.func
     mean, x = _outputs(prior, model, x)
+    return mean, _class_rows(model, names, prior.params, x, mean)
+
+
+def _class_rows(model: nn.Module, names: List[str], params: List[Tensor], x: Any, mean: Tensor) -> Tensor:
+    """The Jacobians ``(B, C, P)`` of the eval-mode outputs ``mean`` in ``params`` (flattened in order)."""
     b, c = mean.shape
     identity = torch.eye(c, dtype=mean.dtype, device=mean.device).expand(b, c, c)
     with eval_mode(model):
-        jacobians = jacobian_rows(model, names, prior.params, x, identity).reshape(b, c, -1)
-    return mean, jacobians
+        return jacobian_rows(model, names, params, x, identity).reshape(b, c, -1)
 
 
 def _outputs(prior: GaussianPrior, model: nn.Module, x: Any) -> "tuple[Tensor, Any]":

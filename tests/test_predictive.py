@@ -122,16 +122,18 @@ def test_predictive_of_a_non_finite_evidence_is_refused_with_its_cause(structure
 
 
 class _Tokens(torch.nn.Module):
-    """A Linear on token positions (inputs (B, T, in)) and one on 2-D inputs, the second called twice."""
+    """Linears on token positions, as inputs (B, T, in) and as rows (B T, in), one on (B, in) called twice, a head."""
 
     def __init__(self) -> None:
         super().__init__()
         self.positions = torch.nn.Linear(3, 4)
+        self.rows = torch.nn.Linear(3, 4)
         self.shared = torch.nn.Linear(4, 4)
         self.head = torch.nn.Linear(4, 3)
 
-    def forward(self, x):
-        h = torch.tanh(self.positions(x)).mean(1)  # x (B, T, 3)
+    def forward(self, x):  # x (B, T, 3)
+        b, t, _ = x.shape
+        h = torch.tanh(self.positions(x)).mean(1) + torch.tanh(self.rows(x.reshape(b * t, 3))).reshape(b, t, 4).mean(1)
         return self.head(torch.tanh(self.shared(torch.tanh(self.shared(h)))))
 
 
@@ -139,7 +141,8 @@ class _Tokens(torch.nn.Module):
 def test_a_linear_weights_jacobian_taken_as_its_two_factors_gives_the_whole_jacobians_covariance(case):
     """On inputs (B, in) an nn.Linear weight's Jacobian is g a^T (g the bias's): the predictive takes the factors
     and gives the covariance of the whole Jacobians to 1e-12;
-    a Linear on positions (B, T, in) or called twice keeps the whole Jacobian, and the same covariance."""
+    a Linear on positions ((B, T, in) or rows (B T, in)) or called twice keeps the whole Jacobian, and the same
+    covariance."""
     from lightning_marglik.curvature.statistics import RankOneJacobian
     from lightning_marglik.predictive import _jacobian_blocks, linearized_outputs, output_jacobians
 
@@ -158,7 +161,7 @@ def test_a_linear_weights_jacobian_taken_as_its_two_factors_gives_the_whole_jaco
     ev = LaplaceEvidence.fit(model, loader(x, y), CategoricalLikelihood(), prior, "kron", mc_samples=0)
     _, blocks = _jacobian_blocks(ev, model, x_test)
     factored = [name for name, block in zip(prior.param_names, blocks) if isinstance(block, RankOneJacobian)]
-    # the MLP's three weights; of the other, the head only (positions: (B, T, in); the shared layer: called twice)
+    # the MLP's three weights; of the other, the head only (positions: (B, T, in), rows: (B T, in), shared: twice)
     assert factored == (["0.weight", "2.weight", "4.weight"] if case == "mlp" else ["head.weight"])
     mean, cov = linearized_outputs(ev, model, x_test)
     whole_mean, jac = output_jacobians(prior, model, x_test)
