@@ -291,3 +291,34 @@ def test_the_first_forward_mode_product_keeps_torchs_own_deprecation_warning_fro
     ours = ("from lightning_marglik.curvature.forward_mode import output_and_change; "
             "output_and_change(torch.nn.Linear(2, 1), ['weight'], [torch.ones(1, 2)], [torch.ones(1, 2)], torch.ones(3, 2))")
     assert _torch_script_warnings(ours) == 0
+
+
+_ONCE_PER_PLACE = """
+import warnings, torch
+from lightning_marglik.curvature.forward_mode import output_and_change
+product = lambda: output_and_change(torch.nn.Linear(2, 1), ['weight'], [torch.ones(1, 2)], [torch.ones(1, 2)],
+                                    torch.ones(3, 2))
+shown = []
+warnings.showwarning = lambda message, *rest: shown.append(str(message))
+warnings.simplefilter("default")
+product()
+for _ in range(3):
+    warnings.warn("the user's own", UserWarning)
+    product()
+print(len(shown))
+"""
+
+
+def test_later_forward_mode_products_leave_the_warning_filters_alone():
+    """Python forgets which warnings it has shown once whenever the filters change: only a process's first product
+    filters torch's warning, so a user's once-per-place warning is shown once however many products follow."""
+    done = subprocess.run([sys.executable, "-c", _ONCE_PER_PLACE], capture_output=True, text=True, check=True)
+    assert int(done.stdout.split()[-1]) == 1
+
+
+def test_forward_mode_products_need_a_primal_and_a_tangent_per_name():
+    from lightning_marglik.curvature.forward_mode import output_and_change
+
+    net = nn.Linear(2, 1)
+    with pytest.raises(ValueError, match="one primal and one tangent per name, got 2 names, 1 primals and 1 tangents"):
+        output_and_change(net, ["weight", "bias"], [net.weight.detach()], [torch.ones(1, 2)], torch.ones(3, 2))
