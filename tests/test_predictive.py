@@ -137,17 +137,16 @@ class _Tokens(torch.nn.Module):
         return self.head(torch.tanh(self.shared(torch.tanh(self.shared(h)))))
 
 
-@pytest.mark.parametrize("case", ["mlp", "positions and a shared layer"])
+@pytest.mark.parametrize("case", ["mlp", "mlp, diagonal output factors", "positions and a shared layer"])
 def test_a_linear_weights_jacobian_taken_as_its_two_factors_gives_the_whole_jacobians_covariance(case):
     """On inputs (B, in) an nn.Linear weight's Jacobian is g a^T (g the bias's): the predictive takes the factors
-    and gives the covariance of the whole Jacobians to 1e-12;
-    a Linear on positions ((B, T, in) or rows (B T, in)) or called twice keeps the whole Jacobian, and the same
-    covariance."""
+    and gives the covariance of the whole Jacobians to 1e-12, exact output factors or their diagonals alike; a Linear
+    on positions ((B, T, in) or rows (B T, in)) or called twice keeps the whole Jacobian, and the same covariance."""
     from lightning_marglik.curvature.statistics import RankOneJacobian
     from lightning_marglik.predictive import _jacobian_blocks, linearized_outputs, output_jacobians
 
     torch.manual_seed(0)
-    if case == "mlp":
+    if case.startswith("mlp"):
         model = mlp_deep(3).double()
         x, y = make_data(model, 40, "classification", 3, seed=1)
         x_test = torch.randn(7, 4, dtype=torch.float64)
@@ -158,11 +157,14 @@ def test_a_linear_weights_jacobian_taken_as_its_two_factors_gives_the_whole_jaco
     prior = GaussianPrior(model, structure="layerwise")
     with torch.no_grad():
         prior.log_precision.copy_(torch.linspace(-1.0, 1.0, prior.log_precision.numel()))
-    ev = LaplaceEvidence.fit(model, loader(x, y), CategoricalLikelihood(), prior, "kron", mc_samples=0)
+    limit = 2 if case == "mlp, diagonal output factors" else None  # every layer's G held as its diagonal
+    ev = LaplaceEvidence.fit(model, loader(x, y), CategoricalLikelihood(), prior, "kron", mc_samples=0,
+                             max_output_factor=limit)
+    assert any(ev.structures[0].diagonal) == (limit is not None)
     _, blocks = _jacobian_blocks(ev, model, x_test)
     factored = [name for name, block in zip(prior.param_names, blocks) if isinstance(block, RankOneJacobian)]
     # the MLP's three weights; of the other, the head only (positions: (B, T, in), rows: (B T, in), shared: twice)
-    assert factored == (["0.weight", "2.weight", "4.weight"] if case == "mlp" else ["head.weight"])
+    assert factored == (["0.weight", "2.weight", "4.weight"] if case.startswith("mlp") else ["head.weight"])
     mean, cov = linearized_outputs(ev, model, x_test)
     whole_mean, jac = output_jacobians(prior, model, x_test)
     assert torch.equal(mean, whole_mean)

@@ -444,10 +444,10 @@ class KronStructure(Structure):
                 jac = jacobians[layer.roles["weight"]]
                 d_w = delta[layer.roles["weight"]]
                 if isinstance(jac, RankOneJacobian):  # g a^T: each factor rotated into its own basis
-                    (q, vec_g), (w, vec_a) = _eigh(g), _eigh(a[0])
-                    inputs = _rotate(jac.a, vec_a).pow(2)  # (B, in)
-                    weights = inputs @ (1 / (scale * torch.outer(q, w) + d_w)).T  # (B, out)
-                    rotated = _rotate(jac.g, vec_g)
+                    left, right, values = self._bases(j)["weight"]  # one matrix: a Linear's groups are 1
+                    inputs = _rotate(jac.a, None if right is None else right[0]).pow(2)  # (B, in)
+                    weights = inputs @ (1 / (scale * _rows(values)[0] + d_w)).T  # (B, out)
+                    rotated = _rotate(jac.g, None if left is None else left[0])
                     cov += torch.einsum("bci,bi,bdi->bcd", rotated, weights, rotated)
                 elif self.shapes[j].diagonal_input:  # weight (vocabulary, dim): kron(A, G), A diagonal
                     q, vec = _eigh(g)
