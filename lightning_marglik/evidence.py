@@ -378,9 +378,9 @@ class LaplaceEvidence:
         Returns:
             Covariances ``(B, C, C)`` of the linearized outputs.
         """
-        return self.block_covariance(list(torch.split(jacobians.to(torch.float64), self.prior.param_sizes, dim=2)))
+        return self._block_covariance(list(torch.split(jacobians.to(torch.float64), self.prior.param_sizes, dim=2)))
 
-    def block_covariance(self, blocks: List[Jacobian]) -> Tensor:
+    def _block_covariance(self, blocks: List[Jacobian]) -> Tensor:
         """:meth:`jacobian_covariance` of the Jacobians per prior tensor: ``(B, C, numel_t)`` in float64, or a
         :class:`~.curvature.statistics.RankOneJacobian` for an ``nn.Linear`` weight a ``kron`` structure covers."""
         values = self._current()

@@ -67,7 +67,7 @@ def linearized_outputs(evidence: LaplaceEvidence, model: nn.Module, x: Tensor) -
             "evidence again at finite ones."
         )
     mean, blocks = _jacobian_blocks(evidence, model, x)
-    return mean, evidence.block_covariance(blocks)
+    return mean, evidence._block_covariance(blocks)
 
 
 def _jacobian_blocks(evidence: LaplaceEvidence, model: nn.Module, x: Any) -> "tuple[Tensor, List[Any]]":

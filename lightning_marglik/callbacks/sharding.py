@@ -126,7 +126,7 @@ def shards_parameters(trainer: Trainer) -> bool:
     return bool(_fsdp_modules(trainer))
 
 
-def release_applied_gradients(trainer: Trainer, pl_module: LightningModule, lightning_module: type) -> bool:
+def release_applied_gradients(trainer: Trainer, pl_module: LightningModule, lightning_module: type) -> None:
     """Under FSDP, free the gradients the optimizers have applied before an estimate at an epoch's end.
 
     There Lightning's automatic optimization has stepped on them (an epoch's last batch steps, whatever
@@ -139,16 +139,12 @@ def release_applied_gradients(trainer: Trainer, pl_module: LightningModule, ligh
         trainer: The trainer (its strategy's model, its optimizers).
         pl_module: The trained module.
         lightning_module: Its Lightning package's ``LightningModule`` class.
-
-    Returns:
-        Whether the gradients were freed.
     """
     if (not shards_parameters(trainer) or not pl_module.automatic_optimization
             or is_overridden("optimizer_zero_grad", pl_module, lightning_module)):
-        return False
+        return
     for optimizer in trainer.optimizers:
         optimizer.zero_grad(set_to_none=True)
-    return True
 
 
 def whole_parameters(trainer: Trainer, copy_for: Optional[str] = None) -> ContextManager[Any]:
