@@ -441,9 +441,10 @@ def cost(cache: str, repeats: int = 3, n: int = 1000, batch: int = 100) -> Dict[
     return out
 
 
-def cost_report(measured: Dict[str, Any], command: str) -> str:
+def cost_report(measured: Dict[str, Any], command: str, library: str) -> str:
     lines = ["## What the one call costs (item 4)", "",
-             f"Date: {now()}. Command: `{command}`. CPU: {cpu_name()}, one thread, torch {package_version('torch')}. "
+             f"Date: {now()}. Command: `{command}`. Library {library}. CPU: {cpu_name()}, one thread, torch "
+             f"{package_version('torch')}. "
              "Process CPU seconds per 1,000 inputs in batches of 100 (medians of 3, the three measured in turn), at "
              "the seed-0 runs' final weights with their kron-GGN evidence; `predict` under `torch.inference_mode` as in "
              "a `predict_step`; MC: 100 draws.", "",
@@ -485,8 +486,10 @@ def main(argv: Any = None) -> None:
         from _common import read_data
         data.update(read_data(path))
     if args.cost:
-        data["cost"] = {"measured": cost(args.cache), "text": None}
-        data["cost"]["text"] = cost_report(data["cost"]["measured"], command)
+        from common import library_state
+
+        data["cost"] = {"measured": cost(args.cache), "library": library_state(), "text": None}
+        data["cost"]["text"] = cost_report(data["cost"]["measured"], command, data["cost"]["library"])
     if args.analyse:
         start = time.perf_counter()
         runs = {network: [analyse_run(spec(network, seed, args.quick), args.cache) for seed in SEEDS]
