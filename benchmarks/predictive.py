@@ -17,6 +17,9 @@ same test and OOD inputs as the network alone; writes ``results/predictive.md``.
 Fixup and BatchNorm ResNets; ``investigations/prior_guard.py``'s runs of the defaults arm, read from its cache:
 train them with its own command first), each scored on its first test images and its OOD inputs.
 
+``--temperature``: on the same cells (shapes8 and issue 52's 12), the network's logits over one temperature fitted
+on the training data, in-sample or on approximate leave-one-out logits (a candidate that can also sharpen).
+
 ``--peer`` (after ``--analyse``, whose rows it sets beside): laplace-torch's recommended recipe (last-layer kron
 Laplace, a scalar prior precision by its post-hoc marginal likelihood, GLM probit) and its full-network kron GLM, on
 the same runs and inputs, scored alike (needs ``laplace-torch``).
@@ -225,21 +228,122 @@ def report(runs: Dict[str, List[Dict[str, Any]]], command: str, elapsed: float,
     return "\n".join(lines)
 
 
-def guard_cells() -> Dict[str, List[Dict[str, Any]]]:
-    """:func:`analyse_run` on the prior guard study's 12 cells, its ``defaults`` arm, from its cache (never trained
+def guard_specs() -> Tuple[str, Dict[str, List[_zoo.RunSpec]]]:
+    """The prior guard study's cache and its 12 cells' runs of the ``defaults`` arm, by cell name (never trained
     here: a run missing from the cache is an error naming the command that trains it)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "investigations"))
     import prior_guard as study  # noqa: E402  (the investigations' folder, on the path from here)
 
-    cache, runs = study.cache_dir(), {}
+    cache, cells = study.cache_dir(), {}
     for dataset, network in study.family.STUDY_CELLS:
         specs = [study.cell_spec(dataset, network, seed, "defaults") for seed in study.SEEDS]
         missing = [s.key() for s in specs if not os.path.exists(_zoo.run_path(s, cache))]
         if missing:
             raise SystemExit(f"{missing} are not in {cache}: train them with "
                              "`python benchmarks/investigations/prior_guard.py --shard 0/1` first")
-        runs[f"{dataset} / {network}"] = [analyse_run(s, cache) for s in specs]
-    return runs
+        cells[f"{dataset} / {network}"] = specs
+    return cache, cells
+
+
+def guard_cells() -> Dict[str, List[Dict[str, Any]]]:
+    """:func:`analyse_run` on the prior guard study's 12 cells (:func:`guard_specs`)."""
+    cache, cells = guard_specs()
+    return {cell: [analyse_run(s, cache) for s in specs] for cell, specs in cells.items()}
+
+
+# --- a temperature from the training data alone (a candidate that can sharpen) --------------------------------
+
+LOG_TEMPERATURES = torch.linspace(-3.0, 3.0, 601, dtype=torch.float64)  # T from 0.05 to 20, steps of 1 % in log
+
+
+def fit_temperature(logits: Tensor, y: Tensor) -> float:
+    """The ``T`` of :data:`LOG_TEMPERATURES` whose ``softmax(logits / T)`` has the least NLL on ``y`` (a grid: the
+    NLL of one scale is cheap, and the grid's ends say when a fit runs off)."""
+    logits = logits.double()
+    nll = torch.stack([torch.nn.functional.cross_entropy(logits / t.exp(), y) for t in LOG_TEMPERATURES])
+    return float(LOG_TEMPERATURES[nll.argmin()].exp())
+
+
+def temperature_run(spec_: _zoo.RunSpec, cache: str) -> Dict[str, Any]:
+    """The network's test and OOD scores with its logits divided by a temperature fitted on the training data: on
+    the training logits themselves (in-sample), or on approximate leave-one-out logits of each training example,
+    ``f_i - V_i (y_i - p_i)`` with ``V_i = J_i H^-1 J_i^T`` (one Newton step from the MAP without the example's
+    gradient, its curvature kept) under three posteriors: as trained, post-hoc precisions (every tensor), and the
+    last layer at post-hoc precisions."""
+    module, data, result = trained(spec_, cache)
+    loader = _zoo._loader(data.x_train, data.y_train, 500, None)
+    fitted, _ = posthoc(module, loader)
+    sizes, n_tensors = module.prior.param_sizes, len(module.prior.param_names)
+    last = [i >= n_tensors - 2 for i in range(n_tensors)]  # the last Linear's weight and bias
+    posteriors = {
+        "as trained": (LaplaceEvidence.fit(module, loader, module.likelihood, module.prior, "kron", "ggn"),
+                       [True] * n_tensors),
+        "post hoc precisions": (fitted, [True] * n_tensors),
+        "post hoc, last layer": (fitted, last),
+    }
+    logits, loo = [], {name: [] for name in posteriors}
+    for i in range(0, len(data.y_train), CHUNK):
+        mean, jac = output_jacobians(module.prior, module, data.x_train[i:i + CHUNK])
+        residual = torch.nn.functional.one_hot(data.y_train[i:i + CHUNK], mean.shape[1]).to(mean) - mean.softmax(1)
+        logits.append(mean)
+        for name, (evidence, keep) in posteriors.items():
+            cov = covariances(evidence, jac, sizes, keep).to(mean)
+            loo[name].append(mean - (cov @ residual[:, :, None])[..., 0])
+    y_train = data.y_train
+    temperatures = {"in-sample": fit_temperature(torch.cat(logits), y_train)}
+    loo_acc = {}
+    for name, parts in loo.items():
+        loo_logits = torch.cat(parts)
+        temperatures[f"leave-one-out, {name}"] = fit_temperature(loo_logits, y_train)
+        loo_acc[name] = (loo_logits.argmax(1) == y_train).double().mean().item()
+    x, y = data.x_test[:_zoo.LINEARIZED], data.y_test[:_zoo.LINEARIZED]
+    ood = _zoo.ood_inputs(spec_.ood, data.image_size)[:_zoo.LINEARIZED]
+    with torch.no_grad(), eval_mode(module):
+        test, out = _zoo.logits_of(module, x), _zoo.logits_of(module, ood)
+    scores = {"network alone": _zoo._softmax_scores(test.softmax(1), y, out.softmax(1))}
+    for name, t in temperatures.items():
+        scores[name] = _zoo._softmax_scores((test / t).softmax(1), y, (out / t).softmax(1))
+    return {"library": result["library"], "scores": scores, "temperature": temperatures, "loo_acc": loo_acc,
+            "train_acc": (torch.cat(logits).argmax(1) == y_train).double().mean().item()}
+
+
+def temperature_report(runs: Dict[str, List[Dict[str, Any]]], command: str, elapsed: float, library: str) -> str:
+    """The results page's part for :func:`temperature_run` on every cell."""
+    trained_on = sorted({r["library"] for rs in runs.values() for r in rs})
+    names = list(next(iter(runs.values()))[0]["scores"])
+    lines = ["## A temperature from the training data alone (item 2: a candidate that can sharpen)", "",
+             f"Date: {now()}. Command: `{command}` ({elapsed / 60:.1f} min). Library {library}; runs trained on "
+             f"{', '.join(trained_on)}. Cells: shapes8 / mlp and cnn (this script's runs) and issue 52's 12 (the prior "
+             "guard study's `defaults` arm), seeds 0-2, scored on the inputs of the analysis above. The network's "
+             "logits divided by one temperature T, fitted on a grid (log T from -3 to 3, steps of 0.01) to the "
+             "training labels: of the training logits (in-sample), or of approximate leave-one-out logits "
+             "`f_i - V_i (y_i - p_i)`, `V_i = J_i H^-1 J_i^T` of a kron-GGN posterior (as trained; post-hoc "
+             "precisions; the last layer at post-hoc precisions). Means over seeds; `meets`: seeds whose NLL and "
+             "ECE are at most the network's alone; `LOO acc`: the leave-one-out logits' accuracy on the training "
+             "data.", "",
+             "| cell | train acc | predictive | T | acc | NLL | ECE | OOD AUROC | meets | LOO acc |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    totals = {name: [0, 0] for name in names[1:]}
+    for cell, rs in runs.items():
+        network = [r["scores"]["network alone"] for r in rs]
+        for name in names:
+            s = [r["scores"][name] for r in rs]
+            mean = {k: float(np.mean([x[k] for x in s])) for k in ("acc", "nll", "ece", "auroc")}
+            met = sum(meets(a, b) for a, b in zip(s, network))
+            t = np.mean([r["temperature"].get(name, 1.0) for r in rs])
+            kind = name.split(", ", 1)[1] if name.startswith("leave-one-out") else None
+            acc = f"{np.mean([r['loo_acc'][kind] for r in rs]):.3f}" if kind else ""
+            train = f"{np.mean([r['train_acc'] for r in rs]):.3f}" if name == "network alone" else ""
+            lines.append(f"| {cell if train else ''} | {train} | {name} | {t:.2f} | {mean['acc']:.4f} | "
+                         f"{mean['nll']:.4f} | {mean['ece']:.4f} | {mean['auroc']:.4f} | "
+                         + ("-" if name == "network alone" else f"{met} / {len(rs)}") + f" | {acc} |")
+            if name in totals:
+                totals[name][0] += met == len(rs)
+                totals[name][1] += met
+    seeds = sum(len(rs) for rs in runs.values())
+    lines += ["", "| predictive | cells where every seed meets | seeds |", "|---|---:|---:|"]
+    lines += [f"| {name} | {c} / {len(runs)} | {m} / {seeds} |" for name, (c, m) in totals.items()]
+    return "\n".join(lines)
 
 
 # --- the peer side by side (item 3) ----------------------------------------------------------------------------
@@ -470,18 +574,20 @@ def main(argv: Any = None) -> None:
                         help="the one call's regression predictive against the network plus its learned sigma")
     parser.add_argument("--cells", action="store_true",
                         help="with --analyse: the variants on issue 52's 12 cells (the prior guard study's cached runs)")
+    parser.add_argument("--temperature", action="store_true",
+                        help="the network's logits over a temperature fitted on the training data, on every cell")
     parser.add_argument("--peer", action="store_true",
                         help="laplace-torch's last-layer and full-network recipes on the analysed runs")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.train:
         _zoo.run_shard(plan(args.quick), args.shard[0], args.shard[1], args.cache)
-    if not (args.analyse or args.cost or args.peer or args.regression):
+    if not (args.analyse or args.cost or args.peer or args.regression or args.temperature):
         return
     freeze_startup()
     path = RESULTS / "predictive.md"
     command = "python benchmarks/predictive.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    data = {"cost": None, "analysis": None, "cells": None, "peer": None, "regression": None}
+    data = {"cost": None, "analysis": None, "cells": None, "temperature": None, "peer": None, "regression": None}
     if path.exists():
         from _common import read_data
         data.update(read_data(path))
@@ -507,6 +613,16 @@ def main(argv: Any = None) -> None:
             cells=f"Cells: issue 52's 12 (benchmarks/investigations/prior_guard.py, its `defaults` arm, seeds "
                   f"{', '.join(map(str, SEEDS))}), the first {_zoo.LINEARIZED} test images and {_zoo.LINEARIZED} OOD "
                   "images of each (the study's own).")}
+    if args.temperature:
+        from common import library_state
+
+        start = time.perf_counter()
+        cache, cells = guard_specs()
+        runs = {f"shapes8 / {n}": [temperature_run(spec(n, seed, args.quick), args.cache) for seed in SEEDS]
+                for n in NETWORKS}
+        runs.update({cell: [temperature_run(s, cache) for s in specs] for cell, specs in cells.items()})
+        data["temperature"] = {"runs": runs, "text": temperature_report(runs, command, time.perf_counter() - start,
+                                                                        library_state())}
     if args.peer:
         if not data["analysis"]:
             raise SystemExit("--peer sets its rows beside the analysis's: run --analyse first (or with it)")
@@ -521,8 +637,8 @@ def main(argv: Any = None) -> None:
                                               for seed in SEEDS] for depth in REGRESSION_DEPTHS}
         data["regression"] = {"runs": regression,
                               "text": regression_report(regression, command, time.perf_counter() - start)}
-    parts = [part["text"] for part in (data["cost"], data["analysis"], data.get("cells"), data.get("peer"),
-                                       data.get("regression")) if part]
+    parts = [part["text"] for part in (data["cost"], data["analysis"], data.get("cells"), data.get("temperature"),
+                                       data.get("peer"), data.get("regression")) if part]
     text = "\n\n".join(["# The posterior predictive (issue 53)", *parts, hand_written(path)])
     write_with_data(path, text, data)
     print(text)
