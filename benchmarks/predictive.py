@@ -277,6 +277,14 @@ def fit_temperature(logits: Tensor, y: Tensor) -> float:
     return float(LOG_TEMPERATURES[nll.argmin()].exp())
 
 
+def leave_one_out_logits(logits: Tensor, covariance: Tensor, y: Tensor) -> Tensor:
+    """``f_i - V_i (y_i - p_i)``: each training example's logits after one Newton step of the MAP objective from
+    the MAP without the example's gradient (its curvature kept in ``H``; ``V_i = J_i H^-1 J_i^T`` is
+    ``covariance`` ``(B, C, C)``, ``p_i = softmax(f_i)``, ``y_i`` one-hot)."""
+    residual = torch.nn.functional.one_hot(y, logits.shape[1]).to(logits) - logits.softmax(1)
+    return logits - (covariance.to(logits) @ residual[:, :, None])[..., 0]
+
+
 def temperature_run(spec_: _zoo.RunSpec, cache: str) -> Dict[str, Any]:
     """The network's test and OOD scores with its logits divided by a temperature fitted on the training data: on
     the training logits themselves (in-sample), or on approximate leave-one-out logits of each training example,
@@ -297,11 +305,9 @@ def temperature_run(spec_: _zoo.RunSpec, cache: str) -> Dict[str, Any]:
     logits, loo = [], {name: [] for name in posteriors}
     for i in range(0, len(data.y_train), CHUNK):
         mean, jac = output_jacobians(module.prior, module, data.x_train[i:i + CHUNK])
-        residual = torch.nn.functional.one_hot(data.y_train[i:i + CHUNK], mean.shape[1]).to(mean) - mean.softmax(1)
         logits.append(mean)
         for name, (evidence, keep) in posteriors.items():
-            cov = covariances(evidence, jac, sizes, keep).to(mean)
-            loo[name].append(mean - (cov @ residual[:, :, None])[..., 0])
+            loo[name].append(leave_one_out_logits(mean, covariances(evidence, jac, sizes, keep), data.y_train[i:i + CHUNK]))
     y_train = data.y_train
     temperatures = {"in-sample": fit_temperature(torch.cat(logits), y_train)}
     loo_acc = {}

