@@ -581,19 +581,24 @@ def ood_inputs(dataset: str, image_size: int, n: int = 1000) -> Tensor:
 
 
 @torch.no_grad()
-def _softmax_scores(probs: Tensor, y: Tensor, ood_probs: Tensor, prefix: str = "") -> Dict[str, float]:
-    """Accuracy, NLL, ECE (torchmetrics, 15 bins) and the OOD AUROC of the maximum softmax probability."""
+def _softmax_scores(probs: Tensor, y: Tensor, ood_probs: Optional[Tensor], prefix: str = "") -> Dict[str, float]:
+    """Accuracy, NLL, ECE (torchmetrics, 15 bins) and the OOD AUROC of the maximum softmax probability (NaN
+    without ``ood_probs``)."""
     from torchmetrics.functional.classification import binary_auroc, multiclass_calibration_error
 
-    probs, ood_probs = probs.double(), ood_probs.double()
-    confidence = torch.cat([probs.max(1).values, ood_probs.max(1).values])
-    is_in = torch.cat([torch.ones(len(probs)), torch.zeros(len(ood_probs))]).long()
+    probs = probs.double()
+    auroc = math.nan
+    if ood_probs is not None:
+        ood_probs = ood_probs.double()
+        confidence = torch.cat([probs.max(1).values, ood_probs.max(1).values])
+        is_in = torch.cat([torch.ones(len(probs)), torch.zeros(len(ood_probs))]).long()
+        auroc = binary_auroc(confidence, is_in).item()
     return {
         f"{prefix}confidence": probs.max(1).values.mean().item(),  # above accuracy: over-confident on average
         f"{prefix}acc": (probs.argmax(1) == y).double().mean().item(),
         f"{prefix}nll": -probs.gather(1, y[:, None]).clamp_min(1e-300).log().mean().item(),
         f"{prefix}ece": multiclass_calibration_error(probs, y, num_classes=probs.shape[1], n_bins=15).item(),
-        f"{prefix}auroc": binary_auroc(confidence, is_in).item(),
+        f"{prefix}auroc": auroc,
     }
 
 

@@ -17,6 +17,9 @@ same test and OOD inputs as the network alone; writes ``results/predictive.md``.
 Fixup and BatchNorm ResNets; ``investigations/prior_guard.py``'s runs of the defaults arm, read from its cache:
 train them with its own command first), each scored on its first test images and its OOD inputs.
 
+``--one-call``: the one call at its defaults against the network alone on issue 52's other cells (the 100-class
+MLP family, full MNIST with the paper's MLP; the prior guard study's runs).
+
 ``--temperature``: on the same cells (shapes8 and issue 52's 12), the network's logits over one temperature fitted
 on the training data, in-sample or on approximate leave-one-out logits (a candidate that can also sharpen).
 
@@ -233,21 +236,40 @@ def report(runs: Dict[str, List[Dict[str, Any]]], command: str, elapsed: float,
     return "\n".join(lines)
 
 
-def guard_specs() -> Tuple[str, Dict[str, List[_zoo.RunSpec]]]:
-    """The prior guard study's cache and its 12 cells' runs of the ``defaults`` arm, by cell name (never trained
-    here: a run missing from the cache is an error naming the command that trains it)."""
+def _guard_study() -> Any:
+    """The prior guard study's script (its cells' specs and cache)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "investigations"))
     import prior_guard as study  # noqa: E402  (the investigations' folder, on the path from here)
 
-    cache, cells = study.cache_dir(), {}
-    for dataset, network in study.family.STUDY_CELLS:
-        specs = [study.cell_spec(dataset, network, seed, "defaults") for seed in study.SEEDS]
-        missing = [s.key() for s in specs if not os.path.exists(_zoo.run_path(s, cache))]
-        if missing:
-            raise SystemExit(f"{missing} are not in {cache}: train them with "
-                             "`python benchmarks/investigations/prior_guard.py --shard 0/1` first")
-        cells[f"{dataset} / {network}"] = specs
-    return cache, cells
+    return study
+
+
+def _in_cache(cells: Dict[str, List[_zoo.RunSpec]], cache: str) -> Dict[str, List[_zoo.RunSpec]]:
+    """``cells``, each of whose runs is in ``cache`` (never trained here: a missing run is an error naming the
+    command that trains it)."""
+    missing = [s.key() for specs in cells.values() for s in specs if not os.path.exists(_zoo.run_path(s, cache))]
+    if missing:
+        raise SystemExit(f"{missing} are not in {cache}: train them with "
+                         "`python benchmarks/investigations/prior_guard.py --shard 0/1` first")
+    return cells
+
+
+def guard_specs() -> Tuple[str, Dict[str, List[_zoo.RunSpec]]]:
+    """The prior guard study's cache and its 12 image cells' runs of the ``defaults`` arm, by cell name."""
+    study = _guard_study()
+    cells = {f"{dataset} / {network}": [study.cell_spec(dataset, network, seed, "defaults") for seed in study.SEEDS]
+             for dataset, network in study.family.STUDY_CELLS}
+    return study.cache_dir(), _in_cache(cells, study.cache_dir())
+
+
+def other_specs() -> Tuple[str, Dict[str, List[_zoo.RunSpec]]]:
+    """The prior guard study's cache and its runs of the ``defaults`` arm on issue 52's other cells: the 100-class
+    MLP family and full MNIST with the paper's MLP, by cell name."""
+    study = _guard_study()
+    cells = {f"{member.cell} (100 classes)": [study.family_spec(member, seed, "defaults") for seed in study.SEEDS]
+             for member in study.family.MEMBERS}
+    cells["mnist-60k / paper MLP"] = [study.mnist_spec(seed, "defaults") for seed in study.SEEDS]
+    return study.cache_dir(), _in_cache(cells, study.cache_dir())
 
 
 def guard_cells() -> Dict[str, List[Dict[str, Any]]]:
@@ -262,6 +284,12 @@ def every_cell(run: Callable[[_zoo.RunSpec, str], Dict[str, Any]], cache: str, q
     guard_cache, cells = guard_specs()
     runs.update({cell: [run(s, guard_cache) for s in specs] for cell, specs in cells.items()})
     return runs
+
+
+def other_cells(run: Callable[[_zoo.RunSpec, str], Dict[str, Any]], cache: str, quick: bool) -> Dict[str, List[Dict[str, Any]]]:
+    """``run`` on issue 52's other cells (:func:`other_specs`; ``cache`` and ``quick`` are shapes8's, unused)."""
+    guard_cache, cells = other_specs()
+    return {cell: [run(s, guard_cache) for s in specs] for cell, specs in cells.items()}
 
 
 # --- a temperature from the training data alone (a candidate that can sharpen) --------------------------------
@@ -331,8 +359,8 @@ def variant_rows(runs: Dict[str, List[Dict[str, Any]]],
     """A table of every cell's variants (means over seeds, the seeds that meet the targets) with ``columns`` (name
     -> the cell's runs and the variant -> text) after the variant's name, and the totals over cells."""
     names = list(next(iter(runs.values()))[0]["scores"])
-    lines = ["| cell | predictive | " + " | ".join(columns) + " | acc | NLL | ECE | OOD AUROC | meets |",
-             "|---|---|" + "---:|" * (len(columns) + 5)]
+    header = ["cell", "predictive", *columns, "acc", "NLL", "ECE", "OOD AUROC", "meets"]
+    lines = ["| " + " | ".join(header) + " |", "|---|---|" + "---:|" * (len(header) - 2)]
     totals = {name: [0, 0] for name in names[1:]}
     for cell, rs in runs.items():
         network = [r["scores"]["network alone"] for r in rs]
@@ -340,10 +368,11 @@ def variant_rows(runs: Dict[str, List[Dict[str, Any]]],
             s = [r["scores"][name] for r in rs]
             mean = {k: float(np.mean([x[k] for x in s])) for k in ("acc", "nll", "ece", "auroc")}
             met = sum(meets(a, b) for a, b in zip(s, network))
-            extra = " | ".join(column(rs, name) for column in columns.values())
-            lines.append(f"| {cell if name == 'network alone' else ''} | {name} | {extra} | {mean['acc']:.4f} | "
-                         f"{mean['nll']:.4f} | {mean['ece']:.4f} | {mean['auroc']:.4f} | "
-                         + ("-" if name == "network alone" else f"{met} / {len(rs)}") + " |")
+            row = [cell if name == "network alone" else "", name, *(column(rs, name) for column in columns.values()),
+                   *(f"{mean[k]:.4f}" for k in ("acc", "nll", "ece")),
+                   "-" if math.isnan(mean["auroc"]) else f"{mean['auroc']:.4f}",  # no OOD inputs
+                   "-" if name == "network alone" else f"{met} / {len(rs)}"]
+            lines.append("| " + " | ".join(row) + " |")
             if name in totals:
                 totals[name][0] += met == len(rs)
                 totals[name][1] += met
@@ -456,6 +485,47 @@ def mode_report(runs: Dict[str, List[Dict[str, Any]]], command: str, elapsed: fl
         "its start. MC: 100 draws. Means over seeds; `meets`: seeds whose NLL and ECE are at most the network's "
         "alone.", "",
         *variant_rows(runs, {"fit": fit})])
+
+
+# --- the one call on issue 52's other cells ------------------------------------------------------------------
+
+ONE_CALL = {"the one call (tempered, its default)": "tempered", "the one call, probit": "probit"}
+
+
+def one_call_run(spec_: _zoo.RunSpec, cache: str) -> Dict[str, Any]:
+    """``predict`` at its defaults (and with the probit) against the network alone on the run's whole test set and
+    its OOD inputs, where the run has them; the evidence at the final weights as the callback takes it (kron-GGN,
+    ``mc_samples="auto"``: one Monte-Carlo sample beyond 11 classes)."""
+    module, data, result = trained(spec_, cache)
+    evidence = LaplaceEvidence.fit(module, _zoo._loader(data.x_train, data.y_train, 500, None), module.likelihood,
+                                   module.prior)
+    parts = {"test": data.x_test}
+    if spec_.ood:
+        parts["ood"] = _zoo.ood_inputs(spec_.ood, data.image_size)
+    probs: Dict[str, Dict[str, Tensor]] = {name: {} for name in ["network alone", *ONE_CALL]}
+    for part, inputs in parts.items():
+        with torch.no_grad(), eval_mode(module):
+            probs["network alone"][part] = _zoo.logits_of(module, inputs).softmax(1)
+        with torch.inference_mode():  # as in a predict_step
+            for name, method in ONE_CALL.items():
+                probs[name][part] = torch.cat([predict(evidence, module, x, method=method) for x in inputs.split(CHUNK)])
+    scores = {name: _zoo._softmax_scores(p["test"], data.y_test, p.get("ood")) for name, p in probs.items()}
+    return {"library": result["library"], "scores": scores}
+
+
+def one_call_report(runs: Dict[str, List[Dict[str, Any]]], command: str, elapsed: float, library: str) -> str:
+    """The results page's part for :func:`one_call_run` on issue 52's other cells."""
+    trained_on = sorted({r["library"] for rs in runs.values() for r in rs})
+    return "\n".join([
+        "## The one call on issue 52's other cells: the 100-class MLP family and full MNIST (item 2)", "",
+        f"Date: {now()}. Command: `{command}` ({elapsed / 60:.1f} min). Library {library}; runs trained on "
+        f"{', '.join(trained_on)}: the prior guard study's `defaults` arm (benchmarks/investigations/prior_guard.py), "
+        "seeds 0-2, on the six members of the 100-class MLP family (64 inputs, 5,000 test points, no OOD inputs) "
+        "and on full MNIST with the paper's MLP 784-1024-512-256-128-10 (12 epochs; 10,000 test images, permuted "
+        "MNIST as OOD). `predict(evidence, module, x)`, the evidence at the final weights as the callback takes it "
+        "(kron-GGN, `mc_samples=\"auto\"`); every test input. Means over seeds; `meets`: seeds whose NLL and ECE are "
+        "at most the network's alone.", "",
+        *variant_rows(runs, {})])
 
 
 # --- the peer side by side (item 3) ----------------------------------------------------------------------------
@@ -690,18 +760,21 @@ def main(argv: Any = None) -> None:
                         help="the network's logits over a temperature fitted on the training data, on every cell")
     parser.add_argument("--mode", action="store_true",
                         help="the GLM predictive at the linear model's own MAP, on every cell")
+    parser.add_argument("--one-call", action="store_true",
+                        help="the one call against the network alone on the 100-class MLP family and full MNIST")
     parser.add_argument("--peer", action="store_true",
                         help="laplace-torch's last-layer and full-network recipes on the analysed runs")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.train:
         _zoo.run_shard(plan(args.quick), args.shard[0], args.shard[1], args.cache)
-    if not (args.analyse or args.cost or args.peer or args.regression or args.temperature or args.mode):
+    if not (args.analyse or args.cost or args.peer or args.regression or args.temperature or args.mode
+            or args.one_call):
         return
     freeze_startup()
     path = RESULTS / "predictive.md"
     command = "python benchmarks/predictive.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    sections = ("cost", "analysis", "cells", "temperature", "mode", "peer", "regression")  # in the page's order
+    sections = ("cost", "analysis", "cells", "one_call", "temperature", "mode", "peer", "regression")  # in the page's order
     data = {key: None for key in sections}
     data.update(read_data(path))
     computed = set()  # this command's sections: a page another command wrote meanwhile keeps its own
@@ -730,12 +803,14 @@ def main(argv: Any = None) -> None:
             cells=f"Cells: issue 52's 12 (benchmarks/investigations/prior_guard.py, its `defaults` arm, seeds "
                   f"{', '.join(map(str, SEEDS))}), the first {_zoo.LINEARIZED} test images and {_zoo.LINEARIZED} OOD "
                   "images of each (the study's own).")}
-    for key, run, section in (("temperature", temperature_run, temperature_report), ("mode", mode_run, mode_report)):
+    for key, run, section, where in (("one_call", one_call_run, one_call_report, other_cells),
+                                     ("temperature", temperature_run, temperature_report, every_cell),
+                                     ("mode", mode_run, mode_report, every_cell)):
         if getattr(args, key):
             from common import library_state
 
             start = time.perf_counter()
-            runs = every_cell(run, args.cache, args.quick)
+            runs = where(run, args.cache, args.quick)
             computed.add(key)
             data[key] = {"runs": runs, "text": section(runs, command, time.perf_counter() - start, library_state())}
     if args.peer:
