@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 import weakref
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
@@ -205,10 +206,41 @@ def predict_classification(
     if not isinstance(evidence.likelihood, CategoricalLikelihood):
         raise TypeError("predict_classification needs a CategoricalLikelihood; use predict_regression.")
     method = choice(method, CLASSIFICATION_METHODS, "method")
+    return _classification(evidence, model, x, method, samples, generator)[1]
+
+
+def _classification(evidence: LaplaceEvidence, model: nn.Module, x: Tensor, method: str, samples: int,
+                    generator: Optional[torch.Generator]) -> "tuple[Tensor, Tensor]":
+    """The network's outputs ``(B, C)`` and :func:`predict_classification`'s probabilities."""
     if not isinstance(samples, int) or samples < 1:
         raise ValueError(f"`samples` must be an int >= 1, got {samples!r}.")
     mean, cov = linearized_outputs(evidence, model, x)
-    return class_probabilities(mean, cov, method, samples, generator)
+    return mean, class_probabilities(mean, cov, method, samples, generator)
+
+
+def _near_uniform_message(network: Tensor, predictive: Tensor) -> Optional[str]:
+    """Why a predictive near uniform where the network is confident is worth a warning, or ``None``.
+
+    Near uniform: the mean top probability of ``predictive`` ``(B, C)`` is within a tenth of the way from ``1/C``
+    to 1. Confident: that of ``network`` (its softmax) is past half of it.
+
+    Example:
+        >>> confident = torch.tensor([[0.97, 0.01, 0.01, 0.01]])
+        >>> _near_uniform_message(confident, torch.full((1, 4), 0.25)) is not None
+        True
+        >>> _near_uniform_message(confident, torch.tensor([[0.6, 0.2, 0.1, 0.1]])) is None
+        True
+    """
+    uniform = 1.0 / predictive.shape[1]
+    ours, own = (float(p.max(1).values.mean()) for p in (predictive, network))
+    if ours - uniform >= 0.1 * (1 - uniform) or own - uniform < 0.5 * (1 - uniform):
+        return None
+    return (f"predict: the predictive is near uniform on this batch (mean top probability {ours:.3f}; uniform "
+            f"{uniform:.3f}) where the network's own softmax is confident ({own:.3f}): the posterior's logit variance "
+            "swamps the logits. A network that fits its training data leaves the posterior close to the prior in "
+            "most directions (on the 100-class MLPs of benchmarks/results/predictive.md: NLL 3.8 against the "
+            "network's 0.011). On out-of-distribution inputs this is the point; for probabilities of "
+            "in-distribution inputs, the network's own softmax was better calibrated in every cell measured there.")
 
 
 def class_probabilities(mean: Tensor, cov: Tensor, method: str = "probit", samples: int = 100,
@@ -251,6 +283,7 @@ def class_probabilities(mean: Tensor, cov: Tensor, method: str = "probit", sampl
 
 Source = Any  # a MargLikCallback (its last estimate) or a LaplaceEvidence
 _described: "weakref.WeakSet[LaplaceEvidence]" = weakref.WeakSet()  # evidences whose predictive was stated
+_checked: "weakref.WeakSet[LaplaceEvidence]" = weakref.WeakSet()  # and whose first batch was checked
 
 
 def predict(
@@ -269,7 +302,9 @@ def predict(
     as the output layer by default) and the likelihood's ``sigma`` and temperature. A categorical likelihood gives
     class probabilities ``(B, C)`` (:func:`predict_classification`: probit, or ``method="mc"``), a Gaussian one
     mean and variance (:func:`predict_regression`). The first call for an evidence logs, on logger
-    ``lightning_marglik.predictive`` at info level, what it used.
+    ``lightning_marglik.predictive`` at info level, what it used; its first batch of class probabilities warns
+    where they are near uniform while the network's own softmax is confident (mean top probabilities within a
+    tenth of the way from ``1/C`` to 1, and past half of it).
 
     Works under ``torch.inference_mode`` (Lightning's ``predict_step``): the Jacobians come from ``torch.func``,
     which neither needs the autograd graph nor writes ``.grad``. The module's training flags, its parameters'
@@ -294,8 +329,8 @@ def predict(
         RuntimeError: If the callback has no estimate yet (called before ``trainer.fit``).
         ValueError: If ``module`` is not the network of the posterior, or its weights are not the estimate's
             (a checkpoint loaded, training continued), on a list batch, on outputs that are not ``(B, C)`` with
-            ``B >= 1`` or not finite (a NaN input), on any ``method`` for regression, or on a forward that fails
-            on ``x``.
+            ``B >= 1`` or not finite (a NaN input), on any ``method`` for regression, on ``samples`` that is not an
+            int of at least 1, or on a forward that fails on ``x``.
         TypeError: If ``source`` is neither a callback nor an evidence.
     """
     evidence = _evidence_of(source)
@@ -320,9 +355,15 @@ def predict(
     if evidence not in _described:
         _described.add(evidence)
         log.info(describe(source, method if classification else "closed form"))
-    if classification:
-        return predict_classification(evidence, module, x, method, samples, generator)
-    return predict_regression(evidence, module, x)
+    if not classification:
+        return predict_regression(evidence, module, x)
+    mean, probs = _classification(evidence, module, x, method, samples, generator)
+    if evidence not in _checked:  # the first batch an evidence predicts
+        _checked.add(evidence)
+        message = _near_uniform_message(mean.softmax(1), probs)
+        if message:
+            warnings.warn(message, stacklevel=2)
+    return probs
 
 
 def describe(source: Source, method: str = "probit") -> str:

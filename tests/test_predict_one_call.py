@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 
 import pytest
 import pytorch_lightning as pl
@@ -191,3 +192,32 @@ def test_regression_refuses_monte_carlo():
     module, callback, _ = fitted("regression")
     with pytest.raises(ValueError, match="method='mc' is for classification"):
         predict(callback, module, torch.randn(3, D, dtype=torch.float64), method="mc")
+
+
+def confident_linear_model(precision: float):
+    """A 10-class linear model confident on its data, and its exact-GGN evidence under a prior of ``precision``."""
+    g = torch.Generator().manual_seed(0)
+    centres = torch.randn(10, 5, generator=g, dtype=torch.float64)
+    y = torch.arange(200) % 10
+    x = centres[y] + 0.1 * torch.randn(200, 5, generator=g, dtype=torch.float64)
+    model = nn.Linear(5, 10).double()
+    with torch.no_grad():
+        model.weight.copy_(20 * centres)
+        model.bias.copy_(-10 * centres.pow(2).sum(1))
+    evidence = LaplaceEvidence.fit(model, [(x, y)], CategoricalLikelihood(), GaussianPrior(model, precision=precision),
+                                   mc_samples=0)
+    return model, x, evidence
+
+
+def test_a_posterior_that_swamps_a_confident_networks_logits_warns_on_its_first_batch():
+    model, x, evidence = confident_linear_model(precision=1e-4)  # the prior barely binds: a wide posterior
+    assert model(x).softmax(1).max(1).values.mean() > 0.9
+    with pytest.warns(UserWarning, match=r"near uniform on this batch \(mean top probability 0\.1\d\d; uniform 0\.100\)"):
+        probs = predict(evidence, model, x[:50])
+    assert probs.max(1).values.mean() < 0.19
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        predict(evidence, model, x[50:])  # once per evidence
+        narrow_model, narrow_x, narrow = confident_linear_model(precision=1e4)
+        probs = predict(narrow, narrow_model, narrow_x)  # a posterior that leaves the logits their spread
+    assert probs.max(1).values.mean() > 0.5
