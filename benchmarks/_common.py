@@ -16,7 +16,7 @@ import re
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -97,3 +97,15 @@ def write_with_data(path: Path, text: str, data: Dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     blob = json.dumps(data, separators=(",", ":"), allow_nan=True)
     path.write_text(text.rstrip() + "\n\n<!-- benchmark-data " + blob + " -->\n")
+
+
+def write_sections(path: Path, title: str, order: Sequence[str], computed: Dict[str, Dict[str, Any]]) -> str:
+    """Write a results page of named sections, each ``{"text": ..., ...}``, in ``order``: the ``computed`` ones and
+    the page's others as they are on disk now (read last: a command that wrote another section meanwhile keeps
+    it), the hand-written part kept. Returns the page's text."""
+    data: Dict[str, Any] = {key: None for key in order}
+    data.update(read_data(path))
+    data.update(computed)
+    text = "\n\n".join([title, *(data[key]["text"] for key in order if data.get(key)), hand_written(path)])
+    write_with_data(path, text, data)
+    return text

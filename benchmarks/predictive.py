@@ -46,8 +46,8 @@ import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
 
 import _zoo  # noqa: E402
-from _common import (RESULTS, cpu_name, freeze_startup, hand_written, now, package_version, read_data,  # noqa: E402
-                     write_with_data)
+from _common import (RESULTS, cpu_name, freeze_startup, now, package_version, read_data,  # noqa: E402
+                     write_sections)
 from lightning_marglik import GaussianPrior, LaplaceEvidence, predict  # noqa: E402
 from lightning_marglik.curvature import eval_mode  # noqa: E402
 from lightning_marglik.predictive import class_probabilities, output_jacobians  # noqa: E402
@@ -594,7 +594,7 @@ def main(argv: Any = None) -> None:
     sections = ("cost", "analysis", "cells", "one_call", "peer", "regression")  # in the page's order
     data = {key: None for key in sections}
     data.update(read_data(path))
-    computed = set()  # this command's sections: a page another command wrote meanwhile keeps its own
+    computed = set()  # this command's sections (write_sections keeps the others as they are on disk then)
     if args.cost:
         from common import library_state
 
@@ -645,11 +645,7 @@ def main(argv: Any = None) -> None:
         computed.add("regression")
         data["regression"] = {"runs": regression,
                               "text": regression_report(regression, command, time.perf_counter() - start)}
-    data.update({k: v for k, v in read_data(path).items() if k not in computed})
-    parts = [data[key]["text"] for key in sections if data.get(key)]
-    text = "\n\n".join(["# The posterior predictive (issue 53)", *parts, hand_written(path)])
-    write_with_data(path, text, data)
-    print(text)
+    print(write_sections(path, "# The posterior predictive (issue 53)", sections, {k: data[k] for k in computed}))
 
 
 if __name__ == "__main__":

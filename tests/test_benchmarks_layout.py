@@ -51,3 +51,18 @@ def test_the_benchmarks_readme_lists_every_script_and_results_file():
     assert {p.name for p in (BENCHMARKS / "results").glob("*.md")} <= results
     assert all((BENCHMARKS / name).exists() for name in listed), "the README names a script that is not there"
     assert all((BENCHMARKS / "results" / name).exists() for name in results)
+
+
+def test_a_results_page_of_sections_keeps_what_another_command_wrote_meanwhile(tmp_path):
+    sys.path.insert(0, str(BENCHMARKS))
+    from _common import HAND_WRITTEN, read_data, write_sections
+
+    page = tmp_path / "page.md"
+    write_sections(page, "# Title", ["a", "b"], {"b": {"text": "## B, first", "runs": [1]}})
+    page.write_text(page.read_text().replace(HAND_WRITTEN, HAND_WRITTEN + "\nA reading."))
+    # two commands started before either wrote: each writes only its own section
+    write_sections(page, "# Title", ["a", "b"], {"a": {"text": "## A", "runs": [2]}})
+    text = write_sections(page, "# Title", ["a", "b"], {"b": {"text": "## B, again", "runs": [3]}})
+    assert text.index("## A") < text.index("## B, again") < text.index("A reading.")
+    assert "## B, first" not in text
+    assert read_data(page) == {"a": {"text": "## A", "runs": [2]}, "b": {"text": "## B, again", "runs": [3]}}

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import _zoo  # noqa: E402
 import predictive as study  # noqa: E402
-from _common import RESULTS, freeze_startup, hand_written, now, read_data, write_with_data  # noqa: E402
+from _common import RESULTS, freeze_startup, now, write_sections  # noqa: E402
 from common import library_state  # noqa: E402
 from lightning_marglik import LaplaceEvidence  # noqa: E402
 from lightning_marglik.curvature import eval_mode  # noqa: E402
@@ -239,13 +239,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             start = time.perf_counter()
             runs = every_cell(run, args.cache)
             computed[key] = {"runs": runs, "text": section(runs, command, time.perf_counter() - start, library_state())}
-    # read last: a section another command wrote meanwhile keeps its own
-    data = {key: None for key in sections}
-    data.update({**read_data(PATH), **computed})
-    parts = [data[key]["text"] for key in sections if data.get(key)]
-    text = "\n\n".join(["# Two predictives that can sharpen (issue 53, item 2)", *parts, hand_written(PATH)])
-    write_with_data(PATH, text, data)
-    print(text)
+    print(write_sections(PATH, "# Two predictives that can sharpen (issue 53, item 2)", list(sections), computed))
 
 
 if __name__ == "__main__":
