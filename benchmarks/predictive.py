@@ -266,10 +266,11 @@ def other_specs() -> Tuple[str, Dict[str, List[_zoo.RunSpec]]]:
     return study.cache_dir(), _in_cache(cells, study.cache_dir())
 
 
-def guard_cells() -> Dict[str, List[Dict[str, Any]]]:
-    """:func:`analyse_run` on the prior guard study's 12 cells (:func:`guard_specs`)."""
-    cache, cells = guard_specs()
-    return {cell: [analyse_run(s, cache) for s in specs] for cell, specs in cells.items()}
+def on_cells(run: Callable[[_zoo.RunSpec, str], Dict[str, Any]],
+             where: Callable[[], Tuple[str, Dict[str, List[_zoo.RunSpec]]]]) -> Dict[str, List[Dict[str, Any]]]:
+    """``run`` on every run of the cells ``where`` names (:func:`guard_specs`, :func:`other_specs`), by cell name."""
+    cache, cells = where()
+    return {cell: [run(s, cache) for s in specs] for cell, specs in cells.items()}
 
 
 def variant_rows(runs: Dict[str, List[Dict[str, Any]]],
@@ -612,7 +613,7 @@ def main(argv: Any = None) -> None:
         if not args.analyse:
             raise SystemExit("--cells is a part of --analyse: run them together")
         start = time.perf_counter()
-        runs = guard_cells()
+        runs = on_cells(analyse_run, guard_specs)
         computed.add("cells")
         data["cells"] = {"runs": runs, "text": report(
             runs, command, time.perf_counter() - start,
@@ -624,8 +625,7 @@ def main(argv: Any = None) -> None:
         from common import library_state
 
         start = time.perf_counter()
-        cache, cells = other_specs()
-        runs = {cell: [one_call_run(s, cache) for s in specs] for cell, specs in cells.items()}
+        runs = on_cells(one_call_run, other_specs)
         computed.add("one_call")
         data["one_call"] = {"runs": runs, "text": one_call_report(runs, command, time.perf_counter() - start,
                                                                  library_state())}

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import _zoo  # noqa: E402
 import predictive as study  # noqa: E402
-from _common import RESULTS, freeze_startup, now, write_sections  # noqa: E402
+from _common import RESULTS, freeze_startup, now, timed, write_sections  # noqa: E402
 from common import library_state  # noqa: E402
 from lightning_marglik import LaplaceEvidence  # noqa: E402
 from lightning_marglik.curvature import eval_mode  # noqa: E402
@@ -43,8 +43,7 @@ def every_cell(run: Run, cache: str) -> Dict[str, List[Dict[str, Any]]]:
     """``run`` on shapes8's runs (from ``cache``) and on issue 52's 12 cells (``predictive.guard_specs``), by cell name."""
     runs = {f"shapes8 / {n}": [run(study.spec(n, seed), cache) for seed in study.SEEDS]
             for n in study.NETWORKS}
-    guard_cache, cells = study.guard_specs()
-    runs.update({cell: [run(s, guard_cache) for s in specs] for cell, specs in cells.items()})
+    runs.update(study.on_cells(run, study.guard_specs))
     return runs
 
 
@@ -153,12 +152,13 @@ MODE = "at the linear model's mode"
 def pass_seconds(module: Any, loader: Any) -> float:
     """Process CPU seconds of one forward and backward of the training loss over ``loader`` (an epoch's work,
     without the optimizer's steps)."""
-    start = time.process_time()
-    for x, y in loader:
+    def one_pass() -> None:
+        for x, y in loader:
+            module.zero_grad(set_to_none=True)
+            module.likelihood.nll(module(x), y).sum().backward()
         module.zero_grad(set_to_none=True)
-        module.likelihood.nll(module(x), y).sum().backward()
-    module.zero_grad(set_to_none=True)
-    return time.process_time() - start
+
+    return timed(one_pass)[0]
 
 
 def mode_run(spec_: _zoo.RunSpec, cache: str) -> Dict[str, Any]:
@@ -168,10 +168,8 @@ def mode_run(spec_: _zoo.RunSpec, cache: str) -> Dict[str, Any]:
     and the one call's default at ``theta*``."""
     module, data, result = study.trained(spec_, cache)
     loader = _zoo._loader(data.x_train, data.y_train, 500, None)
-    start = time.process_time()
-    lin = linearized_evidence(module, loader, module.likelihood, module.prior, "kron", "ggn", steps=MODE_STEPS,
-                              tol=1e-3, history=100)
-    seconds = time.process_time() - start
+    seconds, _, lin = timed(lambda: linearized_evidence(module, loader, module.likelihood, module.prior, "kron", "ggn",
+                                                       steps=MODE_STEPS, tol=1e-3, history=100))
     step = torch.cat([(a - b.detach()).reshape(-1) for a, b in zip(lin.params, module.prior.params)])
     x, y = data.x_test[:_zoo.LINEARIZED], data.y_test[:_zoo.LINEARIZED]
     ood = _zoo.ood_inputs(spec_.ood, data.image_size)[:_zoo.LINEARIZED]
