@@ -244,4 +244,4 @@ def _linearized(model: nn.Module, names: List[str], theta: List[Tensor], tangent
     # attention's fused CPU kernels have no forward-mode derivative; the math one computes the same function
     with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
         output, change = output_and_change(model, names, theta, tangent, inputs)
-    return output + change
+    return change.add_(output)  # in place: a batch of a vocabulary's logits is large (exact: addition commutes)

@@ -117,7 +117,8 @@ class Likelihood(nn.Module):
     def term_hessian_sqrt(
         self, output: Tensor, target: Tensor, approx: str, mc_samples: int, generator: Optional[torch.Generator]
     ) -> Tensor:
-        """Factor ``L`` ``(n, C, k)`` of each term's curvature in ``f`` (unit noise and temperature)."""
+        """Factor ``L`` ``(n, C, k)`` of each term's curvature in ``f`` (unit noise and temperature), a tensor of
+        its own: the rows of ignored terms are zeroed in it."""
         raise NotImplementedError
 
     def term_columns(self, n_outputs: int, approx: str, mc_samples: int) -> int:
@@ -126,7 +127,8 @@ class Likelihood(nn.Module):
         raise NotImplementedError
 
     def term_statistics(self, output: Tensor, target: Tensor, mask: Tensor) -> Dict[str, Tensor]:
-        """Sum-reduced sufficient statistics of the kept terms (integer counts as int64 tensors)."""
+        """Sum-reduced sufficient statistics of the terms ``mask`` keeps (integer counts as int64 tensors), from
+        every row of :meth:`terms`: computed row by row, then selected."""
         raise NotImplementedError
 
     def log_likelihood(self, stats: Dict[str, Tensor], values: Dict[str, Tensor]) -> Tensor:
@@ -142,7 +144,10 @@ class Likelihood(nn.Module):
     def nll(self, output: Tensor, target: Tensor) -> Tensor:
         """Untempered negative log-likelihood of every kept term at the current hyperparameters, ``(n_kept,)``."""
         flat, flat_target, mask = self.terms(output, target)
-        return self.term_nll(flat[mask], flat_target[mask])
+        if output.requires_grad and torch.is_grad_enabled():
+            # the kept rows only: an ignored row's non-finite outputs (padding) would reach the gradient as 0 * nan
+            return self.term_nll(flat[mask], flat_target[mask])
+        return self.term_nll(flat, flat_target)[mask]  # row by row, then the kept: no copy of a vocabulary's logits
 
     def count(self, output: Tensor, target: Tensor) -> int:
         """Number of kept terms (data) in the batch: what ``n_data`` counts."""
@@ -162,7 +167,7 @@ class Likelihood(nn.Module):
     def statistics(self, output: Tensor, target: Tensor) -> Dict[str, Tensor]:
         """Sum-reduced statistics of the batch, computed in float64 whatever the output dtype."""
         flat, flat_target, mask = self.terms(output.double(), target)
-        stats = self.term_statistics(flat[mask], flat_target[mask], mask)
+        stats = self.term_statistics(flat, flat_target, mask)
         stats["n_data"] = mask.sum()
         return stats
 
@@ -186,7 +191,9 @@ class Likelihood(nn.Module):
         positions have zero columns. Computed in float64, returned in the output's dtype.
         """
         flat, flat_target, mask = self.terms(output.detach().double(), target)
-        factor = self.term_hessian_sqrt(flat, flat_target, approx, mc_samples, generator) * mask.reshape(-1, 1, 1)
+        factor = self.term_hessian_sqrt(flat, flat_target, approx, mc_samples, generator)
+        if not bool(mask.all()):
+            factor[~mask] = 0  # ignored positions: zero columns, written in place (a vocabulary's factor is large)
         b, c, k = output.shape[0], output.shape[-1], factor.shape[2]
         if output.dim() == 2:
             return factor.to(output.dtype)
@@ -271,7 +278,7 @@ class GaussianLikelihood(Likelihood):
         return 0.5 * ((target - output) ** 2).sum(1) / sigma2 + 0.5 * output.shape[1] * torch.log(2 * math.pi * sigma2)
 
     def term_statistics(self, output: Tensor, target: Tensor, mask: Tensor) -> Dict[str, Tensor]:
-        return {"sse": ((target - output) ** 2).sum(), "n_outputs": torch.tensor(target.numel())}
+        return {"sse": ((target - output) ** 2)[mask].sum(), "n_outputs": torch.tensor(int(mask.sum()) * target.shape[1])}
 
     def log_likelihood(self, stats: Dict[str, Tensor], values: Dict[str, Tensor]) -> Tensor:
         log_sigma = values["log_sigma"]
@@ -288,7 +295,7 @@ class GaussianLikelihood(Likelihood):
         if mc_samples:
             noise = torch.randn(n, c, mc_samples, dtype=output.dtype, generator=generator).to(output.device)
             return noise / math.sqrt(mc_samples)
-        return torch.eye(c, dtype=output.dtype, device=output.device).expand(n, c, c)
+        return torch.eye(c, dtype=output.dtype, device=output.device).repeat(n, 1, 1)
 
     def term_columns(self, n_outputs: int, approx: str, mc_samples: int) -> int:
         return 1 if approx == "ef" else mc_samples or n_outputs
@@ -365,7 +372,8 @@ class CategoricalLikelihood(Likelihood):
     def term_statistics(self, output: Tensor, target: Tensor, mask: Tensor) -> Dict[str, Tensor]:
         # the output-space traces of the EF and the GGN factors, for the EF's curvature check (diagnostics)
         ef_trace, ggn_trace = categorical_traces(output, target)
-        return {"log_lik": -self.term_nll(output, target).sum(), "ef_trace": ef_trace.sum(), "ggn_trace": ggn_trace.sum()}
+        log_lik = -self.term_nll(output, target)[mask].sum()
+        return {"log_lik": log_lik, "ef_trace": ef_trace[mask].sum(), "ggn_trace": ggn_trace[mask].sum()}
 
     def log_likelihood(self, stats: Dict[str, Tensor], values: Dict[str, Tensor]) -> Tensor:
         return stats["log_lik"] * torch.exp(-values["log_temperature"])

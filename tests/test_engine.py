@@ -128,6 +128,35 @@ def test_exact_categorical_factor_has_c_minus_one_columns():
     assert (factor @ factor.transpose(1, 2) - lam).abs().max() < 1e-14
 
 
+# --- issue 54: a vocabulary's logits are not copied to drop ignored positions ----------------------
+
+
+@pytest.mark.parametrize("approx, mc_samples", [("ggn", 0), ("ggn", 2), ("ef", 0)])
+def test_ignored_positions_never_reach_the_likelihoods_sums_whatever_their_outputs(approx, mc_samples):
+    """The statistics, the factor and the NLL are computed row by row and the ignored rows dropped after (no copy
+    of the outputs): the kept rows' values must be those of the kept rows alone, bit for bit, and an ignored
+    row's outputs (here inf and nan, as padding may give) must not reach a sum, a factor column or a gradient."""
+    lik = CategoricalLikelihood()
+    logits = 3 * torch.randn(10, 7, dtype=torch.float64)
+    labels = torch.randint(0, 7, (10,))
+    labels[4] = labels[7] = -100
+    logits[4, 2], logits[7] = math.inf, math.nan
+    kept = labels != -100
+
+    stats, alone = lik.statistics(logits, labels), lik.statistics(logits[kept], labels[kept])
+    assert stats.keys() == alone.keys() and all(torch.equal(stats[k], alone[k]) for k in stats)
+    assert torch.equal(lik.nll(logits, labels), lik.nll(logits[kept], labels[kept]))
+
+    factor = lik.hessian_sqrt(logits, labels, approx, mc_samples, torch.Generator().manual_seed(0))
+    rows = lik.term_hessian_sqrt(logits, labels.clamp(min=0), approx, mc_samples, torch.Generator().manual_seed(0))
+    assert torch.equal(factor[~kept], torch.zeros_like(factor[~kept])) and torch.equal(factor[kept], rows[kept])
+
+    with_grad = logits.clone().requires_grad_()
+    loss = lik.nll(with_grad, labels).sum()
+    loss.backward()
+    assert torch.equal(loss.detach(), lik.nll(logits[kept], labels[kept]).sum()) and torch.isfinite(with_grad.grad).all()
+
+
 # --- issue 13: torch.compile, activation checkpointing, parametrized weights ---------------------
 
 
