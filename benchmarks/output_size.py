@@ -193,13 +193,15 @@ def cost(net, x, y, batch_size: int, mc_samples: Any, repeats: int = 1, guarded:
             peak_estimate = peak_mb()  # before any guard ran: the peak RSS only grows
         if guarded:
             guards.append(_guard_cpu(evidence, net, loader, prior.log_precision))
+        estimator = evidence.estimator
+        del evidence  # not held while the next one is fitted: the peaks are one estimate's
     estimate_cpu = min(estimates)
     guard = _guard_figures(min(guards), estimate_cpu, epoch_cpu, trained) if guarded else {}
     return {
         "epoch_cpu": epoch_cpu, "estimate_cpu": estimate_cpu, "epochs_per_estimate": estimate_cpu / epoch_cpu,
         "run_ratio": (EPOCHS * epoch_cpu + ESTIMATES * estimate_cpu) / (EPOCHS * epoch_cpu),
         "peak_before_mb": before, "peak_training_mb": trained, "peak_estimate_mb": peak_estimate,
-        "memory_ratio": peak_estimate / trained, "estimator": evidence.estimator, "n_params": sum(p.numel() for p in params),
+        "memory_ratio": peak_estimate / trained, "estimator": estimator, "n_params": sum(p.numel() for p in params),
         **guard,
     }
 
