@@ -29,6 +29,9 @@ Parts (each in a fresh process, so that its peak memory is its own; ``--parts`` 
   64 sequences of 32 tokens, its head tied to the token embedding or a separate trained Linear; 3 epochs,
   3 estimates at the defaults and after each the prior guard's scoring, the least CPU of each kept (one
   timing of these moved by up to a training epoch between two runs of the part).
+* ``rows-50257``: a batch's categorical statistics and NLL on 1,024 rows of 50,257 logits with a fraction of the
+  rows ignored, computed on every row and the ignored dropped after, or on a copy of the kept rows (the least CPU
+  of three): where the likelihood's choice between the two (at least 4 in 5 kept: every row) comes from.
 
 ``mlp-C``, ``cnn-100``, the factor parts' diagonal and the GPT-2 50,257 parts time the prior guard after the
 estimate as ``MargLikCallback()`` runs it within training (issue 52's default): issue 54's targets are judged on
@@ -60,7 +63,8 @@ from _common import RESULTS, cpu_name, hand_written, load_avg, now, read_data, t
 
 FACTOR_CLASSES = (10, 100, 1000, 2000, 5000, 10000, 20000, 50000)
 PARTS = ["crossover", "mlp-10", "mlp-100", "mlp-1000", "mlp-10000", "cnn-100", "gpt2", "gpt2-lora", "quality-10",
-         "quality-100", *(f"factor-{c}" for c in FACTOR_CLASSES), "gpt2-50257", "gpt2-50257-untied"]
+         "quality-100", *(f"factor-{c}" for c in FACTOR_CLASSES), "gpt2-50257", "gpt2-50257-untied", "rows-50257"]
+KEPT_FRACTIONS = (0.3, 0.5, 0.7, 0.8, 0.9, 1.0)
 EXACT_FACTOR_MAX = 10_000  # the exact output-side factor beyond: 3.2 GB and ~8x the 10,000-class eigendecomposition
 TARGET_EPOCHS, TARGET_MEMORY = 5.0, 1.3  # issue 54's bound on one default estimate
 RESULT = RESULTS / "output_size.md"
@@ -326,6 +330,29 @@ def factor(classes: int) -> Dict[str, Any]:
     return out
 
 
+def rows(vocabulary: int, n: int = 1024) -> Dict[str, Any]:
+    """The likelihood's two ways to drop ignored rows, timed at each of ``KEPT_FRACTIONS``."""
+    import torch
+
+    from lightning_marglik import CategoricalLikelihood
+
+    likelihood = CategoricalLikelihood()
+    logits = torch.randn(n, vocabulary, generator=torch.Generator().manual_seed(0))
+    out = {}
+    for kept in KEPT_FRACTIONS:
+        labels = torch.randint(0, vocabulary, (n,), generator=torch.Generator().manual_seed(1))
+        labels[torch.rand(n, generator=torch.Generator().manual_seed(2)) >= kept] = -100
+        flat, target, mask = likelihood.terms(logits.double(), labels)
+        ways = {
+            "statistics, every row": lambda: likelihood.term_statistics(flat, target, mask),
+            "statistics, kept rows' copy": lambda: likelihood.term_statistics(flat[mask], target[mask], mask[mask]),
+            "nll, every row": lambda: likelihood.term_nll(logits, target)[mask],
+            "nll, kept rows' copy": lambda: likelihood.term_nll(logits[mask], target[mask]),
+        }
+        out[str(kept)] = {way: min(timed(run)[0] for _ in range(3)) for way, run in ways.items()}
+    return out
+
+
 def run_part(part: str) -> Dict[str, Any]:
     import torch
 
@@ -361,6 +388,8 @@ def run_part(part: str) -> Dict[str, Any]:
         return cost(net, tokens, labels, 32, "auto")
     if kind == "factor":
         return factor(int(size))
+    if kind == "rows":
+        return rows(int(size))
     if kind == "quality":
         return quality(int(size))
     raise ValueError(part)
@@ -436,6 +465,17 @@ def render(data: Dict[str, Any]) -> str:
                          f"{r['peak_estimate_mb']:.0f} / {r['peak_guard_mb']:.0f} | {r['memory_ratio_guarded']:.2f} | "
                          f"{r.get('library', '?')}, {r.get('date', '?')} |")
     lines += _factor_lines(parts)
+    if "rows-50257" in parts:
+        ways = ("statistics, every row", "statistics, kept rows' copy", "nll, every row", "nll, kept rows' copy")
+        measured = parts["rows-50257"]
+        lines += ["", "## Ignored rows: every row's terms or the kept rows' copy (1,024 rows of 50,257 logits, CPU s)", "",
+                  f"{measured['library']}, {measured['machine']}, {measured['date']}; the likelihood takes every row "
+                  "where at least 80 % are kept.", "",
+                  "| kept | " + " | ".join(ways) + " |", "|---:|" + "---:|" * len(ways)]
+        for kept, row in measured.items():
+            if kept in ("library", "machine", "date"):
+                continue
+            lines.append(f"| {float(kept):.0%} | " + " | ".join(f"{row[way]:.3f}" for way in ways) + " |")
     return "\n".join(lines) + "\n\n" + hand_written(RESULT)
 
 
