@@ -69,8 +69,9 @@ def sample_classes(probs: Tensor, samples: int, generator: Optional[torch.Genera
 def _row_by_row(mask: Tensor) -> bool:
     """Whether a batch's terms are computed on every row and the ignored rows dropped after, with no copy of the
     outputs (a vocabulary's logits): where at least 4 in 5 rows are kept. With more ignored rows (masked prompts)
-    the kept rows' copy is cheaper: on 1,024 rows of 50,257 logits the two took as long at 78 % kept (the
-    statistics; the NLL at 50 %). Either way the kept rows' values are the same."""
+    the kept rows' copy is cheaper: on 1,024 rows of 50,257 logits the two took as long between 70 and 80 % kept
+    for the statistics, near 50 % for the NLL (``benchmarks/results/output_size.md``). Either way the kept rows'
+    values are the same."""
     return int(mask.sum()) * 5 >= 4 * mask.numel()
 
 
