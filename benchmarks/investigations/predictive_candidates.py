@@ -18,7 +18,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -225,14 +225,14 @@ DRAWS = 30  # weight draws per input batch (the GLM's MC takes 100 of the logits
 SAMPLED = "NN predictive"
 
 
-def posterior_draw(evidence: LaplaceEvidence, generator: torch.Generator) -> List[Tensor]:
-    """One draw of ``N(0, H^-1)``, one flat float64 tensor per prior tensor, from the evidence's own structures at its
-    prior's precisions: a Kronecker block in its eigenbasis (``L (z / sqrt(s E + delta)) R^T``, as its inverse
-    applies ``1 / (s E + delta)``), a diagonal block by its entries. It reads the structures' private eigenbases:
-    an investigation's, not the library's.
+def _posterior_blocks(evidence: LaplaceEvidence) -> List[Tuple[int, Optional[Tensor], Optional[Tensor], Tensor, bool]]:
+    """The evidence's posterior precision per prior tensor ``i`` in its block's eigenbasis, ``(i, L, R, s E + delta,
+    transposed)``: per matrix ``X`` of the tensor's view, ``H = L diag(s E + delta) L^T`` on the left and ``R`` on the
+    right (``None``: the identity; a diagonal block's entries as ``E``), in the working layout ``(m, c, r)`` where the
+    tensor stores ``X^T``. It reads the structures' private eigenbases: an investigation's, not the library's.
 
     Raises:
-        NotImplementedError: On a structure other than these two.
+        NotImplementedError: On a structure other than a Kronecker or a diagonal one.
     """
     from lightning_marglik.curvature.structures.diag import DiagStructure
     from lightning_marglik.curvature.structures.kron import KronStructure, _rows, _view
@@ -241,26 +241,41 @@ def posterior_draw(evidence: LaplaceEvidence, generator: torch.Generator) -> Lis
     hyper = {name: value.detach().double() for name, value in likelihood.hyperparameters().items()}
     scale = likelihood.curvature_scale(evidence.approx, hyper)
     delta = [d.exp() for d in prior.tensor_log_precisions(prior.log_precision.detach().double())]
-    draws: Dict[int, Tensor] = {}
+    blocks = []
     for structure in evidence.structures:
         if isinstance(structure, DiagStructure):
-            for i, diagonal in structure.diagonal().items():
-                root = (scale * diagonal + delta[i]).rsqrt()
-                draws[i] = torch.randn(root.shape, generator=generator, dtype=torch.float64) * root
+            blocks += [(i, None, None, (scale * diagonal + delta[i]).reshape(1, -1, 1), False)
+                       for i, diagonal in structure.diagonal().items()]
             continue
         if not isinstance(structure, KronStructure):
-            raise NotImplementedError(f"posterior_draw: no sampler for {type(structure).__name__}")
+            raise NotImplementedError(f"no posterior blocks of {type(structure).__name__}")
         for j, (layer, shape) in enumerate(zip(structure.layers, structure.shapes)):
             bases = structure._bases(j)
             for role, i in layer.roles.items():
-                (m, r, c), transposed = _view(shape, role)
                 left, right, values = bases[role]
-                root = (scale * _rows(values) + delta[i]).rsqrt()  # the working layout: (m, c, r) where transposed
-                x = torch.randn(root.shape, generator=generator, dtype=torch.float64) * root
-                x = left @ x if left is not None else x
-                x = x @ right.mT if right is not None else x
-                draws[i] = (x.transpose(1, 2) if transposed else x).reshape(-1)
-    return [draws[i] for i in range(len(prior.params))]
+                blocks.append((i, left, right, scale * _rows(values) + delta[i], _view(shape, role)[1]))
+    return sorted(blocks, key=lambda block: block[0])
+
+
+def _to_tensor(x: Tensor, left: Optional[Tensor], right: Optional[Tensor], transposed: bool) -> Tensor:
+    """``L x R^T`` of a block's working layout, flat in the tensor's own order."""
+    x = left @ x if left is not None else x
+    x = x @ right.mT if right is not None else x
+    return (x.transpose(1, 2) if transposed else x).reshape(-1)
+
+
+def posterior_draw(evidence: LaplaceEvidence, generator: torch.Generator) -> List[Tensor]:
+    """One draw of ``N(0, H^-1)``, one flat float64 tensor per prior tensor: ``L (z / sqrt(s E + delta)) R^T`` per
+    block (:func:`_posterior_blocks`)."""
+    return [_to_tensor(torch.randn(precision.shape, generator=generator, dtype=torch.float64) * precision.rsqrt(),
+                       left, right, transposed) for _, left, right, precision, transposed in _posterior_blocks(evidence)]
+
+
+def marginal_variances(evidence: LaplaceEvidence) -> Tensor:
+    """``diag(H^-1)`` of every weight, flat in the prior's order: ``(L o L) (1 / (s E + delta)) (R o R)^T`` per block."""
+    return torch.cat([_to_tensor(1 / precision, None if left is None else left * left,
+                                 None if right is None else right * right, transposed)
+                      for _, left, right, precision, transposed in _posterior_blocks(evidence)])
 
 
 def sampled_probabilities(evidence: LaplaceEvidence, module: Any, inputs: Tensor, draws: int,
@@ -323,6 +338,71 @@ def sampled_report(runs: Dict[str, List[Dict[str, Any]]], command: str, elapsed:
         *study.variant_rows(runs, {})])
 
 
+# --- a subnetwork posterior (Daxberger et al., ICML 2021) -------------------------------------------------------
+
+SUBNETWORK = 1000  # weights of the subnetwork, chosen by their marginal variance under the kron posterior as trained
+SUBNET = f"subnetwork of {SUBNETWORK} weights"
+
+
+def subnetwork_run(spec_: _zoo.RunSpec, cache: str) -> Dict[str, Any]:
+    """A subnetwork posterior: the :data:`SUBNETWORK` weights of largest marginal variance under the kron-GGN
+    posterior as trained (Daxberger et al. choose by a diagonal posterior's), a full-covariance Laplace over them
+    (their exact GGN on the training data, at their tensors' learned precisions) and every other weight at its
+    trained value; its GLM predictive against the network alone and the one call's default."""
+    module, data, result = study.trained(spec_, cache)
+    prior, likelihood = module.prior, module.likelihood
+    loader = _zoo._loader(data.x_train, data.y_train, 500, None)
+    evidence = LaplaceEvidence.fit(module, loader, likelihood, prior, "kron", "ggn")
+    chosen = marginal_variances(evidence).topk(min(SUBNETWORK, sum(prior.param_sizes))).indices
+    hyper = {name: value.detach().double() for name, value in likelihood.hyperparameters().items()}
+    delta = torch.cat([d.exp().expand(n) for d, n in zip(prior.tensor_log_precisions(
+        prior.log_precision.detach().double()), prior.param_sizes)])
+    precision = torch.diag(delta[chosen])
+    scale = likelihood.curvature_scale("ggn", hyper)
+    for i in range(0, len(data.y_train), study.CHUNK):
+        mean, jac = output_jacobians(prior, module, data.x_train[i:i + study.CHUNK])
+        rows, p = jac[:, :, chosen].double(), mean.double().softmax(1)
+        hessian = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
+        precision += scale * torch.einsum("bcs,bcd,bdt->st", rows, hessian, rows)
+    covariance = torch.cholesky_inverse(torch.linalg.cholesky(precision))
+    x, y = data.x_test[:_zoo.LINEARIZED], data.y_test[:_zoo.LINEARIZED]
+    ood = _zoo.ood_inputs(spec_.ood, data.image_size)[:_zoo.LINEARIZED]
+    generator = torch.Generator().manual_seed(spec_.seed)
+    names = ["network alone", "as trained, tempered (the one call's default)", f"{SUBNET}, tempered", f"{SUBNET}, MC"]
+    probs: Dict[str, List[List[Tensor]]] = {name: [[], []] for name in names}
+    for part, inputs in enumerate((x, ood)):
+        for i in range(0, len(inputs), study.CHUNK):
+            mean, jac = output_jacobians(prior, module, inputs[i:i + study.CHUNK])
+            rows = jac[:, :, chosen].double()
+            sub = (rows @ covariance @ rows.mT).to(mean)
+            probs["network alone"][part].append(mean.softmax(1))
+            probs[names[1]][part].append(class_probabilities(mean, evidence.jacobian_covariance(jac), "tempered"))
+            probs[names[2]][part].append(class_probabilities(mean, sub, "tempered"))
+            probs[names[3]][part].append(class_probabilities(mean, sub, "mc", study.MC_SAMPLES, generator))
+    scores = {name: _zoo._softmax_scores(torch.cat(p[0]), y, torch.cat(p[1])) for name, p in probs.items()}
+    return {"library": result["library"], "scores": scores, "weights": len(chosen),
+            "parameters": sum(prior.param_sizes)}
+
+
+def subnetwork_report(runs: Dict[str, List[Dict[str, Any]]], command: str, elapsed: float, library: str) -> str:
+    """The results page's part for :func:`subnetwork_run` on every cell."""
+    trained_on = sorted({r["library"] for rs in runs.values() for r in rs})
+
+    def size(rs: List[Dict[str, Any]], name: str) -> str:
+        return f"{rs[0]['weights']:,} of {rs[0]['parameters']:,}" if name == "network alone" else ""
+
+    return "\n".join([
+        "## A subnetwork posterior (item 2's last-layer and subnetwork posteriors)", "",
+        f"Date: {now()}. Command: `{command}` ({elapsed / 60:.1f} min). Library {library}; runs trained on "
+        f"{', '.join(trained_on)}. {EVERY_CELL} Subnetwork Laplace (Daxberger et al., ICML 2021): the {SUBNETWORK} "
+        "weights of largest marginal variance under the kron-GGN posterior as trained (`marginal_variances`; the paper "
+        "chooses by a diagonal posterior's), a full-covariance posterior over them (their exact GGN on the training "
+        "data plus their tensors' learned precisions), every other weight held at its trained value; the GLM "
+        f"predictive, tempered and MC ({study.MC_SAMPLES} draws). Means over seeds; `meets`: seeds whose NLL and ECE "
+        "are at most the network's alone.", "",
+        *study.variant_rows(runs, {"subnetwork": size})])
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cache", default=os.path.join(_zoo.output_dir("predictive"), "runs"),
@@ -330,13 +410,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--temperature", action="store_true", help="a temperature fitted on the training data")
     parser.add_argument("--mode", action="store_true", help="the GLM predictive at the linear model's own MAP")
     parser.add_argument("--sampled", action="store_true", help="the NN predictive: weights drawn from the posterior")
+    parser.add_argument("--subnetwork", action="store_true", help="a subnetwork posterior (Daxberger et al. 2021)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     freeze_startup()
     command = ("python benchmarks/investigations/predictive_candidates.py "
                + " ".join(sys.argv[1:] if argv is None else argv))
     sections = {"temperature": (temperature_run, temperature_report), "mode": (mode_run, mode_report),
-                "sampled": (sampled_run, sampled_report)}
+                "sampled": (sampled_run, sampled_report), "subnetwork": (subnetwork_run, subnetwork_report)}
     computed = {}
     for key, (run, section) in sections.items():
         if getattr(args, key):
