@@ -1,12 +1,19 @@
-"""Two predictives that can also sharpen, for issue 53's never-worse default, measured on every cell of the
-predictive study (``benchmarks/predictive.py``: shapes8's runs, and issue 52's 12 cells from the prior guard study's
-cache) and dropped (``benchmarks/results/predictive_candidates.md``).
+"""Predictives measured for issue 53's never-worse default on every cell of the predictive study
+(``benchmarks/predictive.py``: shapes8's runs, and issue 52's 12 cells from the prior guard study's cache) and dropped
+(``benchmarks/results/predictive_candidates.md``). Two can also sharpen:
 
 ``--temperature``: the network's logits over one temperature fitted to the training labels, of the training logits
 (in-sample) or of approximate leave-one-out logits under three kron-GGN posteriors.
 
 ``--mode``: the GLM predictive with its mean at the linear model's own MAP (``linearized_evidence``, Antoran et al.
 2022): how far the trained weights are from it, and whether the predictive there is never worse.
+
+Two complete the issue's list of posteriors and predictives:
+
+``--sampled``: the NN predictive, weights drawn from the kron-GGN posterior and run through the network.
+
+``--subnetwork``: a subnetwork posterior (Daxberger et al., ICML 2021), full covariance over the weights of largest
+marginal variance.
 
 The runs are read from the caches (train shapes8's with ``python benchmarks/predictive.py --train``, the 12 cells'
 with ``python benchmarks/investigations/prior_guard.py --shard 0/1``).
@@ -424,7 +431,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             start = time.perf_counter()
             runs = every_cell(run, args.cache)
             computed[key] = {"runs": runs, "text": section(runs, command, time.perf_counter() - start, library_state())}
-    print(write_sections(PATH, "# Two predictives that can sharpen (issue 53, item 2)", list(sections), computed))
+    print(write_sections(PATH, "# Predictives measured and dropped (issue 53, item 2)", list(sections), computed))
 
 
 if __name__ == "__main__":
