@@ -233,10 +233,11 @@ SAMPLED = "NN predictive"
 
 
 def _posterior_blocks(evidence: LaplaceEvidence) -> List[Tuple[int, Optional[Tensor], Optional[Tensor], Tensor, bool]]:
-    """The evidence's posterior precision per prior tensor ``i`` in its block's eigenbasis, ``(i, L, R, s E + delta,
-    transposed)``: per matrix ``X`` of the tensor's view, ``H = L diag(s E + delta) L^T`` on the left and ``R`` on the
-    right (``None``: the identity; a diagonal block's entries as ``E``), in the working layout ``(m, c, r)`` where the
-    tensor stores ``X^T``. It reads the structures' private eigenbases: an investigation's, not the library's.
+    """The evidence's posterior precision per prior tensor ``i``, ``(i, L, R, s E + delta, transposed)``: in the basis
+    ``L (x) R`` of the tensor's matrices (``None``: the identity) it is diagonal, ``s E + delta`` (a diagonal block's
+    entries as ``E``), laid out as the matrices ``X`` of the tensor's view, or their transposes where the tensor
+    stores ``X^T`` (``transposed``). It reads the structures' private eigenbases: an investigation's, not the
+    library's.
 
     Raises:
         NotImplementedError: On a structure other than a Kronecker or a diagonal one.
