@@ -131,18 +131,22 @@ def test_exact_categorical_factor_has_c_minus_one_columns():
 # --- issue 54: a vocabulary's logits are not copied to drop ignored positions ----------------------
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 @pytest.mark.parametrize("ignored", [(4, 7), (0, 2, 4, 5, 7, 9)], ids=["padding", "masked prompts"])
 @pytest.mark.parametrize("approx, mc_samples", [("ggn", 0), ("ggn", 2), ("ef", 0)])
-def test_ignored_positions_never_reach_the_likelihoods_sums_whatever_their_outputs(approx, mc_samples, ignored):
+def test_ignored_positions_never_reach_the_likelihoods_sums_whatever_their_outputs(approx, mc_samples, ignored, layout):
     """With few ignored rows the statistics and the NLL are computed row by row and the ignored rows dropped after
     (no copy of the outputs), with many on the kept rows' copy; the factor's ignored rows are zeroed in place. Either
-    way the kept rows' values must be those of the kept rows alone, bit for bit, and an ignored row's outputs (here
-    inf and nan, as padding may give) must not reach a sum, a factor column or a gradient."""
+    way, and whether the outputs' rows are contiguous or strided (a network whose last op transposes), the kept rows'
+    values must be those of the kept rows alone, bit for bit, and an ignored row's outputs (here inf and nan, as
+    padding may give) must not reach a sum, a factor column or a gradient."""
     lik = CategoricalLikelihood()
     logits = 3 * torch.randn(10, 7, dtype=torch.float64)
     labels = torch.randint(0, 7, (10,))
     labels[list(ignored)] = -100
     logits[ignored[0], 2], logits[ignored[1]] = math.inf, math.nan
+    if layout == "transposed":  # strided rows: computed in place of the copy's contiguous ones
+        logits = logits.T.contiguous().T
     kept = labels != -100
 
     stats, alone = lik.statistics(logits, labels), lik.statistics(logits[kept], labels[kept])
