@@ -87,6 +87,18 @@ MC_SAMPLES = 100
 CHUNK = 250  # inputs per Jacobian
 
 
+def scored_inputs(spec_: _zoo.RunSpec, data: _zoo.Data) -> Tuple[Tensor, Tensor, Tensor]:
+    """The inputs every predictive of a run is scored on: its first ``LINEARIZED`` test inputs, their labels, and as
+    many OOD inputs."""
+    ood = _zoo.ood_inputs(spec_.ood, data.image_size)[:_zoo.LINEARIZED]
+    return data.x_test[:_zoo.LINEARIZED], data.y_test[:_zoo.LINEARIZED], ood
+
+
+def scores_of(probs: Dict[str, List[List[Tensor]]], y: Tensor) -> Dict[str, Dict[str, float]]:
+    """Each predictive's scores from its probabilities, gathered in chunks as ``[test parts, OOD parts]``."""
+    return {name: _zoo._softmax_scores(torch.cat(p[0]), y, torch.cat(p[1])) for name, p in probs.items()}
+
+
 def trained(spec_: _zoo.RunSpec, cache: str) -> Tuple[Any, _zoo.Data, Dict[str, Any]]:
     """The run's module at its final weights (hyperparameters included), its data and its cached result."""
     result = _zoo.cached(spec_, cache)
@@ -120,8 +132,7 @@ def analyse_run(spec_: _zoo.RunSpec, cache: str) -> Dict[str, Any]:
     """Every variant's scores on the run's test and OOD inputs, the network's alone, and the variance split."""
     module, data, result = trained(spec_, cache)
     loader = _zoo._loader(data.x_train, data.y_train, 500, None)
-    x, y = data.x_test[:_zoo.LINEARIZED], data.y_test[:_zoo.LINEARIZED]
-    ood = _zoo.ood_inputs(spec_.ood, data.image_size)[:_zoo.LINEARIZED]
+    x, y, ood = scored_inputs(spec_, data)
     trained_evidence = LaplaceEvidence.fit(module, loader, module.likelihood, module.prior, "kron", "ggn")
     fitted, fitted_prior = posthoc(module, loader)
     scalar, scalar_prior = posthoc(module, loader, "scalar")
@@ -164,7 +175,7 @@ def analyse_run(spec_: _zoo.RunSpec, cache: str) -> Dict[str, Any]:
     over = train["confidence"] > train["acc"]
     for gated, variant in GATED.items():
         probs[gated] = probs[variant] if over else probs["network alone"]
-    scores = {name: _zoo._softmax_scores(torch.cat(p[0]), y, torch.cat(p[1])) for name, p in probs.items()}
+    scores = scores_of(probs, y)
     return {
         "library": result["library"], "scores": scores, "train": train,
         "variance": {name: torch.cat(v).mean().item() for name, v in variance.items()},
@@ -374,8 +385,7 @@ def peer_run(spec_: _zoo.RunSpec, cache: str) -> Dict[str, Any]:
     module, data, _ = trained(spec_, cache)
     module.eval()
     loader = _zoo._loader(data.x_train, data.y_train, 500, None)
-    x, y = data.x_test[:_zoo.LINEARIZED], data.y_test[:_zoo.LINEARIZED]
-    ood = _zoo.ood_inputs(spec_.ood, data.image_size)[:_zoo.LINEARIZED]
+    x, y, ood = scored_inputs(spec_, data)
     with torch.no_grad():
         scores = {"network alone": _zoo._softmax_scores(module(x).softmax(1), y, module(ood).softmax(1))}
     precision: Dict[str, float] = {}

@@ -106,8 +106,7 @@ def temperature_run(spec_: _zoo.RunSpec, cache: str) -> Dict[str, Any]:
         loo_logits = torch.cat(parts)
         temperatures[f"leave-one-out, {name}"] = fit_temperature(loo_logits, y_train)
         loo_acc[name] = (loo_logits.argmax(1) == y_train).double().mean().item()
-    x, y = data.x_test[:_zoo.LINEARIZED], data.y_test[:_zoo.LINEARIZED]
-    ood = _zoo.ood_inputs(spec_.ood, data.image_size)[:_zoo.LINEARIZED]
+    x, y, ood = study.scored_inputs(spec_, data)
     with torch.no_grad(), eval_mode(module):
         test, out = _zoo.logits_of(module, x), _zoo.logits_of(module, ood)
     scores = {"network alone": _zoo._softmax_scores(test.softmax(1), y, out.softmax(1))}
@@ -178,8 +177,7 @@ def mode_run(spec_: _zoo.RunSpec, cache: str) -> Dict[str, Any]:
     seconds, _, lin = timed(lambda: linearized_evidence(module, loader, module.likelihood, module.prior, "kron", "ggn",
                                                        steps=MODE_STEPS, tol=1e-3, history=100))
     step = torch.cat([(a - b.detach()).reshape(-1) for a, b in zip(lin.params, module.prior.params)])
-    x, y = data.x_test[:_zoo.LINEARIZED], data.y_test[:_zoo.LINEARIZED]
-    ood = _zoo.ood_inputs(spec_.ood, data.image_size)[:_zoo.LINEARIZED]
+    x, y, ood = study.scored_inputs(spec_, data)
     methods = {"tempered": "tempered", "probit": "probit", "MC": "mc"}
     names = ["network alone", "as trained, tempered (the one call's default)", f"{MODE}, its mean alone",
              *(f"{MODE}, {m}" for m in methods)]
@@ -196,7 +194,7 @@ def mode_run(spec_: _zoo.RunSpec, cache: str) -> Dict[str, Any]:
             for label, method in methods.items():
                 probs[f"{MODE}, {label}"][part].append(
                     class_probabilities(moved, cov, method, study.MC_SAMPLES, generator))
-    scores = {name: _zoo._softmax_scores(torch.cat(p[0]), y, torch.cat(p[1])) for name, p in probs.items()}
+    scores = study.scores_of(probs, y)
     return {"library": result["library"], "scores": scores, "iterations": lin.iterations, "converged": lin.converged,
             "objective": list(lin.objective), "seconds": seconds, "epoch_seconds": pass_seconds(module, loader),
             "step_norm": step.norm().item()}
@@ -311,8 +309,7 @@ def sampled_run(spec_: _zoo.RunSpec, cache: str) -> Dict[str, Any]:
     loader = _zoo._loader(data.x_train, data.y_train, 500, None)
     posteriors = {"as trained": LaplaceEvidence.fit(module, loader, module.likelihood, module.prior, "kron", "ggn"),
                   "post hoc precisions": study.posthoc(module, loader)[0]}
-    x, y = data.x_test[:_zoo.LINEARIZED], data.y_test[:_zoo.LINEARIZED]
-    ood = _zoo.ood_inputs(spec_.ood, data.image_size)[:_zoo.LINEARIZED]
+    x, y, ood = study.scored_inputs(spec_, data)
     generator = torch.Generator().manual_seed(spec_.seed)
     probs: Dict[str, List[List[Tensor]]] = {"network alone": [[], []]}
     for part, inputs in enumerate((x, ood)):
@@ -327,7 +324,7 @@ def sampled_run(spec_: _zoo.RunSpec, cache: str) -> Dict[str, Any]:
                         class_probabilities(mean, cov, method, study.MC_SAMPLES, generator))
                 probs.setdefault(f"{name}, {SAMPLED}", [[], []])[part].append(
                     sampled_probabilities(evidence, module, chunk, DRAWS, generator))
-    scores = {name: _zoo._softmax_scores(torch.cat(p[0]), y, torch.cat(p[1])) for name, p in probs.items()}
+    scores = study.scores_of(probs, y)
     return {"library": result["library"], "scores": scores}
 
 
@@ -373,8 +370,7 @@ def subnetwork_run(spec_: _zoo.RunSpec, cache: str) -> Dict[str, Any]:
         hessian = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
         precision += scale * torch.einsum("bcs,bcd,bdt->st", rows, hessian, rows)
     covariance = torch.cholesky_inverse(torch.linalg.cholesky(precision))
-    x, y = data.x_test[:_zoo.LINEARIZED], data.y_test[:_zoo.LINEARIZED]
-    ood = _zoo.ood_inputs(spec_.ood, data.image_size)[:_zoo.LINEARIZED]
+    x, y, ood = study.scored_inputs(spec_, data)
     generator = torch.Generator().manual_seed(spec_.seed)
     names = ["network alone", "as trained, tempered (the one call's default)", f"{SUBNET}, tempered", f"{SUBNET}, MC"]
     probs: Dict[str, List[List[Tensor]]] = {name: [[], []] for name in names}
@@ -387,7 +383,7 @@ def subnetwork_run(spec_: _zoo.RunSpec, cache: str) -> Dict[str, Any]:
             probs[names[1]][part].append(class_probabilities(mean, evidence.jacobian_covariance(jac), "tempered"))
             probs[names[2]][part].append(class_probabilities(mean, sub, "tempered"))
             probs[names[3]][part].append(class_probabilities(mean, sub, "mc", study.MC_SAMPLES, generator))
-    scores = {name: _zoo._softmax_scores(torch.cat(p[0]), y, torch.cat(p[1])) for name, p in probs.items()}
+    scores = study.scores_of(probs, y)
     return {"library": result["library"], "scores": scores, "weights": len(chosen),
             "parameters": sum(prior.param_sizes)}
 
