@@ -21,6 +21,7 @@ with ``python benchmarks/investigations/prior_guard.py --shard 0/1``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -294,7 +295,9 @@ def sampled_probabilities(evidence: LaplaceEvidence, module: Any, inputs: Tensor
     names, _ = locate(module, evidence.prior)
     theta = [p.detach() for p in evidence.prior.params]
     total = torch.zeros(())
-    with torch.no_grad(), eval_mode(module):
+    with torch.no_grad(), eval_mode(module), contextlib.ExitStack() as reusing:
+        for structure in evidence.structures:  # every draw reads the same eigenbases: decomposed once
+            reusing.enter_context(structure.reusing_decompositions())
         for _ in range(draws):
             drawn = [t + z.to(t.dtype).view_as(t) for t, z in zip(theta, posterior_draw(evidence, generator))]
             total = total + functional_call(module, dict(zip(names, drawn)), (inputs,)).softmax(1)
