@@ -17,8 +17,9 @@ same test and OOD inputs as the network alone; writes ``results/predictive.md``.
 Fixup and BatchNorm ResNets; ``investigations/prior_guard.py``'s runs of the defaults arm, read from its cache:
 train them with its own command first), each scored on its first test images and its OOD inputs.
 
-``--one-call``: the one call at its defaults against the network alone on issue 52's other cells (the 100-class
-MLP family, full MNIST with the paper's MLP; the prior guard study's runs).
+``--one-call``: the one call at its default (``"auto"``), tempered and with the probit against the network alone on
+every cell of issue 52 (its 12 image cells, the 100-class MLP family, full MNIST with the paper's MLP; the prior guard
+study's runs).
 
 ``--peer`` (after ``--analyse``, whose rows it sets beside): laplace-torch's recommended recipe (last-layer kron
 Laplace, a scalar prior precision by its post-hoc marginal likelihood, GLM probit) and its full-network kron GLM, on
@@ -31,13 +32,14 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import math
 import os
 import sys
 import time
 import warnings
 from dataclasses import replace
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,7 +52,9 @@ from _common import (RESULTS, cpu_name, freeze_startup, now, package_version, re
                      write_sections)
 from lightning_marglik import GaussianPrior, LaplaceEvidence, predict  # noqa: E402
 from lightning_marglik.curvature import eval_mode  # noqa: E402
-from lightning_marglik.predictive import class_probabilities, output_jacobians  # noqa: E402
+from lightning_marglik.predictive import (  # noqa: E402
+    class_probabilities, output_jacobians, over_confident, training_confidence,
+)
 
 NETWORKS = ("mlp", "cnn")
 SEEDS = (0, 1, 2)
@@ -312,23 +316,29 @@ def variant_rows(runs: Dict[str, List[Dict[str, Any]]],
     return lines
 
 
-# --- the one call on issue 52's other cells ------------------------------------------------------------------
+# --- the one call on every cell of issue 52 ------------------------------------------------------------------
 
-ONE_CALL = {"the one call (tempered, its default)": "tempered", "the one call, probit": "probit"}
+ONE_CALL = {"the one call (its default, auto)": None, "the one call, tempered": "tempered",
+            "the one call, probit": "probit"}
 
 
-def one_call_run(spec_: _zoo.RunSpec, cache: str) -> Dict[str, Any]:
-    """``predict`` at its defaults (and with the probit) against the network alone on the run's whole test set and
-    its OOD inputs, where the run has them; the evidence at the final weights as the callback takes it (kron-GGN,
+def one_call_run(spec_: _zoo.RunSpec, cache: str, whole: bool = True) -> Dict[str, Any]:
+    """``predict`` at its default (``"auto"``), tempered and with the probit against the network alone on the
+    run's whole test set and its OOD inputs, where the run has them (``whole=False``: the inputs the analysis
+    scores, :func:`scored_inputs`); the evidence at the final weights as the callback takes it (kron-GGN,
     ``mc_samples="auto"``: one Monte-Carlo sample beyond 11 classes)."""
     module, data, result = trained(spec_, cache)
     evidence = LaplaceEvidence.fit(module, _zoo._loader(data.x_train, data.y_train, 500, None), module.likelihood,
                                    module.prior)
-    parts = {"test": data.x_test}
-    if spec_.ood:
-        parts["ood"] = _zoo.ood_inputs(spec_.ood, data.image_size)
+    if whole:
+        parts, y = {"test": data.x_test}, data.y_test
+        if spec_.ood:
+            parts["ood"] = _zoo.ood_inputs(spec_.ood, data.image_size)
+    else:
+        x, y, ood = scored_inputs(spec_, data)
+        parts = {"test": x, "ood": ood}
     probs: Dict[str, Dict[str, Tensor]] = {name: {} for name in ["network alone", *ONE_CALL]}
-    with warnings.catch_warnings(record=True) as caught:  # the one call's first test batch may warn
+    with warnings.catch_warnings(record=True) as caught:  # the first posterior batch may warn
         warnings.simplefilter("always")
         for part, inputs in parts.items():
             with torch.no_grad(), eval_mode(module):
@@ -337,29 +347,43 @@ def one_call_run(spec_: _zoo.RunSpec, cache: str) -> Dict[str, Any]:
                 for name, method in ONE_CALL.items():
                     probs[name][part] = torch.cat([predict(evidence, module, x, method=method)
                                                    for x in inputs.split(CHUNK)])
-    scores = {name: _zoo._softmax_scores(p["test"], data.y_test, p.get("ood")) for name, p in probs.items()}
-    return {"library": result["library"], "scores": scores,
+    scores = {name: _zoo._softmax_scores(p["test"], y, p.get("ood")) for name, p in probs.items()}
+    confidence, accuracy = training_confidence(evidence)
+    return {"library": result["library"], "scores": scores, "applied": over_confident(evidence),
+            "train": {"confidence": confidence, "acc": accuracy},
             "warned": any("near uniform" in str(w.message) for w in caught)}
 
 
 def one_call_report(runs: Dict[str, List[Dict[str, Any]]], command: str, elapsed: float, library: str) -> str:
-    """The results page's part for :func:`one_call_run` on issue 52's other cells."""
+    """The results page's part for :func:`one_call_run` on every cell of issue 52."""
     trained_on = sorted({r["library"] for rs in runs.values() for r in rs})
+    default, tempered = list(ONE_CALL)[:2]
+
+    def applied(rs: List[Dict[str, Any]], name: str) -> str:
+        return f"{sum(r['applied'] for r in rs)} / {len(rs)}" if name == default else ""
+
+    def train(rs: List[Dict[str, Any]], name: str) -> str:
+        return (f"{np.mean([r['train']['confidence'] for r in rs]):.4f} / {np.mean([r['train']['acc'] for r in rs]):.4f}"
+                if name == default else "")
 
     def warned(rs: List[Dict[str, Any]], name: str) -> str:
-        return f"{sum(r['warned'] for r in rs)} / {len(rs)}" if name == next(iter(ONE_CALL)) else ""
+        return f"{sum(r['warned'] for r in rs)} / {len(rs)}" if name == tempered else ""
 
     return "\n".join([
-        "## The one call on issue 52's other cells: the 100-class MLP family and full MNIST (item 2)", "",
+        "## The one call on every cell of issue 52 (item 2)", "",
         f"Date: {now()}. Command: `{command}` ({elapsed / 60:.1f} min). Library {library}; runs trained on "
         f"{', '.join(trained_on)}: the prior guard study's `defaults` arm (benchmarks/investigations/prior_guard.py), "
-        "seeds 0-2, on the six members of the 100-class MLP family (64 inputs, 5,000 test points, no OOD inputs) "
-        "and on full MNIST with the paper's MLP 784-1024-512-256-128-10 (12 epochs; 10,000 test images, permuted "
-        "MNIST as OOD). `predict(evidence, module, x)`, the evidence at the final weights as the callback takes it "
-        "(kron-GGN, `mc_samples=\"auto\"`); every test input. Means over seeds; `meets`: seeds whose NLL and ECE are "
-        "at most the network's alone; `warned`: seeds whose first batch (250 test inputs, tempered) made `predict` "
-        "warn that its probabilities are near uniform where the network is confident.", "",
-        *variant_rows(runs, {"warned": warned})])
+        "seeds 0-2. Its 12 image cells are scored on the inputs of the variants' table above (the first "
+        f"{_zoo.LINEARIZED} test and {_zoo.LINEARIZED} OOD images); the six members of the 100-class MLP family "
+        "(64 inputs, no OOD inputs) and full MNIST with the paper's MLP 784-1024-512-256-128-10 (12 epochs; permuted "
+        "MNIST as OOD) on every test input. `predict(evidence, module, x, method=...)`, the evidence at the final "
+        "weights as the callback takes it (kron-GGN, `mc_samples=\"auto\"`). Means over seeds; `posterior "
+        "applied`: seeds where the default found the network over-confident on its training data and applied the "
+        "tempered posterior (the network's own softmax elsewhere); `train confidence / accuracy`: the two figures "
+        "it compared (means over seeds); `warned`: seeds whose first posterior batch "
+        f"({CHUNK} test inputs, tempered) made `predict` warn that its probabilities are near uniform where the "
+        "network is confident; `meets`: seeds whose NLL and ECE are at most the network's alone.", "",
+        *variant_rows(runs, {"posterior applied": applied, "train confidence / accuracy": train, "warned": warned})])
 
 
 # --- the peer side by side (item 3) ----------------------------------------------------------------------------
@@ -542,21 +566,23 @@ def cost(cache: str, repeats: int = 3, n: int = 1000, batch: int = 100) -> Dict[
                 for b in batches:
                     module(b).softmax(1)
 
-        def one_call(method: str) -> Callable[[], None]:
+        def one_call(method: Optional[str]) -> Callable[[], None]:
             def run() -> None:
                 with torch.inference_mode():  # as in a predict_step
                     for b in batches:
                         predict(evidence, module, b, method=method)
             return run
 
-        timings = {name: [] for name in ("forward", "probit", "mc")}
-        for _ in range(repeats):  # interleaved: the load drifts alike for all three
-            for name, fn in (("forward", forward), ("probit", one_call("probit")), ("mc", one_call("mc"))):
+        calls = {"forward": forward, "default": one_call(None), "probit": one_call("probit"), "mc": one_call("mc")}
+        timings: Dict[str, List[float]] = {name: [] for name in calls}
+        for _ in range(repeats):  # interleaved: the load drifts alike for all of them
+            for name, fn in calls.items():
                 start = time.process_time()
                 fn()
                 timings[name].append(time.process_time() - start)
         medians = {k: float(np.median(v)) for k, v in timings.items()}
-        out[network] = {"seconds": medians, "parameters": sum(module.prior.param_sizes), "classes": 8}
+        out[network] = {"seconds": medians, "parameters": sum(module.prior.param_sizes), "classes": 8,
+                        "applied": over_confident(evidence)}
     return out
 
 
@@ -566,12 +592,16 @@ def cost_report(measured: Dict[str, Any], command: str, library: str) -> str:
              f"{package_version('torch')}. "
              "Process CPU seconds per 1,000 inputs in batches of 100 (medians of 3, the three measured in turn), at "
              "the seed-0 runs' final weights with their kron-GGN evidence; `predict` under `torch.inference_mode` as in "
-             "a `predict_step`; MC: 100 draws.", "",
-             "| network | parameters | forward (s) | predict, probit (s) | ratio | predict, MC (s) | ratio |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "a `predict_step`; MC: 100 draws; the default (`\"auto\"`) gives the network's own softmax where the network "
+             "is not over-confident on its training data (`posterior applied`: no), the tempered posterior elsewhere.",
+             "",
+             "| network | parameters | forward (s) | posterior applied | predict, default (s) | ratio | predict, probit "
+             "(s) | ratio | predict, MC (s) | ratio |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for network, m in measured.items():
         s = m["seconds"]
-        lines.append(f"| {network} | {m['parameters']:,} | {s['forward']:.4f} | {s['probit']:.3f} | "
+        lines.append(f"| {network} | {m['parameters']:,} | {s['forward']:.4f} | {'yes' if m['applied'] else 'no'} | "
+                     f"{s['default']:.4f} | {s['default'] / s['forward']:.1f}x | {s['probit']:.3f} | "
                      f"{s['probit'] / s['forward']:.0f}x | {s['mc']:.3f} | {s['mc'] / s['forward']:.0f}x |")
     return "\n".join(lines)
 
@@ -590,7 +620,7 @@ def main(argv: Any = None) -> None:
     parser.add_argument("--cells", action="store_true",
                         help="with --analyse: the variants on issue 52's 12 cells (the prior guard study's cached runs)")
     parser.add_argument("--one-call", action="store_true",
-                        help="the one call against the network alone on the 100-class MLP family and full MNIST")
+                        help="the one call against the network alone on every cell of issue 52")
     parser.add_argument("--peer", action="store_true",
                         help="laplace-torch's last-layer and full-network recipes on the analysed runs")
     args = parser.parse_args(argv)
@@ -635,7 +665,8 @@ def main(argv: Any = None) -> None:
         from common import library_state
 
         start = time.perf_counter()
-        runs = on_cells(one_call_run, other_specs)
+        runs = {**on_cells(functools.partial(one_call_run, whole=False), guard_specs),
+                **on_cells(one_call_run, other_specs)}
         computed.add("one_call")
         data["one_call"] = {"runs": runs, "text": one_call_report(runs, command, time.perf_counter() - start,
                                                                  library_state())}

@@ -15,7 +15,9 @@ import torch
 from torch import Tensor, nn
 
 
-__all__ = ["CategoricalLikelihood", "GaussianLikelihood", "Likelihood", "categorical_traces", "log_buffer"]
+__all__ = [
+    "CategoricalLikelihood", "GaussianLikelihood", "Likelihood", "categorical_rows", "categorical_traces", "log_buffer",
+]
 
 
 def log_buffer(value: float, name: str) -> Tensor:
@@ -28,7 +30,13 @@ def log_buffer(value: float, name: str) -> Tensor:
 
 def categorical_traces(logits: Tensor, labels: Tensor) -> Tuple[Tensor, Tensor]:
     """Per datum ``||y - p||^2`` and ``1 - ||p||^2`` (the traces of the EF's and the GGN's output-space
-    factors) in float64, accurate however confident the fit.
+    factors) in float64, accurate however confident the fit (:func:`categorical_rows`' first two)."""
+    return categorical_rows(logits, labels)[:2]
+
+
+def categorical_rows(logits: Tensor, labels: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per datum the two traces of :func:`categorical_traces`, the top class's probability and whether the label is
+    the top class (the network's confidence and accuracy on its data, which :func:`lightning_marglik.predict` reads).
 
     ``1 - p_c`` is computed as the sum of the other probabilities for each datum's most probable
     class: subtracting ``p_c ~ 1`` from 1 would cancel to 0 (and the ratio to 0/0) long before the
@@ -48,7 +56,7 @@ def categorical_traces(logits: Tensor, labels: Tensor) -> Tuple[Tensor, Tensor]:
     hit = labels == top
     miss = torch.where(hit, others, 1 - p_label)  # 1 - p_y
     ef = squares + torch.where(hit, 0.0, p_top * p_top - p_label * p_label) + miss * miss
-    return ef, others - squares + p_top * others
+    return ef, others - squares + p_top * others, p_top, hit
 
 
 def sample_classes(probs: Tensor, samples: int, generator: Optional[torch.Generator]) -> Tensor:
@@ -381,10 +389,12 @@ class CategoricalLikelihood(Likelihood):
         return nn.functional.cross_entropy(output, target, reduction="none")
 
     def term_statistics(self, output: Tensor, target: Tensor, mask: Tensor) -> Dict[str, Tensor]:
-        # the output-space traces of the EF and the GGN factors, for the EF's curvature check (diagnostics)
-        ef_trace, ggn_trace = categorical_traces(output, target)
+        # the output-space traces of the EF and the GGN factors, for the EF's curvature check (diagnostics); the
+        # confidence and the correct count, for the predictive's choice of whether to apply the posterior at all
+        ef_trace, ggn_trace, confidence, correct = categorical_rows(output, target)
         log_lik = -self.term_nll(output, target)[mask].sum()
-        return {"log_lik": log_lik, "ef_trace": ef_trace[mask].sum(), "ggn_trace": ggn_trace[mask].sum()}
+        return {"log_lik": log_lik, "ef_trace": ef_trace[mask].sum(), "ggn_trace": ggn_trace[mask].sum(),
+                "confidence": confidence[mask].sum(), "correct": correct[mask].sum()}
 
     def log_likelihood(self, stats: Dict[str, Tensor], values: Dict[str, Tensor]) -> Tensor:
         return stats["log_lik"] * torch.exp(-values["log_temperature"])

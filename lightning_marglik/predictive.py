@@ -25,7 +25,10 @@ from .evidence import LaplaceEvidence
 from .hyperparameters import CategoricalLikelihood, GaussianLikelihood, GaussianPrior
 from .validators import choice
 
-__all__ = ["RegressionPrediction", "linearized_outputs", "predict", "predict_regression", "predict_classification"]
+__all__ = [
+    "RegressionPrediction", "linearized_outputs", "over_confident", "predict", "predict_classification",
+    "predict_regression", "training_confidence",
+]
 
 log = logging.getLogger(__name__)
 
@@ -212,10 +215,14 @@ def predict_classification(
 def _classification(evidence: LaplaceEvidence, model: nn.Module, x: Tensor, method: str, samples: int,
                     generator: Optional[torch.Generator]) -> "tuple[Tensor, Tensor]":
     """The network's outputs ``(B, C)`` and :func:`predict_classification`'s probabilities."""
-    if not isinstance(samples, int) or samples < 1:
-        raise ValueError(f"`samples` must be an int >= 1, got {samples!r}.")
+    _check_samples(samples)
     mean, cov = linearized_outputs(evidence, model, x)
     return mean, class_probabilities(mean, cov, method, samples, generator)
+
+
+def _check_samples(samples: Any) -> None:
+    if not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"`samples` must be an int >= 1, got {samples!r}.")
 
 
 def _near_uniform_message(network: Tensor, predictive: Tensor) -> Optional[str]:
@@ -294,16 +301,21 @@ def predict(
     samples: int = 100,
     generator: Optional[torch.Generator] = None,
 ) -> Union[Tensor, RegressionPrediction]:
-    """The linearized-Laplace predictive of a batch in one call, e.g. in a LightningModule's ``predict_step``.
+    """The predictive of a batch in one call, e.g. in a LightningModule's ``predict_step``.
 
     Used: the posterior of ``source``: a ``MargLikCallback`` after ``trainer.fit`` (``callback.evidence``: the
     curvature of its last estimate, of the callback's ``structure`` and ``approx``, every tensor of the prior),
     or a :class:`LaplaceEvidence`; the prior's current precisions (learned, or held at the declared ``precision``
-    as the output layer by default) and the likelihood's ``sigma`` and temperature. A categorical likelihood gives
-    class probabilities ``(B, C)`` (:func:`predict_classification`: probit, or ``method="mc"``), a Gaussian one
-    mean and variance (:func:`predict_regression`). The first call for an evidence logs, on logger
-    ``lightning_marglik.predictive`` at info level, what it used; its first batch of class probabilities warns
-    where they are near uniform while the network's own softmax is confident (mean top probabilities within a
+    as the output layer by default) and the likelihood's ``sigma`` and temperature. A Gaussian likelihood gives
+    the linearized-Laplace mean and variance (:func:`predict_regression`). A categorical one gives class
+    probabilities ``(B, C)``; by default (``method="auto"``) the linearized-Laplace predictive, tempered, only where
+    the network is over-confident on its training data (its mean top probability there above its accuracy, both
+    summed in the estimate's own pass), and the network's own softmax elsewhere. Every posterior predictive
+    lowers the network's confidence, which can only help where it is too high: at the posterior the callback
+    learns, the network's softmax was better calibrated in every cell of ``benchmarks/results/predictive.md``.
+    :func:`describe` says which, with the two figures; the first call for an evidence logs it on logger
+    ``lightning_marglik.predictive`` at info level. A posterior predictive's first batch warns where its
+    probabilities are near uniform while the network's own softmax is confident (mean top probabilities within a
     tenth of the way from ``1/C`` to 1, and past half of it).
 
     Works under ``torch.inference_mode`` (Lightning's ``predict_step``): the Jacobians come from ``torch.func``,
@@ -316,9 +328,10 @@ def predict(
             gives outputs ``(B, C)``.
         x: A batch of inputs (a tensor, or a tuple or dict as ``forward`` takes them), not a ``(inputs,
             targets)`` batch.
-        method: Classification only: ``"tempered"`` (the default: the logits divided by one probit scale per
-            input, which keeps the network's predicted class; measured closer to the network's NLL than the others),
-            ``"probit"`` (laplace-torch's, :func:`predict_classification`'s default) or ``"mc"``.
+        method: Classification only: ``"auto"`` (the default, above), or always the posterior predictive:
+            ``"tempered"`` (the logits divided by one probit scale per input, which keeps the network's predicted
+            class; measured closer to the network's NLL than the others), ``"probit"`` (laplace-torch's,
+            :func:`predict_classification`'s default) or ``"mc"``.
         samples: Monte-Carlo draws for ``method="mc"``.
         generator: Random generator for the draws.
 
@@ -329,8 +342,9 @@ def predict(
         RuntimeError: If the callback has no estimate yet (called before ``trainer.fit``).
         ValueError: If ``module`` is not the network of the posterior, or its weights are not the estimate's
             (a checkpoint loaded, training continued), on a list batch, on outputs that are not ``(B, C)`` with
-            ``B >= 1`` or not finite (a NaN input), on any ``method`` for regression, on ``samples`` that is not an
-            int of at least 1, or on a forward that fails on ``x``.
+            ``B >= 1`` or not finite (a NaN input), on any ``method`` for regression, on ``"auto"`` with an
+            evidence whose likelihood statistics lack the confidence and correct count, on ``samples`` that is not
+            an int of at least 1, or on a forward that fails on ``x``.
         TypeError: If ``source`` is neither a callback nor an evidence.
     """
     evidence = _evidence_of(source)
@@ -351,12 +365,18 @@ def predict(
     if not classification and method is not None:
         raise ValueError(f"predict: method={method!r} is for classification; a Gaussian likelihood's predictive "
                          "is closed-form (leave method out).")
-    method = choice("tempered" if method is None else method, CLASSIFICATION_METHODS, "method")
+    if classification:
+        method = choice("auto" if method is None else method, ("auto", *CLASSIFICATION_METHODS), "method")
+        _check_samples(samples)  # before "auto" decides, which may not draw at all
     if evidence not in _described:
         _described.add(evidence)
         log.info(describe(source, method if classification else "closed form"))
     if not classification:
         return predict_regression(evidence, module, x)
+    if method == "auto":
+        if not over_confident(evidence):
+            return _outputs(prior, module, x)[0].softmax(1)
+        method = "tempered"
     mean, probs = _classification(evidence, module, x, method, samples, generator)
     if evidence not in _checked:  # the first batch an evidence predicts
         _checked.add(evidence)
@@ -366,22 +386,68 @@ def predict(
     return probs
 
 
+def training_confidence(evidence: LaplaceEvidence) -> Tuple[float, float]:
+    """The network's mean top-class probability and its accuracy on the evidence's data, at its weights.
+
+    Raises:
+        ValueError: If the evidence's likelihood statistics lack them (a likelihood whose ``term_statistics``
+            does not sum ``confidence`` and ``correct``).
+    """
+    stats = evidence.likelihood_statistics
+    if not {"confidence", "correct"} <= stats.keys():
+        raise ValueError(
+            "predict: method='auto' reads the network's confidence and accuracy on its training data from the "
+            f"evidence's likelihood statistics, which have only {sorted(stats)} (a likelihood whose term_statistics "
+            "does not sum 'confidence' and 'correct'): pass method='tempered', 'probit' or 'mc'.")
+    n_data = float(stats["n_data"])
+    return float(stats["confidence"]) / n_data, float(stats["correct"]) / n_data
+
+
+def over_confident(evidence: LaplaceEvidence) -> bool:
+    """Whether ``method="auto"`` applies the posterior: the network's mean top probability on its training data
+    exceeds its accuracy there.
+
+    Example:
+        >>> from torch import nn
+        >>> from lightning_marglik import CategoricalLikelihood, GaussianPrior, LaplaceEvidence
+        >>> net = nn.Linear(3, 4)
+        >>> with torch.no_grad():
+        ...     _ = net.weight.mul_(100)  # large logits: near-certain predictions of random labels
+        >>> data = [(torch.randn(64, 3), torch.randint(0, 4, (64,)))]
+        >>> evidence = LaplaceEvidence.fit(net, data, CategoricalLikelihood(), GaussianPrior(net))
+        >>> over_confident(evidence)
+        True
+    """
+    confidence, accuracy = training_confidence(evidence)
+    return confidence > accuracy
+
+
 def describe(source: Source, method: str = "probit") -> str:
     """What :func:`predict` uses with ``source`` (a ``MargLikCallback`` or an evidence), in one line."""
     evidence = _evidence_of(source)
     prior = evidence.prior
-    learned = set(prior.learned_names())
-    held = [n for n in prior.param_names if n not in learned]
     epoch = getattr(source, "last_estimate_epoch", None)
     where = f"the callback's last estimate (epoch {epoch + 1})" if epoch is not None else "this evidence"
+    chose = ""
+    if method == "auto":
+        confidence, accuracy = training_confidence(evidence)
+        figures = (f"on its {evidence.n_data} training data at {where}, mean top probability {confidence:.4f}, "
+                   f"accuracy {accuracy:.4f}")
+        if confidence <= accuracy:
+            return ("lightning_marglik.predict: the network's own softmax (method='auto': the network is not "
+                    f"over-confident on its training data ({figures}), and a posterior predictive can only lower "
+                    "its confidence; method='tempered' applies the posterior all the same).")
+        method, chose = "tempered", f" (method='auto': the network is over-confident on its training data, {figures})"
+    learned = set(prior.learned_names())
+    held = [n for n in prior.param_names if n not in learned]
     precisions = (f"{len(learned)} learned, {len(held)} held at their declared value ({', '.join(held)})" if held
                   else f"all {len(learned)} learned")
     how = {"probit": "probit (softmax(f / sqrt(1 + pi/8 var)))",
            "tempered": "tempered (softmax(f / sqrt(1 + pi/8 v)), v: the centred logits' mean variance)",
            "mc": "Monte Carlo over the linearized outputs"}.get(method, method)
-    return (f"lightning_marglik.predict: linearized-Laplace (GLM) predictive, {how}; posterior: {evidence.structure}-"
-            f"{evidence.approx} curvature of {where} over all {len(prior.param_names)} tensors of the prior; "
-            f"precisions: the prior's ({precisions}).")
+    return (f"lightning_marglik.predict: linearized-Laplace (GLM) predictive, {how}{chose}; posterior: "
+            f"{evidence.structure}-{evidence.approx} curvature of {where} over all {len(prior.param_names)} tensors "
+            f"of the prior; precisions: the prior's ({precisions}).")
 
 
 def _evidence_of(source: Source) -> LaplaceEvidence:

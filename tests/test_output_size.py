@@ -146,6 +146,23 @@ def test_the_categorical_traces_stay_accurate_however_confident_the_fit():
             assert abs(got - want) <= 1e-13 * want + 1e-307
 
 
+def test_the_likelihoods_confidence_and_correct_count_are_the_kept_rows_top_probabilities_and_hits():
+    """What ``predict``'s default reads: per kept row the softmax's top probability and whether it is the label's,
+    summed over a sequence batch with ignored positions, against the dense softmax of the kept rows."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 9, 7, generator=g) * 3
+    labels = torch.randint(0, 7, (4, 9), generator=g)
+    labels[:, ::2] = logits[:, ::2].argmax(2)  # half the positions predicted right
+    labels[1, 3:] = -100
+    stats = CategoricalLikelihood().statistics(logits, labels)
+    kept = labels != -100
+    p = logits[kept].double().softmax(1)
+    assert float(stats["confidence"]) == pytest.approx(p.max(1).values.sum().item(), rel=1e-14)
+    assert int(stats["correct"]) == int((p.argmax(1) == labels[kept]).sum()) and stats["correct"].dtype == torch.int64
+    assert int(stats["n_data"]) == int(kept.sum()) == 30
+    assert 15 < int(stats["correct"]) < 30  # both hits and misses among the kept rows
+
+
 # --- batches in parts: the same statistics -------------------------------------------------------
 
 

@@ -16,6 +16,7 @@ from lightning_marglik import (
     CategoricalLikelihood, GaussianLikelihood, GaussianPrior, LaplaceEvidence, MargLikCallback, RegressionPrediction,
     map_loss, predict, predict_classification,
 )
+from lightning_marglik.predictive import describe, over_confident, training_confidence
 from tests.lightning_models import trainer as make_trainer
 from tests.reference import jacobians
 
@@ -31,6 +32,7 @@ class Net(pl.LightningModule):
         self.prior = GaussianPrior(self.net, structure="layerwise")
         self.likelihood = CategoricalLikelihood() if kind == "classification" else GaussianLikelihood(sigma=0.5)
         self.source = None
+        self.method = None  # predict's default
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -42,7 +44,7 @@ class Net(pl.LightningModule):
     def predict_step(self, batch, batch_idx):
         x, _ = batch
         assert torch.is_inference_mode_enabled()  # what Lightning's predict loop runs under
-        return predict(self.source, self, x)
+        return predict(self.source, self, x, method=self.method)
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.net.parameters(), lr=2e-2)
@@ -91,6 +93,7 @@ def probit(f: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
 
 def test_classification_in_trainer_predict_equals_the_brute_force_tempered_probit():
     module, callback, trainer = fitted("classification")
+    module.method = "tempered"
     test = data("classification", 20, 1)
     batches = trainer.predict(module, DataLoader(test, batch_size=8))
     probs = torch.cat(batches)
@@ -124,7 +127,8 @@ def test_regression_in_trainer_predict_equals_the_brute_force_gaussian():
     assert abs(sigma2.item() - 0.25) > 1e-3  # learned, not the declared 0.5^2
 
 
-def test_modes_grads_and_requires_grad_are_left_as_they_were():
+@pytest.mark.parametrize("method", [None, "tempered"])
+def test_modes_grads_and_requires_grad_are_left_as_they_were(method):
     module, callback, _ = fitted("classification")
     module.train()
     module.net[2].eval()  # mixed flags: each one restored, not module.train()
@@ -135,17 +139,80 @@ def test_modes_grads_and_requires_grad_are_left_as_they_were():
     flags = [m.training for m in module.modules()]
     with torch.inference_mode():
         x = torch.randn(5, D, dtype=torch.float64)
-        probs = predict(callback, module, x)
+        probs = predict(callback, module, x, method=method)
     assert probs.shape == (5, 3)
     assert [m.training for m in module.modules()] == flags
     assert all(torch.equal(p.grad, g) for p, g in zip(module.parameters(), grads))
     assert [p.requires_grad for p in module.parameters()] == [True, False, True, True]
 
 
+def training_figures(module: Net):
+    """The fitted network's mean top probability and accuracy on its training data, by hand."""
+    x, y = data("classification", N, 0).tensors
+    with torch.no_grad():
+        p = module.eval()(x).softmax(1)
+    return p.max(1).values.mean().item(), (p.argmax(1) == y).double().mean().item()
+
+
+def test_the_default_returns_the_networks_softmax_where_it_is_not_over_confident_on_its_training_data(caplog):
+    module, callback, trainer = fitted("classification")
+    confidence, accuracy = training_figures(module)
+    assert confidence <= accuracy  # a network that fits its data: the posterior could only lower its confidence
+    test = data("classification", 20, 1)
+    with caplog.at_level(logging.INFO, logger="lightning_marglik.predictive"):
+        probs = torch.cat(trainer.predict(module, DataLoader(test, batch_size=8)))
+    with torch.no_grad():
+        assert torch.equal(probs, torch.cat([module.eval()(x).softmax(1) for x in test.tensors[0].split(8)]))
+    lines = [r.getMessage() for r in caplog.records if r.name == "lightning_marglik.predictive"]
+    assert len(lines) == 1 and "the network's own softmax (method='auto'" in lines[0], lines
+    assert f"on its {N} training data" in lines[0] and "epoch 30" in lines[0]
+    assert f"mean top probability {confidence:.4f}, accuracy {accuracy:.4f}" in lines[0]
+    with pytest.raises(ValueError, match="`samples` must be an int >= 1, got 0"):
+        predict(callback, module, test.tensors[0], samples=0)  # refused before the default decides not to draw
+
+
+def noisy_linear_model():
+    """A 10-class linear model confident on its data, a tenth of whose labels are wrong: over-confident on it."""
+    model, x, _ = confident_linear_model(precision=1.0)
+    y = torch.arange(200) % 10
+    y[::10] = (y[::10] + 1) % 10
+    evidence = LaplaceEvidence.fit(model, [(x, y)], CategoricalLikelihood(), GaussianPrior(model), mc_samples=0)
+    return model, x, y, evidence
+
+
+def test_the_default_applies_the_tempered_posterior_where_the_network_is_over_confident_on_its_training_data():
+    model, x, y, evidence = noisy_linear_model()
+    with torch.no_grad():
+        p = model(x).softmax(1)
+    confidence, accuracy = p.max(1).values.mean().item(), (p.argmax(1) == y).double().mean().item()
+    assert accuracy == 0.9 and confidence > 0.99
+    assert training_confidence(evidence) == pytest.approx((confidence, accuracy), rel=1e-12)
+    assert over_confident(evidence)
+    auto = predict(evidence, model, x[:7])
+    assert torch.equal(auto, predict(evidence, model, x[:7], method="tempered"))
+    assert (auto - model(x[:7]).softmax(1)).abs().max() > 1e-4  # the posterior applied: not the softmax
+    line = describe(evidence, "auto")
+    assert "tempered" in line and "over-confident on its training data, on its 200 training data" in line
+    assert f"mean top probability {confidence:.4f}, accuracy {accuracy:.4f}" in line
+
+
+def test_the_default_names_what_it_needs_from_a_likelihood_that_does_not_sum_it():
+    class Bare(CategoricalLikelihood):
+        def term_statistics(self, output, target, mask):
+            return {"log_lik": -self.term_nll(output, target)[mask].sum()}
+
+    model, x, y, _ = noisy_linear_model()
+    evidence = LaplaceEvidence.fit(model, [(x, y)], Bare(), GaussianPrior(model), mc_samples=0)
+    with pytest.raises(ValueError, match=r"only \['log_lik', 'n_data'\].*method='tempered', 'probit' or 'mc'"):
+        predict(evidence, model, x)
+    assert predict(evidence, model, x, method="probit").shape == (200, 10)
+
+
 def test_states_once_what_it_used(caplog):
     module, callback, _ = fitted("classification")
     x = torch.randn(4, D, dtype=torch.float64)
     with caplog.at_level(logging.INFO, logger="lightning_marglik.predictive"):
+        predict(callback, module, x, method="tempered")
         predict(callback, module, x)
         predict(callback, module, x, method="mc", samples=10)
     lines = [r.getMessage() for r in caplog.records if r.name == "lightning_marglik.predictive"]
@@ -213,11 +280,11 @@ def test_a_posterior_that_swamps_a_confident_networks_logits_warns_on_its_first_
     model, x, evidence = confident_linear_model(precision=1e-4)  # the prior barely binds: a wide posterior
     assert model(x).softmax(1).max(1).values.mean() > 0.9
     with pytest.warns(UserWarning, match=r"near uniform on this batch \(mean top probability 0\.1\d\d; uniform 0\.100\)"):
-        probs = predict(evidence, model, x[:50])
+        probs = predict(evidence, model, x[:50], method="tempered")
     assert probs.max(1).values.mean() < 0.19
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        predict(evidence, model, x[50:])  # once per evidence
+        predict(evidence, model, x[50:], method="tempered")  # once per evidence
         narrow_model, narrow_x, narrow = confident_linear_model(precision=1e4)
-        probs = predict(narrow, narrow_model, narrow_x)  # a posterior that leaves the logits their spread
+        probs = predict(narrow, narrow_model, narrow_x, method="tempered")  # a posterior that leaves the logits their spread
     assert probs.max(1).values.mean() > 0.5
