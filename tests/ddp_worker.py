@@ -284,6 +284,7 @@ def run_evidence_cases(out: Path) -> Dict[str, Any]:
             "log_prior": ev.log_prior().item(),
             "log_det": ev.log_det().item(),
             "n_data": ev.n_data,
+            "likelihood_statistics": {k: v.item() for k, v in ev.likelihood_statistics.items()},
             "counted_at_setup": module.counted,
             "last_marglik": callback.last_marglik,
             "logged_marglik": metric(trainer),

@@ -148,6 +148,11 @@ def test_evidence_under_ddp_equals_single_process(popen_run, popen_ranks, name):
         assert got["counted_at_setup"] == n  # map_loss's N: the shards' counts summed at set-up
         for key, value in expected.items():
             assert _close(got[key], value), f"rank {rank} {key}: {got[key]!r} != single-process {value!r}"
+        # every summed statistic of the likelihood too: for a classifier the confidence and the correct count that
+        # predict's default compares, over both ranks' shards without the sampler's padding
+        statistics = {k: v.item() for k, v in ref.likelihood_statistics.items()}
+        assert got["likelihood_statistics"].keys() == statistics.keys()
+        assert all(_close(got["likelihood_statistics"][k], v) for k, v in statistics.items()), (statistics, got)
         assert got["estimations"] == 1
         assert _close(got["last_marglik"], expected["log_marglik"] / n)
         assert got["logged_marglik"] == got["last_marglik"]
