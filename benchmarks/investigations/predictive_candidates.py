@@ -172,7 +172,7 @@ def mode_run(spec_: _zoo.RunSpec, cache: str) -> Dict[str, Any]:
     """The GLM predictive with its mean at the linear model's MAP (``linearized_evidence``, Antoran et al. 2022),
     ``f(theta*) + J (theta_lin - theta*)``, under the posterior as trained (the covariance is the same at both
     means: the linear model's Jacobian and curvature are the network's at ``theta*``), against the network alone
-    and the one call's default at ``theta*``."""
+    and the one call's posterior at ``theta*``."""
     module, data, result = study.trained(spec_, cache)
     loader = _zoo._loader(data.x_train, data.y_train, 500, None)
     seconds, _, lin = timed(lambda: linearized_evidence(module, loader, module.likelihood, module.prior, "kron", "ggn",
@@ -180,7 +180,7 @@ def mode_run(spec_: _zoo.RunSpec, cache: str) -> Dict[str, Any]:
     step = torch.cat([(a - b.detach()).reshape(-1) for a, b in zip(lin.params, module.prior.params)])
     x, y, ood = study.scored_inputs(spec_, data)
     methods = {"tempered": "tempered", "probit": "probit", "MC": "mc"}
-    names = ["network alone", "as trained, tempered (the one call's default)", f"{MODE}, its mean alone",
+    names = ["network alone", "as trained, tempered (the one call's posterior)", f"{MODE}, its mean alone",
              *(f"{MODE}, {m}" for m in methods)]
     probs: Dict[str, List[List[Tensor]]] = {name: [[], []] for name in names}
     generator = torch.Generator().manual_seed(spec_.seed)
@@ -307,7 +307,7 @@ def sampled_probabilities(evidence: LaplaceEvidence, module: Any, inputs: Tensor
 def sampled_run(spec_: _zoo.RunSpec, cache: str) -> Dict[str, Any]:
     """The NN predictive (weights drawn from the kron-GGN posterior and run through the network, laplace-torch's
     ``pred_type="nn"``) under the posterior as trained and at post-hoc precisions, against the network alone and
-    the GLM's at the same posteriors (tempered, the one call's default; MC)."""
+    the GLM's at the same posteriors (tempered, the one call's posterior; MC)."""
     module, data, result = study.trained(spec_, cache)
     loader = _zoo._loader(data.x_train, data.y_train, 500, None)
     posteriors = {"as trained": LaplaceEvidence.fit(module, loader, module.likelihood, module.prior, "kron", "ggn"),
@@ -340,7 +340,7 @@ def sampled_report(runs: Dict[str, List[Dict[str, Any]]], command: str, elapsed:
         f"{', '.join(trained_on)}. {EVERY_CELL} The NN predictive: the mean softmax of the network at {DRAWS} weight "
         "draws from the kron-GGN posterior (`posterior_draw`: each Kronecker block in its eigenbasis), as trained and "
         "at post-hoc precisions (every tensor, the output layer too, fitted by the evidence at the final weights), "
-        f"beside the GLM predictive at the same posteriors (tempered: the one call's default; MC: "
+        f"beside the GLM predictive at the same posteriors (tempered: the one call's posterior; MC: "
         f"{study.MC_SAMPLES} draws of the logits). Means over seeds; `meets`: seeds whose NLL and ECE are at most the "
         "network's alone.", "",
         *study.variant_rows(runs, {})])
@@ -356,7 +356,7 @@ def subnetwork_run(spec_: _zoo.RunSpec, cache: str) -> Dict[str, Any]:
     """A subnetwork posterior: the :data:`SUBNETWORK` weights of largest marginal variance under the kron-GGN
     posterior as trained (Daxberger et al. choose by a diagonal posterior's), a full-covariance Laplace over them
     (their exact GGN on the training data, at their tensors' learned precisions) and every other weight at its
-    trained value; its GLM predictive against the network alone and the one call's default."""
+    trained value; its GLM predictive against the network alone and the one call's posterior."""
     module, data, result = study.trained(spec_, cache)
     prior, likelihood = module.prior, module.likelihood
     loader = _zoo._loader(data.x_train, data.y_train, 500, None)
@@ -375,7 +375,7 @@ def subnetwork_run(spec_: _zoo.RunSpec, cache: str) -> Dict[str, Any]:
     covariance = torch.cholesky_inverse(torch.linalg.cholesky(precision))
     x, y, ood = study.scored_inputs(spec_, data)
     generator = torch.Generator().manual_seed(spec_.seed)
-    names = ["network alone", "as trained, tempered (the one call's default)", f"{SUBNET}, tempered", f"{SUBNET}, MC"]
+    names = ["network alone", "as trained, tempered (the one call's posterior)", f"{SUBNET}, tempered", f"{SUBNET}, MC"]
     probs: Dict[str, List[List[Tensor]]] = {name: [[], []] for name in names}
     for part, inputs in enumerate((x, ood)):
         for i in range(0, len(inputs), study.CHUNK):
