@@ -383,7 +383,7 @@ def predict(
     mean, probs = _classification(evidence, module, x, method, samples, generator)
     if evidence not in _checked:  # the first batch an evidence predicts
         _checked.add(evidence)
-        message = _near_uniform_message(mean.softmax(1), probs)
+        message = _near_uniform_message(mean.detach().softmax(1), probs.detach())
         if message:
             warnings.warn(message, stacklevel=2)
     return probs

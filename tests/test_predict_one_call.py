@@ -255,6 +255,18 @@ def test_refusals_name_the_mistake_and_the_fix():
     assert predict(evidence, module, x).shape == (4, 3)
 
 
+def test_a_posterior_batch_outside_inference_mode_makes_torch_warn_nothing():
+    """The covariance of an evidence fitted directly carries its hyperparameters' graph; reading the first batch's
+    confidence for the near-uniform check must not make torch warn about a tensor that requires grad."""
+    module = Net("classification").double()
+    x, y = data("classification", N, 0).tensors
+    evidence = LaplaceEvidence.fit(module, [(x, y)], module.likelihood, module.prior, mc_samples=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        probs = predict(evidence, module, x[:5], method="tempered")
+    assert probs.shape == (5, 3)
+
+
 def test_regression_refuses_monte_carlo():
     module, callback, _ = fitted("regression")
     with pytest.raises(ValueError, match="method='mc' is for classification"):
