@@ -374,16 +374,19 @@ def predict(
     if evidence not in _described:
         _described.add(evidence)
         log.info(describe(source, method if classification else "closed form"))
-    if not classification:
-        return predict_regression(evidence, module, x)
-    if method == "auto":
-        if not over_confident(evidence):
-            return _outputs(prior, module, x)[0].softmax(1)
-        method = "tempered"
-    mean, probs = _classification(evidence, module, x, method, samples, generator)
+    # a prediction, not a graph: an evidence fitted directly keeps its hyperparameters differentiable, and its
+    # covariance would hand the caller tensors that require grad (``.numpy()`` refuses them)
+    with torch.no_grad():
+        if not classification:
+            return predict_regression(evidence, module, x)
+        if method == "auto":
+            if not over_confident(evidence):
+                return _outputs(prior, module, x)[0].softmax(1)
+            method = "tempered"
+        mean, probs = _classification(evidence, module, x, method, samples, generator)
     if evidence not in _checked:  # the first batch an evidence predicts
         _checked.add(evidence)
-        message = _near_uniform_message(mean.detach().softmax(1), probs.detach())
+        message = _near_uniform_message(mean.softmax(1), probs)
         if message:
             warnings.warn(message, stacklevel=2)
     return probs

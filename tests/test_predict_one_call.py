@@ -255,16 +255,20 @@ def test_refusals_name_the_mistake_and_the_fix():
     assert predict(evidence, module, x).shape == (4, 3)
 
 
-def test_a_posterior_batch_outside_inference_mode_makes_torch_warn_nothing():
-    """The covariance of an evidence fitted directly carries its hyperparameters' graph; reading the first batch's
-    confidence for the near-uniform check must not make torch warn about a tensor that requires grad."""
-    module = Net("classification").double()
-    x, y = data("classification", N, 0).tensors
+@pytest.mark.parametrize("kind", ["classification", "regression"])
+def test_an_evidence_fitted_directly_predicts_plain_tensors_outside_inference_mode(kind):
+    """The covariance of an evidence fitted directly carries its hyperparameters' graph: the one call's outputs must
+    not (``.numpy()`` refuses a tensor that requires grad), nor may reading the first batch's confidence for the
+    near-uniform check make torch warn about one."""
+    module = Net(kind).double()
+    x, y = data(kind, N, 0).tensors
     evidence = LaplaceEvidence.fit(module, [(x, y)], module.likelihood, module.prior, mc_samples=0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        probs = predict(evidence, module, x[:5], method="tempered")
-    assert probs.shape == (5, 3)
+        out = predict(evidence, module, x[:5], method="tempered" if kind == "classification" else None)
+    tensors = [out] if kind == "classification" else list(out)
+    assert all(not t.requires_grad for t in tensors)
+    assert all(t.numpy().shape[0] == 5 for t in tensors)
 
 
 def test_regression_refuses_monte_carlo():
