@@ -592,7 +592,8 @@ def cost_report(measured: Dict[str, Any], command: str, library: str) -> str:
     lines = ["## What the one call costs (item 4)", "",
              f"Date: {now()}. Command: `{command}`. Library {library}. CPU: {cpu_name()}, one thread, torch "
              f"{package_version('torch')}. "
-             "Process CPU seconds per 1,000 inputs in batches of 100 (medians of 3, the three measured in turn), at "
+             "Process CPU seconds per 1,000 inputs in batches of 100 (medians of 3 rounds, each measuring all four in "
+             "turn), at "
              "the seed-0 runs' final weights with their kron-GGN evidence; `predict` under `torch.inference_mode` as in "
              "a `predict_step`; MC: 100 draws; the default (`\"auto\"`) gives the network's own softmax where the network "
              "is not over-confident on its training data (`posterior applied`: no), the tempered posterior elsewhere.",
