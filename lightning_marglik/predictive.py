@@ -380,9 +380,9 @@ def predict(
         if not classification:
             return predict_regression(evidence, module, x)
         if method == "auto":
-            if not over_confident(evidence):
+            method = _auto(evidence)
+            if method is None:
                 return _outputs(prior, module, x)[0].softmax(1)
-            method = "tempered"
         mean, probs = _classification(evidence, module, x, method, samples, generator)
     if evidence not in _checked:  # the first batch an evidence predicts
         _checked.add(evidence)
@@ -428,6 +428,12 @@ def over_confident(evidence: LaplaceEvidence) -> bool:
     return confidence > accuracy
 
 
+def _auto(evidence: LaplaceEvidence) -> Optional[str]:
+    """The method ``"auto"`` stands for with ``evidence``: the tempered posterior where the network is over-confident
+    on its training data, ``None`` (the network's own softmax) elsewhere."""
+    return "tempered" if over_confident(evidence) else None
+
+
 def describe(source: Source, method: str = "probit") -> str:
     """What :func:`predict` uses with ``source`` (a ``MargLikCallback`` or an evidence), in one line."""
     evidence = _evidence_of(source)
@@ -439,11 +445,12 @@ def describe(source: Source, method: str = "probit") -> str:
         confidence, accuracy = training_confidence(evidence)
         figures = (f"on its {evidence.n_data} training data at {where}, mean top probability {confidence:.4f}, "
                    f"accuracy {accuracy:.4f}")
-        if confidence <= accuracy:
+        method = _auto(evidence)
+        if method is None:
             return ("lightning_marglik.predict: the network's own softmax (method='auto': the network is not "
                     f"over-confident on its training data ({figures}), and a posterior predictive can only lower "
                     "its confidence; method='tempered' applies the posterior all the same).")
-        method, chose = "tempered", f" (method='auto': the network is over-confident on its training data, {figures})"
+        chose = f" (method='auto': the network is over-confident on its training data, {figures})"
     learned = set(prior.learned_names())
     held = [n for n in prior.param_names if n not in learned]
     precisions = (f"{len(learned)} learned, {len(held)} held at their declared value ({', '.join(held)})" if held
