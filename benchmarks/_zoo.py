@@ -769,8 +769,13 @@ def train_peer(spec: RunSpec) -> Dict[str, Any]:
 
 
 def run_path(spec: RunSpec, cache: str) -> str:
-    """Where :func:`cached` keeps ``spec``'s run (its weights beside it, ``.pt``)."""
+    """Where :func:`cached` keeps ``spec``'s run (its weights beside it: :func:`weights_path`)."""
     return os.path.join(cache, spec.key() + ".json")
+
+
+def weights_path(spec: RunSpec, cache: str) -> str:
+    """Where :func:`cached` keeps ``spec``'s final (and best-evidence) state dicts."""
+    return os.path.join(cache, spec.key() + ".pt")
 
 
 def stored(spec: RunSpec, cache: str) -> Dict[str, Any]:
@@ -795,7 +800,7 @@ def cached(spec: RunSpec, cache: str, rerun: bool = False, log: Callable[[str], 
         return stored(spec, cache)
     result = train_peer(spec) if spec.peer is not None else train(spec)
     if WEIGHTS in result:  # beside the JSON: the final (and best-evidence) state dicts, for metrics added later
-        torch.save(result.pop(WEIGHTS), os.path.join(cache, spec.key() + ".pt"))
+        torch.save(result.pop(WEIGHTS), weights_path(spec, cache))
     with open(path + ".tmp", "w") as f:
         json.dump(result, f)
     os.replace(path + ".tmp", path)

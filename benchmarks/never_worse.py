@@ -233,8 +233,7 @@ def analyse_cell(oracle: Dict[float, List[Dict]], grid: Dict[float, List[Dict]],
 
 def _get(spec: _zoo.RunSpec, folder: str, train: bool) -> Optional[Dict[str, Any]]:
     """The cached run of ``spec`` in ``folder``; trained there first if ``train`` (None if neither)."""
-    path = os.path.join(folder, spec.key() + ".json")
-    if not train and not os.path.exists(path):
+    if not train and not os.path.exists(_zoo.run_path(spec, folder)):
         return None
     return _zoo.cached(spec, folder, log=lambda m: print(f"{m} [{time.strftime('%H:%M:%S')}]", flush=True))
 

@@ -319,10 +319,8 @@ def collect(cache: str, specs: Sequence[_zoo.RunSpec]) -> Tuple[Dict[Tuple[str, 
     missing = []
     for s in specs:
         net, arm = s.network[len("paper_"):], arm_of[None if s.callback is None else tuple(sorted(s.callback.items()))]
-        path = os.path.join(cache, s.key() + ".json")
-        if os.path.exists(path):
-            with open(path) as f:
-                runs.setdefault((net, arm), []).append(_zoo.json.load(f))
+        if os.path.exists(_zoo.run_path(s, cache)):
+            runs.setdefault((net, arm), []).append(_zoo.stored(s, cache))
         else:
             missing.append(f"{net}/{arm}/seed {s.seed}")
     return runs, missing

@@ -109,7 +109,7 @@ def trained(spec_: _zoo.RunSpec, cache: str) -> Tuple[Any, _zoo.Data, Dict[str, 
     result = _zoo.cached(spec_, cache)
     data = _zoo.load(spec_.dataset, spec_.n_train, spec_.n_test)
     module = _zoo.make_module(spec_, data, result["n_data"])
-    module.load_state_dict(torch.load(os.path.join(cache, spec_.key() + ".pt"), weights_only=False)["final"])
+    module.load_state_dict(torch.load(_zoo.weights_path(spec_, cache), weights_only=False)["final"])
     module.prior.record_n_data(result["n_data"])
     return module, data, result
 

@@ -337,9 +337,9 @@ def collect(cache: str, seeds: Sequence[int], quick: bool,
         for arm in arms_of(d, n):
             got = []
             for s in seeds:
-                path = os.path.join(cache, spec(d, n, s, arm, quick).key() + ".json")
-                if os.path.exists(path):
-                    got.append(_zoo.json.load(open(path)))
+                run = spec(d, n, s, arm, quick)
+                if os.path.exists(_zoo.run_path(run, cache)):
+                    got.append(_zoo.stored(run, cache))
                 else:
                     missing.append(f"{d}/{n}/{arm}/seed {s}")
             if len(got) == len(seeds):

@@ -22,7 +22,6 @@ from lightning_marglik import (
     MargLikCallback,
     MargLikCheckpoint,
     MargLikConfigurationError,
-    MargLikEarlyStopping,
 )
 from lightning_marglik.curvature import CurvatureOptions
 from tests.lightning_models import Regressor, loader, regression_data, trainer

@@ -53,7 +53,7 @@ sys.path.insert(0, ROOT)
 import paper_protocol as pp  # noqa: E402
 import ranking_study as rs  # noqa: E402
 from benchmarks._common import RESULTS, hand_written, now, read_data  # noqa: E402
-from common import OUTPUTS, library_state  # noqa: E402
+from common import OUTPUTS  # noqa: E402
 from lightning_marglik.diagnostics import EF_RATIO_THRESHOLD  # noqa: E402
 from lightning_marglik.selection import quiet_lightning  # noqa: E402
 

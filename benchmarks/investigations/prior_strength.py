@@ -325,7 +325,7 @@ def load_module(s: _zoo.RunSpec) -> Any:
     """The cached run's final module (weights and hyperparameters)."""
     data = _zoo.load(s.dataset, s.n_train, s.n_test)
     module = _zoo.make_module(s, data, len(data.y_train))
-    module.load_state_dict(torch.load(os.path.join(cache_dir(), s.key() + ".pt"), weights_only=False)["final"])
+    module.load_state_dict(torch.load(_zoo.weights_path(s, cache_dir()), weights_only=False)["final"])
     return module, data
 
 

@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import _zoo  # noqa: E402
 from _common import RESULTS, hand_written, now, write_with_data  # noqa: E402
-from lightning_marglik import GaussianPrior, MargLikCallback  # noqa: E402
+from lightning_marglik import GaussianPrior  # noqa: E402
 from lightning_marglik.hyperparameters import LogNormalHyperprior, no_decay_names  # noqa: E402
 
 NAME = "remedies"
@@ -203,9 +203,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
             b = base(network, seed, args.quick)
             for arm, extra in arms(network, b["epochs"]).items():
                 spec = _zoo.RunSpec(**{**b, **extra})
-                path = os.path.join(cache, spec.key() + ".json")
                 train = not args.analyse and (args.arms is None or arm in args.arms)
-                if not train and not os.path.exists(path):
+                if not train and not os.path.exists(_zoo.run_path(spec, cache)):
                     continue
                 runs[network].setdefault(arm, []).append(_zoo.cached(spec, cache, args.rerun and train))
     for network, by in runs.items():

@@ -9,7 +9,6 @@ from typing import Any, List, Mapping, Optional
 
 import pytorch_lightning as pl
 
-from ..callbacks import MargLikCallback
 from ..validators import choice
 from .driver import (
     DEFAULT_RANK_BY,
