@@ -27,7 +27,7 @@ from .hyperpriors import GammaHyperprior, Hyperprior, LogNormalHyperprior
 from .likelihoods import CategoricalLikelihood, GaussianLikelihood, Likelihood, log_buffer
 from .private import WRAPPER_PREFIXES, strip_wrapper_prefixes, unknown_wrappers
 from .structure_options import PRIOR_STRUCTURES, curvature_elsewhere
-from .validators import choice
+from .validators import choice, integer
 
 __all__ = [
     "BIAS_NORMALIZATION",
@@ -77,9 +77,10 @@ class GaussianPrior(nn.Module):
             and to the evidence it reports (type-II MAP); ``None``: none (maximum likelihood type II).
 
     Raises:
-        ValueError: On an unknown structure, a non-positive precision, a model without trainable
-            parameters, a ``fixed`` pattern that matches no parameter or meets a scalar prior, or a
-            ``hyperprior`` that is not a :class:`Hyperprior`.
+        TypeError: If ``model`` is not an ``nn.Module`` (e.g. its ``parameters()``).
+        ValueError: On an unknown structure, a precision that is not one positive finite number, a model
+            without trainable parameters, a ``fixed`` pattern that matches no parameter or meets a scalar
+            prior, or a ``hyperprior`` that is not a :class:`Hyperprior`.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
@@ -104,6 +105,11 @@ class GaussianPrior(nn.Module):
         hyperprior: Optional[Hyperprior] = None,
     ) -> None:
         super().__init__()
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"GaussianPrior covers a module's parameters: pass the nn.Module (e.g. GaussianPrior(net)), got "
+                f"{type(model).__name__}."
+            )
         if hyperprior is not None and not isinstance(hyperprior, Hyperprior):
             raise ValueError(
                 f"`hyperprior` must be None or a Hyperprior (e.g. LogNormalHyperprior(scale=2.0)), got {hyperprior!r}."
@@ -493,10 +499,18 @@ def map_loss(
         The scalar loss.
 
     Raises:
-        ValueError: If ``n_data`` is not positive, or is not given while ``N`` is not counted yet
-            (a training loop without ``MargLikCallback`` before ``LaplaceEvidence.fit``).
+        TypeError: If ``likelihood`` or ``prior`` is not one (e.g. the two passed in the other order).
+        ValueError: If ``n_data`` is not a positive int, is smaller than the batch's own count of data, or is
+            not given while ``N`` is not counted yet (a training loop without ``MargLikCallback`` before
+            ``LaplaceEvidence.fit``).
     """
+    if not isinstance(likelihood, Likelihood) or not isinstance(prior, GaussianPrior):
+        raise TypeError(
+            f"map_loss(output, target, likelihood, prior) got a {type(likelihood).__name__} as `likelihood` and a "
+            f"{type(prior).__name__} as `prior`: pass a Likelihood, then a GaussianPrior."
+        )
     counted = prior._n_data
+    nll = likelihood.nll(output, target)
     if n_data is None:
         if counted == 0:
             raise ValueError(
@@ -505,17 +519,22 @@ def map_loss(
                 "LaplaceEvidence.fit stores it as well)."
             )
         n_data = counted
-    elif n_data <= 0:
-        raise ValueError(f"`n_data` must be the positive training set size, got {n_data}.")
-    elif counted and n_data != counted and not prior._warned_n_data:
-        prior._warned_n_data = True
-        warnings.warn(
-            f"map_loss(n_data={n_data}), but the evidence counts N={counted} data: the prior in the MAP loss is "
-            f"{counted / n_data:.3g}x as strong as in the evidence. Leave out `n_data` to use the evidence's N "
-            "(prior.n_data), or pass the training set size N (not the batch size).",
-            stacklevel=2,
-        )
-    data_term = likelihood.nll(output, target).mean() / likelihood.temperature.detach().to(output.dtype)
+    else:
+        n_data = integer(n_data, "n_data", minimum=1, what="the training set size N")
+        if nll.numel() > n_data:  # N counts the whole training set (its kept positions): at least one batch's
+            raise ValueError(
+                f"map_loss(n_data={n_data}), but this batch alone holds {nll.numel()} data (kept positions for "
+                "(B, ..., C) outputs): pass the training set size N, not the batch size or the number of sequences."
+            )
+        if counted and n_data != counted and not prior._warned_n_data:
+            prior._warned_n_data = True
+            warnings.warn(
+                f"map_loss(n_data={n_data}), but the evidence counts N={counted} data: the prior in the MAP loss is "
+                f"{counted / n_data:.3g}x as strong as in the evidence. Leave out `n_data` to use the evidence's N "
+                "(prior.n_data), or pass the training set size N (not the batch size).",
+                stacklevel=2,
+            )
+    data_term = nll.mean() / likelihood.temperature.detach().to(output.dtype)
     return data_term + prior.penalty() / n_data
 
 

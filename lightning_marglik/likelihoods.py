@@ -14,6 +14,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from .validators import number
+
 
 __all__ = [
     "CategoricalLikelihood", "GaussianLikelihood", "Likelihood", "categorical_rows", "categorical_traces", "log_buffer",
@@ -21,11 +23,11 @@ __all__ = [
 
 
 def log_buffer(value: float, name: str) -> Tensor:
-    """``log value`` as a 0-dim tensor, for a hyperparameter given as a positive finite number."""
-    value = float(value)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"`{name}` must be a positive finite number, got {value}.")
-    return torch.tensor(math.log(value))
+    """``log value`` as a 0-dim tensor, for a hyperparameter given as a positive finite number (or a one-element
+    tensor of one); a list, a string or a tensor of several values is refused with the option's name."""
+    if isinstance(value, Tensor) and value.numel() == 1:
+        value = value.item()
+    return torch.tensor(math.log(number(value, name)))
 
 
 def categorical_traces(logits: Tensor, labels: Tensor) -> Tuple[Tensor, Tensor]:
@@ -327,6 +329,13 @@ class GaussianLikelihood(Likelihood):
         return f"learn_sigma={self.learn_sigma}, learn_temperature={self.learn_temperature}"
 
 
+def _binary(output: Tensor) -> str:
+    """The fix for a single logit (a binary classifier written for a sigmoid), or ``""``."""
+    if output.shape[-1] > 1:
+        return ""
+    return " For binary classification return 2 logits (e.g. nn.Linear(width, 2)) and integer labels 0 and 1."
+
+
 class CategoricalLikelihood(Likelihood):
     """Categorical likelihood ``softmax(f)`` over class logits for classification.
 
@@ -369,7 +378,11 @@ class CategoricalLikelihood(Likelihood):
             )
             raise ValueError(
                 f"CategoricalLikelihood expects integer class labels of shape {tuple(output.shape[:-1])}, got "
-                f"{tuple(target.shape)} of {target.dtype}.{regression}"
+                f"{tuple(target.shape)} of {target.dtype}.{regression}{_binary(output)}"
+            )
+        if output.shape[-1] < 2:  # a softmax over one logit is 1 whatever the weights: nothing would be learned
+            raise ValueError(
+                f"CategoricalLikelihood needs at least 2 classes, got logits of shape {tuple(output.shape)}.{_binary(output)}"
             )
         target = target.long()  # every integer dtype: cross_entropy and one_hot take int64 labels
         kept = target[target != self.ignore_index]

@@ -23,7 +23,7 @@ from .curvature.statistics import RankOneJacobian
 from .curvature.structures import KronStructure
 from .evidence import LaplaceEvidence
 from .hyperparameters import CategoricalLikelihood, GaussianLikelihood, GaussianPrior
-from .validators import choice
+from .validators import choice, integer
 
 __all__ = [
     "RegressionPrediction", "linearized_outputs", "over_confident", "predict", "predict_classification",
@@ -221,8 +221,7 @@ def _classification(evidence: LaplaceEvidence, model: nn.Module, x: Tensor, meth
 
 
 def _check_samples(samples: Any) -> None:
-    if not isinstance(samples, int) or samples < 1:
-        raise ValueError(f"`samples` must be an int >= 1, got {samples!r}.")
+    integer(samples, "samples", minimum=1)
 
 
 def _near_uniform_message(network: Tensor, predictive: Tensor) -> Optional[str]:
@@ -356,6 +355,9 @@ def predict(
     if not {id(p) for p in params} <= {id(p) for p in module.parameters()}:
         raise ValueError("predict: `module` is not the network of this posterior (the prior's parameters are not "
                          "its own): pass the module the callback was fitted on.")
+    if not all(bool(torch.isfinite(p).all()) for p in params):
+        raise ValueError("predict: the module's weights are not finite: training diverged, or the training data "
+                         "hold NaN or inf (MargLikCallback refuses them in its set-up batch only).")
     if not evidence.fitted_at(params):
         raise ValueError(
             "predict: the module's weights are not those of the posterior's estimate (a checkpoint loaded, or "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import numbers
 from typing import Any, Mapping, Optional, Sequence, Tuple
 
 __all__ = ["SYNONYMS", "choice", "flag", "integer", "keywords", "number", "optional", "suggestion"]
@@ -108,12 +109,13 @@ def keywords(given: Mapping[str, Any], accepted: Sequence[str], name: str, what:
 
 
 def integer(value: Any, name: str, minimum: int = 0, what: str = "") -> int:
-    """``value`` as an int ``>= minimum``; ``bool`` and integral floats are refused (``True`` is not 1 epoch).
+    """``value`` as an int ``>= minimum``: any integral number (NumPy's too); ``bool`` and integral floats are
+    refused (``True`` is not 1 epoch).
 
     Raises:
         ValueError: Naming the option and the bad value.
     """
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         extra = f" ({what})" if what else ""
         raise ValueError(f"`{name}` must be an int >= {minimum}{extra}, got {value!r}.")
     return int(value)
@@ -137,13 +139,13 @@ def number(
 ) -> float:
     """``value`` as a finite float in the interval ``low .. high`` (open or closed at either end).
 
-    The default interval is ``(0, inf)``: a positive finite number.
+    The default interval is ``(0, inf)``: a positive finite number. Any real number is taken (NumPy's too).
 
     Raises:
         ValueError: Naming the option, the interval and the bad value (``bool``, strings, NaN and
             infinities included).
     """
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
     if ok:
         ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
     if not ok:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -112,15 +113,22 @@ def test_early_stopping_counts_estimations():
     assert t.current_epoch == 6 and es.wait_count == 2
 
 
+class PoisonAtTheFirstStep(pl.Callback):
+    """NaN weights from the first training step on: after set-up, which refuses outputs that are not finite."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 0:
+            with torch.no_grad():
+                pl_module.net[0].weight.fill_(float("nan"))
+
+
 def test_early_stopping_on_non_finite_evidence():
     model = Regressor()
     cb = MargLikCallback(structure="diag", approx="ef", steps=5)
     es = MargLikEarlyStopping(patience=10)
-    with torch.no_grad():
-        model.net[0].weight.fill_(float("nan"))
     before = [b.clone() for b in (model.prior.log_precision, model.likelihood.log_sigma)]
-    with pytest.warns(UserWarning, match="not finite"):
-        _fit([cb, es], max_epochs=5, model=model)
+    with pytest.warns(UserWarning, match="not finite.*where the weights are NaN or inf, training diverged"):
+        _fit([cb, es, PoisonAtTheFirstStep()], max_epochs=5, model=model)
     assert cb.estimations == 1 and math.isnan(cb.last_marglik)
     assert torch.equal(before[0], model.prior.log_precision) and torch.equal(before[1], model.likelihood.log_sigma)
 
@@ -254,6 +262,17 @@ def test_option_values_ignore_case_and_near_misses_name_the_value_meant():
         MargLikCallback(solver="newtn")
     with pytest.raises(ValueError, match=r"`statistics`.*'Trainig' \(did you mean 'training'\?\)"):
         MargLikCallback(structure="kron", approx="ef", statistics="Trainig")
+
+
+def test_numpy_scalars_are_taken_as_the_numbers_they_are():
+    """A config read with NumPy (``np.int64(5)``) is an int and a float to the callbacks; a bool or a float where an
+    int goes is still refused."""
+    cb = MargLikCallback(frequency=np.int64(5), lr=np.float32(0.5), steps=np.int64(3))
+    assert (cb.frequency, cb.lr, cb.steps) == (5, 0.5, 3) and type(cb.frequency) is int and type(cb.lr) is float
+    assert MargLikEarlyStopping(patience=np.int64(3)).patience == 3
+    for bad in (np.bool_(True), np.float64(2.0)):
+        with pytest.raises(ValueError, match=r"`frequency` must be an int >= 1, got np"):
+            MargLikCallback(frequency=bad)
 
 
 class CompiledRegressor(Regressor):

@@ -7,8 +7,10 @@
 """
 from __future__ import annotations
 
+import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -307,12 +309,68 @@ def test_map_loss_takes_n_from_the_evidence_and_warns_once_on_another():
     LaplaceEvidence.fit(net, loader(x, y, 8), lik, prior, structure="diag")
     assert int(prior.n_data) == 24
     assert torch.equal(map_loss(net(x), y, lik, prior), explicit)
-    with pytest.warns(UserWarning, match=r"map_loss\(n_data=8\), but the evidence counts N=24 data.*3x as strong"):
-        wrong = map_loss(net(x), y, lik, prior, 8)
+    with pytest.warns(UserWarning, match=r"map_loss\(n_data=48\), but the evidence counts N=24 data.*0.5x as strong"):
+        wrong = map_loss(net(x), y, lik, prior, 48)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert torch.equal(map_loss(net(x), y, lik, prior, 8), wrong)  # once per prior
-    assert wrong > explicit  # the explicit value is used
+        assert torch.equal(map_loss(net(x), y, lik, prior, 48), wrong)  # once per prior
+    assert wrong < explicit  # the explicit value is used
+
+
+@pytest.mark.parametrize("seq", [0, 5])
+def test_map_loss_names_a_count_of_data_that_cannot_be_the_training_sets(seq):
+    """``n_data`` must be an int (NumPy's too) of at least the batch's own count of data (its kept positions)."""
+    net, x, y = _classification(seq=seq)
+    prior, lik = GaussianPrior(net), CategoricalLikelihood()
+    kept = int((y != -100).sum())
+    assert torch.equal(map_loss(net(x), y, lik, prior, np.int64(kept)), map_loss(net(x), y, lik, prior, kept))
+    for bad in ("24", 24.0, 2.5, 0, True):
+        with pytest.raises(ValueError, match=rf"`n_data` must be an int >= 1 \(the training set size N\), got {bad!r}"):
+            map_loss(net(x), y, lik, prior, bad)
+    with pytest.raises(ValueError, match=rf"map_loss\(n_data={kept - 1}\), but this batch alone holds {kept} data"):
+        map_loss(net(x), y, lik, prior, kept - 1)  # e.g. the number of sequences where N counts positions
+
+
+def test_map_loss_and_the_prior_name_arguments_given_in_the_wrong_place():
+    net, x, y = _classification()
+    prior, lik = GaussianPrior(net), CategoricalLikelihood()
+    with pytest.raises(TypeError, match=r"got a GaussianPrior as `likelihood` and a CategoricalLikelihood as `prior`"):
+        map_loss(net(x), y, prior, lik, 24)
+    with pytest.raises(TypeError, match=r"pass the nn.Module \(e.g. GaussianPrior\(net\)\), got generator"):
+        GaussianPrior(net.parameters())
+    for precision in ([1.0, 2.0], torch.ones(4), "1", math.nan, 0.0):
+        with pytest.raises(ValueError, match=r"`precision` must be a finite number in \(0, inf\)"):
+            GaussianPrior(net, precision=precision)
+    for precision in (np.float32(2.0), torch.tensor(2.0)):  # one number, of NumPy or torch
+        assert GaussianPrior(net, precision=precision).precision.tolist() == [2.0] * 4
+
+
+def test_a_single_logit_is_refused_by_the_categorical_likelihood():
+    """A softmax over one logit is 1 whatever the weights: the loss would be 0 and nothing learned."""
+    net = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 1))
+    x, y = torch.randn(24, 3), torch.zeros(24, dtype=torch.long)
+    prior, lik = GaussianPrior(net), CategoricalLikelihood()
+    with pytest.raises(ValueError, match=r"needs at least 2 classes, got logits of shape \(24, 1\).*return 2 logits"):
+        map_loss(net(x), y, lik, prior, 24)
+    with pytest.raises(ValueError, match=r"needs at least 2 classes"):
+        LaplaceEvidence.fit(net, loader(x, y, 8), lik, prior)
+    with pytest.raises(ValueError, match=r"regression targets: .*GaussianLikelihood.*For binary classification return 2"):
+        map_loss(net(x), y.float(), lik, prior, 24)  # a sigmoid's 0./1. targets
+
+
+@pytest.mark.parametrize("backend", ["hooks", "backpack"])
+def test_data_that_are_not_batches_are_named_with_the_fix(backend):
+    if backend == "backpack":
+        pytest.importorskip("backpack")
+    net, x, y = _classification()
+    prior, lik = GaussianPrior(net), CategoricalLikelihood()
+    with pytest.raises(TypeError, match=r"The data are a TensorDataset, .*DataLoader\(dataset, batch_size=256\)"):
+        LaplaceEvidence.fit(net, TensorDataset(x, y), lik, prior, backend=backend)
+    for pair in ((x, y), [x, y]):
+        with pytest.raises(TypeError, match=r"one \(inputs, targets\) pair of tensors.*pass \[\(x, y\)\]"):
+            LaplaceEvidence.fit(net, pair, lik, prior, backend=backend)
+    single = LaplaceEvidence.fit(net, [(x, y)], lik, prior, backend=backend)  # what the message asks for
+    assert torch.isfinite(single.log_marglik())
 
 
 def test_prior_count_of_data_is_saved_and_old_state_dicts_load():

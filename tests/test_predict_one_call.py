@@ -253,6 +253,12 @@ def test_refusals_name_the_mistake_and_the_fix():
     evidence = LaplaceEvidence.fit(module, DataLoader(data("classification", N, 0), batch_size=16), module.likelihood,
                                    module.prior, "full")
     assert predict(evidence, module, x).shape == (4, 3)
+    with pytest.raises(ValueError, match="`samples` must be an int >= 1, got True"):
+        predict(evidence, module, x, samples=True)
+    with torch.no_grad():
+        module.net[0].weight[0, 0] = float("nan")  # a training that diverged, e.g. on a NaN past the set-up batch
+    with pytest.raises(ValueError, match="weights are not finite: training diverged, or the training data hold NaN"):
+        predict(evidence, module, x)
 
 
 @pytest.mark.parametrize("kind", ["classification", "regression"])

@@ -129,7 +129,7 @@ def test_evidence_loader_shards_the_wrapped_sampler_unpadded(world_size):
 
 def test_checkpoint_never_saves_non_finite_evidence_or_weights(tmp_path):
     data = regression_data(64)
-    data.tensors[0][5] = float("nan")  # NaN input: the loss, then the weights, are NaN from step 1
+    data.tensors[0][50] = float("nan")  # NaN input after the set-up batch: the weights are NaN from step 4
     ck = MargLikCheckpoint(dirpath=tmp_path, save_top_k=1, save_last=True)
     with pytest.warns(UserWarning, match="not finite"):
         _fit([_quick(), ck], 2, data=loader(data))
@@ -318,6 +318,61 @@ def test_setup_mistakes_fail_before_training(make, kwargs, match):
         data = TensorDataset(*(t.float() for t in data.tensors))
     with pytest.raises(MisconfigurationException, match=match):
         _fit([_quick(burnin=3, **kwargs)], 5, model=model, data=loader(data))
+    assert model.train_modes == []
+
+
+class DictInputForward(Regressor):
+    """A forward that reads a dict: the evidence batches hold a tensor, and no ``marglik_batch`` maps them."""
+
+    def forward(self, inputs):
+        return self.net(inputs["x"])
+
+
+class NestedInputs(DictInputForward):
+    """Inputs whose tensor sits one container down: the evidence pass reads top-level tensors only."""
+
+    def marglik_batch(self, batch):
+        return {"inputs": {"x": batch[0]}}, batch[1]
+
+
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (DictInputForward, r"through forward: TypeError: .*forward\(x\) for a tensor x.*marglik_batch"),
+        (NestedInputs, r"no tensor at their top level \(got a dict of \['dict'\]\).*no nested container.*marglik_batch"),
+    ],
+    ids=["dict_forward", "nested"],
+)
+def test_a_forward_the_evidence_pass_cannot_call_is_named_before_training(make, match):
+    model = make()
+    with pytest.raises((MisconfigurationException, TypeError), match=match):
+        _fit([_quick(burnin=3)], 5, model=model)
+    assert model.train_modes == []
+
+
+@pytest.mark.parametrize(
+    "tensor,row,value,match",
+    [
+        (0, 5, math.nan, r"1 of its 16 data is not finite: its inputs hold NaN or inf \(rows \[5\]"),
+        (1, 7, math.inf, r"1 of its 16 data is not finite: its targets hold NaN or inf \(rows \[7\]"),
+    ],
+    ids=["nan_input", "inf_target"],
+)
+def test_non_finite_data_in_the_setup_batch_fail_before_training(tensor, row, value, match):
+    data = [t.clone() for t in regression_data().tensors]
+    data[tensor][row] = value
+    model = Regressor()
+    with pytest.raises(MisconfigurationException, match=match):
+        _fit([_quick(burnin=3)], 5, model=model, data=loader(TensorDataset(*data)))
+    assert model.train_modes == []
+
+
+def test_outputs_that_are_not_finite_at_finite_data_are_named_before_training():
+    model = Regressor()
+    with torch.no_grad():
+        model.net[2].weight[0, 0] = math.nan  # a forward that is not finite at these weights
+    with pytest.raises(MisconfigurationException, match=r"outputs are not finite at finite inputs and targets"):
+        _fit([_quick(burnin=3)], 5, model=model)
     assert model.train_modes == []
 
 

@@ -6,7 +6,7 @@ them at construction, in ``setup`` and in ``on_train_start``, before the first t
 from __future__ import annotations
 
 import inspect
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -244,17 +244,55 @@ def check_forward(
         else:
             with eval_mode(pl_module), torch.no_grad():
                 output = call_model(pl_module, inputs)
-    except (TypeError, NotImplementedError) as err:
-        raise MargLikConfigurationError(f"MargLikCallback, one evidence batch through forward: {err}") from err
+    except MargLikConfigurationError:
+        raise
+    except Exception as err:  # whatever forward raised, the user needs to know it was the evidence's call
+        raise MargLikConfigurationError(
+            f"MargLikCallback, one evidence batch through forward: {type(err).__name__}: {err}. The evidence pass "
+            "calls forward(x) for a tensor x, forward(*x) for a tuple and forward(**x) for a dict of the batch's "
+            "inputs (of the training batches, or of `dataloader=`); where your forward takes another form, map "
+            "batches with `marglik_batch(self, batch) -> (inputs, targets)` on the LightningModule."
+        ) from err
     try:
-        likelihood.check_target(output, target.to(device))
+        target = target.to(device)
+        likelihood.check_target(output, target)
     except ValueError as err:
         raise MargLikConfigurationError(
             f"MargLikCallback, one evidence batch through forward: {err} forward must return outputs of shape "
             "(batch, outputs) that fit the targets; map batches with `marglik_batch(self, batch) -> "
             "(inputs, targets)` on the LightningModule, or pass `dataloader=`."
         ) from err
+    _check_finite(likelihood, inputs, output.detach(), target)
     return inputs, output, found
+
+
+def _check_finite(likelihood: Likelihood, inputs: Any, output: torch.Tensor, target: torch.Tensor) -> None:
+    """Refuse a set-up batch whose kept terms' likelihood is not finite, naming the cause: NaN or inf in the
+    inputs or targets, or outputs that are not finite at finite data (a forward that diverges at these weights).
+    Only the terms the likelihood keeps are read: outputs at ignored positions may be anything."""
+    with torch.no_grad():
+        bad = ~torch.isfinite(likelihood.nll(output, target))
+    if not bool(bad.any()):
+        return
+    values = inputs.values() if isinstance(inputs, dict) else inputs if isinstance(inputs, tuple) else (inputs,)
+    bad_inputs, bad_targets = _non_finite_rows(list(values)), _non_finite_rows([target])
+    where = (f"its inputs hold NaN or inf (rows {bad_inputs}, the first of them)" if bad_inputs
+             else f"its targets hold NaN or inf (rows {bad_targets}, the first of them)" if bad_targets
+             else "its outputs are not finite at finite inputs and targets (a forward that diverges at these weights)")
+    raise MargLikConfigurationError(
+        f"MargLikCallback, one evidence batch through forward: the log-likelihood of {int(bad.sum())} of its "
+        f"{bad.numel()} data is not finite: {where}. Clean the data (drop or impute those rows) before training: "
+        "trained on, they make the weights NaN."
+    )
+
+
+def _non_finite_rows(values: List[Any], first: int = 5) -> List[int]:
+    """The first rows (along the batch dimension) where a floating tensor of ``values`` holds NaN or inf."""
+    rows = set()
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0:
+            rows.update((~torch.isfinite(value)).reshape(len(value), -1).any(1).nonzero().flatten()[:first].tolist())
+    return sorted(rows)[:first]
 
 
 def treat_biases(prior: GaussianPrior, biases: Optional[str]) -> None:

@@ -175,7 +175,8 @@ class MargLikCallbackCore(TrainedModuleQueries, EstimatorCore):
         self.evidence = evidence
         self._record_n_data(evidence.n_data)  # the N of map_loss follows the evidence (e.g. a stream's new masks)
         if not torch.isfinite(evidence.log_marglik().detach()):
-            rank_zero_warn("The evidence is not finite at the current weights; hyperparameters left unchanged.")
+            rank_zero_warn("The evidence is not finite at the current weights; hyperparameters left unchanged (where "
+                           "the weights are NaN or inf, training diverged or training data hold NaN or inf).")
             marglik = math.nan
         else:
             solution = evidence.optimize(

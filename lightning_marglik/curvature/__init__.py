@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..hyperparameters import GaussianPrior, Likelihood
-from .batches import BatchFn, batch_size, move, slice_batch, split_batch
+from .batches import BatchFn, batch_size, check_data, move, slice_batch, split_batch
 from .estimator import resolved_options
 from .exchange import Exchange
 from .functional import ExactPath
@@ -120,14 +120,16 @@ def collect_statistics(
     Raises:
         ValueError: On bad options, parameters the prior does not cover, an empty loader, or
             targets that do not fit the likelihood.
-        TypeError: On batches that are not ``(inputs, targets)`` pairs, a forward that does not
-            return a tensor, or an ``exchange`` that is not an :class:`Exchange`.
+        TypeError: On data that are not batches (a ``Dataset``, one ``(x, y)`` pair), batches that are not
+            ``(inputs, targets)`` pairs, a forward that does not return a tensor, or an ``exchange`` that is not
+            an :class:`Exchange`.
     """
     options = options or CurvatureOptions(structure, approx, mc_samples)
     if exchange is not None and not isinstance(exchange, Exchange):
         raise TypeError(f"`exchange` must be an Exchange (the collectives of a sharded pass) or None, got {exchange!r}.")
     if batch_fn is not None and not callable(batch_fn):
         raise TypeError(f"`batch_fn` must map a batch to (inputs, targets), got {type(batch_fn).__name__} {batch_fn!r}.")
+    check_data(dataloader, batch_fn)
     if options.backend == "backpack":
         from .backpack import backpack_statistics
 

@@ -20,6 +20,7 @@ __all__ = [
     "batch_dims",
     "batch_size",
     "call_model",
+    "check_data",
     "model_batch",
     "move",
     "not_a_tensor",
@@ -48,8 +49,9 @@ def split_batch(batch: Any, batch_fn: Optional[BatchFn] = None) -> Tuple[Inputs,
     if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not isinstance(pair[1], Tensor):
         source = "`batch_fn`/`marglik_batch` returned" if batch_fn is not None else "The data loader yielded"
         raise TypeError(
-            f"{source} {type(pair).__name__}, not an (inputs, targets) pair with a tensor target; define "
-            "`marglik_batch(self, batch)` on the LightningModule (or pass `batch_fn=`) returning (inputs, targets)."
+            f"{source} {type(pair).__name__}, not an (inputs, targets) pair with a tensor target; map each batch to "
+            "(inputs, targets) with `marglik_batch(self, batch)` on the LightningModule (MargLikCallback) or with "
+            "`batch_fn=` (LaplaceEvidence.fit)."
         )
     inputs, target = pair
     if isinstance(inputs, list):
@@ -57,6 +59,25 @@ def split_batch(batch: Any, batch_fn: Optional[BatchFn] = None) -> Tuple[Inputs,
     if not isinstance(inputs, (Tensor, tuple, dict)):
         raise TypeError(f"Model inputs must be a tensor, a tuple or a dict of tensors, got {type(inputs).__name__}.")
     return inputs, target
+
+
+def check_data(data: Any, batch_fn: Optional[BatchFn] = None) -> None:
+    """Refuse the two things a hurried caller passes instead of an iterable of batches, naming the fix.
+
+    Raises:
+        TypeError: If ``data`` is a map-style ``Dataset`` (iterated, it yields single examples without their batch
+            dimension) or, without a ``batch_fn``, one ``(inputs, targets)`` pair of tensors.
+    """
+    if isinstance(data, torch.utils.data.Dataset) and not isinstance(data, torch.utils.data.IterableDataset):
+        raise TypeError(
+            f"The data are a {type(data).__name__}, whose examples have no batch dimension: pass batches, e.g. "
+            "DataLoader(dataset, batch_size=256)."
+        )
+    if batch_fn is None and isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(v, Tensor) for v in data):
+        raise TypeError(
+            "The data are one (inputs, targets) pair of tensors, not an iterable of batches: pass [(x, y)] for a "
+            "single batch, or a DataLoader."
+        )
 
 
 def move(inputs: Any, device: torch.device, dtype: torch.dtype) -> Any:
@@ -104,7 +125,11 @@ def batch_size(inputs: Inputs) -> int:
     for value in values:
         if isinstance(value, Tensor):
             return value.shape[0]
-    raise TypeError("Model inputs contain no tensor.")
+    raise TypeError(
+        f"Model inputs contain no tensor at their top level (got a {type(inputs).__name__} of "
+        f"{[type(v).__name__ for v in values]}): the evidence pass reads a tensor, or a tuple or dict of tensors, "
+        "and no nested container; map batches with `marglik_batch` (MargLikCallback) or `batch_fn=`."
+    )
 
 
 def batch_dims(inputs: Any, size: int) -> Any:
