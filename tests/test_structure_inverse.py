@@ -122,3 +122,20 @@ def test_inverses_reusing_their_decompositions_equal_fresh_ones_bit_for_bit(stru
     assert all(torch.equal(a, b) for a, b in zip(fresh + fresh[:1], reused))
     if structure == "kron":  # EKFAC holds its bases from the pass; diag and full decompose in prepare
         assert decompositions  # the first inverse decomposed the layers; the others reused them
+
+
+@pytest.mark.parametrize("prior_structure", ["layerwise", "diagonal"])
+@pytest.mark.parametrize("n, form", [(4, "rows"), (40, "gram")])
+def test_the_full_operator_is_the_dense_inverse_in_both_of_its_forms(n, form, prior_structure):
+    """``full`` applies ``H^-1`` without a dense form: by Woodbury over the rows it holds below ``P`` rows, by a
+    Cholesky solve of its Gram matrix above; both against ``torch.linalg.inv`` of the explicit ``s C + D``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3)).double()  # P = 31
+    x, y = torch.randn(n, 3, dtype=torch.float64), torch.randint(0, 3, (n,))
+    prior, lik = hyper(model, "classification", prior_structure=prior_structure)
+    evidence = LaplaceEvidence.fit(model, batches(x, y, 8), lik, prior, structure="full", mc_samples=0)
+    (structure,) = evidence.structures
+    assert (structure.gram is None) == (form == "rows")
+    scale = lik.curvature_scale("ggn", {k: v.detach() for k, v in lik.hyperparameters().items()})
+    expected = torch.linalg.inv(dense_precision(graph_problem(model, x, y, "classification"), "full", prior, lik))
+    assert rel_err(operator_matrix(evidence, scale, _structure_delta(prior)), expected) <= 1e-10
