@@ -9,7 +9,7 @@ epistemic band and the band that adds the learned noise.
 
 Usage::
 
-    python examples/toy_regression.py                  # both depths: ~1 min on one CPU thread
+    python examples/toy_regression.py                  # both depths: about 10 s on one CPU thread
     python examples/toy_regression.py --quick          # smoke test: 3 epochs
     python examples/toy_regression.py --trainer.max_epochs=500 --model.width=20   # any config override
     python examples/toy_regression.py --results        # rewrite examples/results/toy_regression.png
@@ -30,6 +30,7 @@ import torch  # noqa: E402
 
 from common import CONFIGS, MLPRegressor, TensorData, configured, markdown_table, parse, parser  # noqa: E402
 from lightning_marglik import MargLikCallback, predict_regression  # noqa: E402
+from lightning_marglik.callbacks.prior_guard import guard_summary, guard_words  # noqa: E402
 from lightning_marglik.selection import quiet_lightning  # noqa: E402
 
 CONFIG = os.path.join(CONFIGS, "toy_regression.yaml")
@@ -115,6 +116,7 @@ def run(config: str = CONFIG, overrides: Sequence[str] = (), depths: Sequence[in
             "prior_precision": [round(v, 3) for v in model.prior.precision.tolist()],
             "held": [name in model.prior.fixed_names() for name in model.prior.param_names],  # not learned
             "applied_precision": [round(v, 3) for v in model.prior.applied_precision.tolist()],  # map_loss's
+            "guard": guard_summary(callback.guard_decisions),  # why a learned weight decay was not applied
             "train_rmse": train_rmse,
             "test_rmse": (test.mean - data.y_test).pow(2).mean().sqrt().item(),
             "test_nll": nll.mean().item(),
@@ -137,6 +139,8 @@ def run(config: str = CONFIG, overrides: Sequence[str] = (), depths: Sequence[in
             learned = ", ".join(marked)
             print(f"  depth {r['depth']} prior precisions (weight, bias per layer): [{learned}], applied by map_loss "
                   f"{r['applied_precision']} (biases: the declared one)")
+            if r["guard"]:
+                print(f"    {guard_words(r['guard'])}")
         print(f"evidence prefers depth {best}")
         print(notes(*next(iter(fits.values())), marglik))
     if plot:
