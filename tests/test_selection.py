@@ -552,3 +552,45 @@ def test_help_is_plain_text():
     assert "The main advantage is" not in text  # Lightning's docstring, cut mid-sentence, was a group title
     assert '"newton" (Newton with a line search' in text and "see lightning_marglik.solvers" in text
     assert "The data: a LightningDataModule subclass" in text and "checked against pl.Trainer's signature" in text
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"narrow": {"class_path": "tests.lightning_models.Classifier", "init_args": {"widht": 2}}},
+     r"`candidates.narrow.init_args.widht` is not an argument of Classifier \(did you mean 'width'\?\)"),
+    ({"narrow": {"class_path": "tests.lightning_models.Classifier", "init_args": {"depth": "two"}}},
+     r"`candidates.narrow.init_args.depth` = 'two': Classifier's `depth` takes a number \(its default: 1\)"),
+    ({"narrow": {"class_path": "tests.lightning_models.Classifier", "init_args": {"norm": 1}}},
+     r"`candidates.narrow.init_args.norm` = 1: Classifier's `norm` is a flag \(its default: False\)"),
+    ({"narrow": {"class_path": "tests.lightning_models.Classifier", "init_args": {"width": True}}},
+     r"`candidates.narrow.init_args.width` = True: Classifier's `width` takes a number"),
+    ({}, r"The configuration's `candidates` section is empty"),
+])
+def test_candidates_arguments_that_cannot_build_it_are_refused_before_any_candidate_trains(tmp_path, change, message):
+    """The first candidate trained while the second's misspelt argument waited for its turn (a probe found it)."""
+    from lightning_marglik.selection import check_config
+
+    config = yaml.safe_load(open(write_config(tmp_path)))
+    config["candidates"] = {**config["candidates"], **change} if change else {}
+    with pytest.raises(ValueError, match=message):
+        check_config(config)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_output_dir_that_cannot_be_written_and_a_config_after_an_option_are_named(tmp_path, capsys):
+    from lightning_marglik.selection import check_config
+
+    config = yaml.safe_load(open(write_config(tmp_path)))
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ValueError, match=r"a_file is a file, not a directory; name a directory"):
+        check_config({**config, "output_dir": str(tmp_path / "a_file" / "results")})
+    check_config({**config, "output_dir": str(tmp_path / "not" / "yet")})  # to be created: fine
+    path = write_config(tmp_path)
+    with pytest.raises(SystemExit):
+        run_command_line(["--quick", path])
+    assert f"the configuration file comes first: marglik-select {path} [options]" in capsys.readouterr().err
+
+
+def test_without_an_output_dir_the_command_says_that_nothing_is_written(tmp_path, capsys):
+    run_command_line([write_config(tmp_path, output_dir=None), "--trainer.max_epochs=1"])
+    assert "no output_dir: nothing written" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()

@@ -173,6 +173,11 @@ def run_command_line(argv: Optional[Sequence[str]] = None) -> Tuple[List[Candida
         args[at:at] = QUICK_OVERRIDES
     sys.path.insert(0, os.getcwd())  # class paths of the user's own modules, as with `python -m`
     parser = build_parser()
+    if not any(a == "--config" or a.startswith("--config=") for a in args):
+        stray = [a for a in args if not a.startswith("-") and a.endswith((".yaml", ".yml"))]
+        if stray:  # jsonargparse would call it an unrecognized argument
+            parser.error(f"the configuration file comes first: marglik-select {stray[0]} [options] (got it after an "
+                         "option).")
     cfg = parser.parse_args(args)
     torch.set_num_threads(cfg.threads)
     config = {
@@ -206,6 +211,9 @@ def run_command_line(argv: Optional[Sequence[str]] = None) -> Tuple[List[Candida
         print(f"{rank:>4}  {r.name:<{width}}  {r.marglik:>9.4f}  {r.n_params:>8}  {shown}")
     if config["output_dir"]:
         print(f"results in {config['output_dir']}/ (results.csv, results.json, evidence.png)")
+    else:
+        print("no output_dir: nothing written (give `output_dir:` in the YAML or --output_dir=DIR to keep "
+              "results.csv, results.json and evidence.png)")
     if cfg.quick:
         print(QUICK_NOTICE)
     return results, config

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import numbers
 import os
 from typing import Any, List, Mapping, Optional
 
 import pytorch_lightning as pl
 
-from ..validators import choice
+from ..validators import choice, suggestion
 from .driver import (
     DEFAULT_RANK_BY,
     DEFAULT_RANK_OUTPUT_LAYER,
@@ -106,23 +107,70 @@ def instantiate(spec: Mapping[str, Any], expected: type, **defaults: Any) -> Any
 def check_config(config: Mapping[str, Any]) -> None:
     """Check a selection configuration without training anything.
 
-    Every ``class_path`` must resolve to the expected kind of class, the trainer arguments must
-    fit ``pl.Trainer``'s signature (names and types) and the callback arguments must be valid.
+    Every ``class_path`` must resolve to the expected kind of class, each candidate's ``init_args`` must fit its
+    constructor (names, the required ones, numbers and flags where its defaults are), the trainer arguments must
+    fit ``pl.Trainer``'s signature (names and types), the callback arguments must be valid and ``output_dir``, if
+    given, must be a directory that can be written.
 
     Raises:
         ValueError: On the first problem found (the message names the key or class_path).
     """
     for key in ("data", "candidates"):
-        if not config.get(key):
+        if config.get(key) is None:
             raise ValueError(f"The configuration needs a `{key}` section (see `marglik-select --help`).")
+        if not config[key]:
+            raise ValueError(f"The configuration's `{key}` section is empty (see `marglik-select --help`).")
     resolve_class(_class_path(config["data"], "data"), pl.LightningDataModule)
     for name, spec in config["candidates"].items():
-        resolve_class(_class_path(spec, f"candidates.{name}"), pl.LightningModule)
+        cls = resolve_class(_class_path(spec, f"candidates.{name}"), pl.LightningModule)
+        _check_init_args(cls, spec.get("init_args") or {}, f"candidates.{name}.init_args")
+    _check_output_dir(config.get("output_dir"))
     check_trainer_arguments(config.get("trainer") or {})
     check_callback_arguments(config.get("callback") or {})
     check_rank_by(config.get("rank_by", DEFAULT_RANK_BY))
     check_fold_batchnorm(config.get("fold_batchnorm", True))
     choice(config.get("rank_output_layer", DEFAULT_RANK_OUTPUT_LAYER), RANK_OUTPUT_LAYER, "rank_output_layer")
+
+
+def _check_init_args(cls: type, init_args: Any, where: str) -> None:
+    """Refuse ``init_args`` the constructor of ``cls`` cannot take, before any candidate trains: an unknown name (with
+    a "did you mean"), a required argument left out (``n_data`` aside: the data give it), and a value that is not a
+    number or a flag where the argument's default is one."""
+    if not isinstance(init_args, Mapping):
+        raise ValueError(f"`{where}` must be a mapping of {cls.__name__}'s arguments, got {init_args!r}.")
+    parameters = inspect.signature(cls).parameters
+    named = {n: p for n, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if not any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
+        for key in init_args:
+            if key not in named:
+                raise ValueError(f"`{where}.{key}` is not an argument of {cls.__name__}{suggestion(key, list(named))}; "
+                                 f"it takes {', '.join(named)}.")
+    missing = [n for n, p in named.items() if p.default is p.empty and n not in init_args and n != "n_data"]
+    if missing:
+        raise ValueError(f"`{where}` leaves out {cls.__name__}'s required {', '.join(map(repr, missing))}.")
+    for key, value in init_args.items():
+        default = named[key].default if key in named else None
+        if isinstance(default, bool) and not isinstance(value, bool):
+            raise ValueError(f"`{where}.{key}` = {value!r}: {cls.__name__}'s `{key}` is a flag (its default: {default}).")
+        if isinstance(default, numbers.Real) and not isinstance(default, bool) and (
+                isinstance(value, bool) or not isinstance(value, numbers.Real)):
+            raise ValueError(f"`{where}.{key}` = {value!r}: {cls.__name__}'s `{key}` takes a number (its default: "
+                             f"{default!r}).")
+
+
+def _check_output_dir(output_dir: Any) -> None:
+    """Refuse an ``output_dir`` that is a file, or that cannot be created or written, before anything trains."""
+    if output_dir is None:
+        return
+    path = os.path.abspath(os.fspath(output_dir))
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"`output_dir` {output_dir!r}: {existing} is a file, not a directory; name a directory.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == path else f"cannot be created: {existing} is not writable"
+        raise ValueError(f"`output_dir` {output_dir!r} {what}; name a directory you can write.")
 
 
 def _class_path(spec: Any, where: str) -> str:
