@@ -355,10 +355,10 @@ def predict(
     if not {id(p) for p in params} <= {id(p) for p in module.parameters()}:
         raise ValueError("predict: `module` is not the network of this posterior (the prior's parameters are not "
                          "its own): pass the module the callback was fitted on.")
-    if not all(bool(torch.isfinite(p).all()) for p in params):
-        raise ValueError("predict: the module's weights are not finite: training diverged, or the training data "
-                         "hold NaN or inf (MargLikCallback refuses them in its set-up batch only).")
     if not evidence.fitted_at(params):
+        if not all(bool(torch.isfinite(p).all()) for p in params):  # NaN weights never match a fingerprint
+            raise ValueError("predict: the module's weights are not finite: training diverged, or the training data "
+                             "hold NaN or inf (MargLikCallback refuses them in its set-up batch only).")
         raise ValueError(
             "predict: the module's weights are not those of the posterior's estimate (a checkpoint loaded, or "
             "training went on after it): fit one at these weights, evidence = LaplaceEvidence.fit(module, "

@@ -8,6 +8,7 @@ import math
 import re
 import subprocess
 import sys
+from typing import Union
 
 import pytest
 import pytorch_lightning as pl
@@ -558,9 +559,9 @@ def test_help_is_plain_text():
     ({"narrow": {"class_path": "tests.lightning_models.Classifier", "init_args": {"widht": 2}}},
      r"`candidates.narrow.init_args.widht` is not an argument of Classifier \(did you mean 'width'\?\)"),
     ({"narrow": {"class_path": "tests.lightning_models.Classifier", "init_args": {"depth": "two"}}},
-     r"`candidates.narrow.init_args.depth` = 'two': Classifier's `depth` takes a number \(its default: 1\)"),
+     r"`candidates.narrow.init_args.depth` = 'two': Classifier's `depth` takes a number"),
     ({"narrow": {"class_path": "tests.lightning_models.Classifier", "init_args": {"norm": 1}}},
-     r"`candidates.narrow.init_args.norm` = 1: Classifier's `norm` is a flag \(its default: False\)"),
+     r"`candidates.narrow.init_args.norm` = 1: Classifier's `norm` is a flag \(True or False\)"),
     ({"narrow": {"class_path": "tests.lightning_models.Classifier", "init_args": {"width": True}}},
      r"`candidates.narrow.init_args.width` = True: Classifier's `width` takes a number"),
     ({}, r"The configuration's `candidates` section is empty"),
@@ -574,6 +575,23 @@ def test_candidates_arguments_that_cannot_build_it_are_refused_before_any_candid
     with pytest.raises(ValueError, match=message):
         check_config(config)
     assert not (tmp_path / "out").exists()
+
+
+class Flexible(Classifier):
+    """A candidate whose argument takes a number or a name: the check must not refuse the name."""
+
+    def __init__(self, n_data: int, width: int = 8, schedule: Union[float, str] = 0.1, steps=3) -> None:
+        super().__init__(n_data, width)
+
+
+def test_arguments_that_take_more_than_a_number_are_not_refused(tmp_path):
+    from lightning_marglik.selection import check_config
+
+    config = yaml.safe_load(open(write_config(tmp_path)))
+    flexible = {"class_path": "tests.test_selection.Flexible", "init_args": {"schedule": "cosine", "width": 4}}
+    check_config({**config, "candidates": {"flexible": flexible}})
+    with pytest.raises(ValueError, match=r"`candidates.flexible.init_args.steps` = 'many': Flexible's `steps` takes"):
+        check_config({**config, "candidates": {"flexible": {**flexible, "init_args": {"steps": "many"}}}})
 
 
 def test_an_output_dir_that_cannot_be_written_and_a_config_after_an_option_are_named(tmp_path, capsys):

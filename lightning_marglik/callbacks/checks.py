@@ -244,7 +244,7 @@ def check_forward(
         else:
             with eval_mode(pl_module), torch.no_grad():
                 output = call_model(pl_module, inputs)
-    except MargLikConfigurationError:
+    except (MargLikConfigurationError, torch.OutOfMemoryError):  # out of memory is no form of forward to fix
         raise
     except Exception as err:  # whatever forward raised, the user needs to know it was the evidence's call
         raise MargLikConfigurationError(

@@ -149,13 +149,24 @@ def _check_init_args(cls: type, init_args: Any, where: str) -> None:
     if missing:
         raise ValueError(f"`{where}` leaves out {cls.__name__}'s required {', '.join(map(repr, missing))}.")
     for key, value in init_args.items():
-        default = named[key].default if key in named else None
-        if isinstance(default, bool) and not isinstance(value, bool):
-            raise ValueError(f"`{where}.{key}` = {value!r}: {cls.__name__}'s `{key}` is a flag (its default: {default}).")
-        if isinstance(default, numbers.Real) and not isinstance(default, bool) and (
-                isinstance(value, bool) or not isinstance(value, numbers.Real)):
-            raise ValueError(f"`{where}.{key}` = {value!r}: {cls.__name__}'s `{key}` takes a number (its default: "
-                             f"{default!r}).")
+        expected = _scalar_kind(named[key]) if key in named else None
+        if expected == "flag" and not isinstance(value, bool):
+            raise ValueError(f"`{where}.{key}` = {value!r}: {cls.__name__}'s `{key}` is a flag (True or False).")
+        if expected == "number" and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+            raise ValueError(f"`{where}.{key}` = {value!r}: {cls.__name__}'s `{key}` takes a number.")
+
+
+# a parameter annotated by one of these takes that kind of value (the names: annotations postponed as strings)
+_SCALAR_KINDS = {bool: "flag", "bool": "flag", int: "number", "int": "number", float: "number", "float": "number"}
+
+
+def _scalar_kind(parameter: inspect.Parameter) -> Optional[str]:
+    """``"flag"`` or ``"number"`` where a parameter takes only that (by its annotation, else by its default's type),
+    ``None`` where it may take more (``Optional[int]``, a ``Union``, no default)."""
+    if parameter.annotation is not parameter.empty:
+        return _SCALAR_KINDS.get(parameter.annotation)
+    default = parameter.default
+    return "flag" if isinstance(default, bool) else "number" if isinstance(default, numbers.Real) else None
 
 
 def _check_output_dir(output_dir: Any) -> None:
