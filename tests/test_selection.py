@@ -24,6 +24,7 @@ from lightning_marglik import (
 )
 from lightning_marglik.callbacks.output_layer import OUTPUT_LAYER
 from lightning_marglik.selection import build_parser, label_points, load_results, run_command_line, select_from_config
+from lightning_marglik.selection.cli import main
 from tests.lightning_models import BlobData, Classifier, blobs
 
 CALLBACK = {"structure": "diag", "approx": "ggn", "steps": 50}
@@ -516,6 +517,8 @@ def test_two_runs_into_one_directory(tmp_path):
         with pytest.raises(RuntimeError, match=rf"out is in use by another model-selection run \(pid {holder.pid} on "
                                                r".*Wait for it to finish, or write to another directory"):
             run_command_line([path])
+        with pytest.raises(SystemExit, match=r"^marglik-select: error: .*out is in use by another model-selection run"):
+            main([path])  # the command: one line, no traceback
         assert not (tmp_path / "out" / "results.json").exists()
     finally:
         holder.kill()

@@ -16,7 +16,7 @@ from .config import check_config, missing_module_fix, select_from_config
 from .driver import (
     AUTO_FULL_MAX_DIRECTIONS, DEFAULT_RANK_BY, DEFAULT_RANK_OUTPUT_LAYER, quiet_lightning, rank_by_choices,
 )
-from .results import CandidateResult
+from .results import CandidateResult, ResultsInUse
 
 __all__ = ["DEFAULT_THREADS", "QUICK_NOTICE", "QUICK_OVERRIDES", "build_parser", "explain_import_error", "main",
            "plain_text", "run_command_line"]
@@ -146,7 +146,8 @@ def build_parser() -> Any:
                         help="Name to {class_path: a LightningModule subclass, init_args: {...}}.")
     parser.add_argument("--quick", action=ActionYesNo(yes_prefix="", no_prefix=None), default=False,
                         help="Smoke test: " + " ".join(QUICK_OVERRIDES) + " (later overrides win); "
-                             "writes to OUTPUT_DIR/quick and trains every candidate again. Its ranking means "
+                             "writes to OUTPUT_DIR/quick (--print_config shows OUTPUT_DIR) and trains every candidate "
+                             "again. Its ranking means "
                              "nothing (barely trained candidates): it checks that everything runs.")
     parser.add_argument("--rerun", action=ActionYesNo(yes_prefix="", no_prefix=None), default=False,
                         help="Train every candidate again instead of reusing finished ones from results.json.")
@@ -221,4 +222,7 @@ def run_command_line(argv: Optional[Sequence[str]] = None) -> Tuple[List[Candida
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """``marglik-select CONFIG.yaml [overrides]``: rank the configured candidates by evidence."""
-    run_command_line(argv)
+    try:
+        run_command_line(argv)
+    except ResultsInUse as error:  # a run's own state, not a bug: one line, as the parser's errors
+        sys.exit(f"marglik-select: error: {error}")

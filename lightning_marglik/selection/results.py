@@ -20,7 +20,7 @@ try:
 except ImportError:  # Windows
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["LOCK_FILE", "RESULTS_JSON", "CandidateResult", "load_results", "run_lock", "save_results"]
+__all__ = ["LOCK_FILE", "RESULTS_JSON", "CandidateResult", "ResultsInUse", "load_results", "run_lock", "save_results"]
 
 RESULTS_JSON = "results.json"
 LOCK_FILE = "results.lock"
@@ -153,6 +153,10 @@ def _write_atomic(path: str, write: Callable[[Any], None]) -> None:
     os.replace(partial, path)
 
 
+class ResultsInUse(RuntimeError):
+    """Another model-selection run holds the output directory (:func:`run_lock`)."""
+
+
 @contextlib.contextmanager
 def run_lock(output_dir: Optional[str]) -> Iterator[None]:
     """Hold ``output_dir/results.lock`` (created with the directory) for one run.
@@ -176,7 +180,7 @@ def run_lock(output_dir: Optional[str]) -> Iterator[None]:
         except BlockingIOError:  # held by another process (other OSErrors are raised as they are)
             owner = os.read(fd, 4096).decode(errors="replace").strip() or "a process that is just starting"
             os.close(fd)
-            raise RuntimeError(
+            raise ResultsInUse(
                 f"{output_dir} is in use by another model-selection run ({owner}). Wait for it to finish, or "
                 "write to another directory (--output_dir); two runs into one directory would overwrite each "
                 "other's results."
