@@ -63,10 +63,11 @@ from .driver import (  # noqa: F401
 )
 from .metrics import NegativeLogLikelihood, default_metrics
 from .plot import label_points
-from .results import LOCK_FILE, RESULTS_JSON, CandidateResult, load_results, save_results  # noqa: F401
+from .results import LOCK_FILE, RESULTS_JSON, CandidateResult, ResultsInUse, load_results, save_results  # noqa: F401
 
 __all__ = [
     "CandidateResult",
+    "ResultsInUse",
     "NegativeLogLikelihood",
     "default_metrics",
     "select_models",
