@@ -520,6 +520,8 @@ def map_loss(
             )
         n_data = counted
     else:
+        if isinstance(n_data, Tensor) and n_data.numel() == 1 and not n_data.is_floating_point():
+            n_data = int(n_data)  # e.g. the prior's own count, its buffer ``prior.n_data``
         n_data = integer(n_data, "n_data", minimum=1, what="the training set size N")
         if nll.numel() > n_data:  # N counts the whole training set (its kept positions): at least one batch's
             raise ValueError(

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import math
+import re
 import warnings
 
 import numpy as np
@@ -319,13 +320,17 @@ def test_map_loss_takes_n_from_the_evidence_and_warns_once_on_another():
 
 @pytest.mark.parametrize("seq", [0, 5])
 def test_map_loss_names_a_count_of_data_that_cannot_be_the_training_sets(seq):
-    """``n_data`` must be an int (NumPy's too) of at least the batch's own count of data (its kept positions)."""
+    """``n_data`` must be an int (NumPy's, or a one-element integer tensor, too) of at least the batch's own count of
+    data (its kept positions)."""
     net, x, y = _classification(seq=seq)
     prior, lik = GaussianPrior(net), CategoricalLikelihood()
     kept = int((y != -100).sum())
-    assert torch.equal(map_loss(net(x), y, lik, prior, np.int64(kept)), map_loss(net(x), y, lik, prior, kept))
-    for bad in ("24", 24.0, 2.5, 0, True):
-        with pytest.raises(ValueError, match=rf"`n_data` must be an int >= 1 \(the training set size N\), got {bad!r}"):
+    expected = map_loss(net(x), y, lik, prior, kept)
+    for same in (np.int64(kept), torch.tensor(kept)):  # NumPy's int; a one-element tensor, as the prior's n_data
+        assert torch.equal(map_loss(net(x), y, lik, prior, same), expected)
+    for bad in ("24", 24.0, 2.5, 0, True, torch.tensor(24.0)):
+        refused = r"`n_data` must be an int >= 1 \(the training set size N\), got " + re.escape(repr(bad))
+        with pytest.raises(ValueError, match=refused):
             map_loss(net(x), y, lik, prior, bad)
     with pytest.raises(ValueError, match=rf"map_loss\(n_data={kept - 1}\), but this batch alone holds {kept} data"):
         map_loss(net(x), y, lik, prior, kept - 1)  # e.g. the number of sequences where N counts positions
