@@ -470,6 +470,7 @@ REGRESSION_SPLITS = 20
 REGRESSION_TEST_FRACTION = 0.1
 
 
+@functools.lru_cache(maxsize=None)  # read once, not once per run
 def regression_sets() -> Dict[str, Tuple[np.ndarray, np.ndarray]]:
     """The regression sets shipped in packages here (no download): two of the UCI benchmark sets, in mlxtend's copies,
     and scikit-learn's diabetes set (Efron et al., 2004: UCI-style, not from UCI)."""

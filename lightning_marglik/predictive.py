@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from .curvature import eval_mode, locate
-from .curvature.batches import batch_size, call_model, move
+from .curvature.batches import batch_size, call_model, move, non_finite_rows
 from .curvature.functional import jacobian_rows
 from .curvature.statistics import RankOneJacobian
 from .curvature.structures import KronStructure
@@ -159,7 +159,7 @@ def _outputs(prior: GaussianPrior, model: nn.Module, x: Any) -> "tuple[Tensor, A
         raise ValueError(f"The network's outputs have shape {tuple(mean.shape)}, not (batch, outputs) = "
                          f"({batch_size(x)}, C): pass a batch of at least one input (x[None] for one), to a forward "
                          "that returns one output vector per input.")
-    bad = (~torch.isfinite(mean).all(dim=1)).nonzero().flatten().tolist()
+    bad = non_finite_rows(mean)
     if bad:
         raise ValueError(f"The network's outputs are not finite for {len(bad)} of {mean.shape[0]} inputs (rows "
                          f"{bad[:5]}{', ...' if len(bad) > 5 else ''}): check those inputs for NaN or inf.")
@@ -215,13 +215,9 @@ def predict_classification(
 def _classification(evidence: LaplaceEvidence, model: nn.Module, x: Tensor, method: str, samples: int,
                     generator: Optional[torch.Generator]) -> "tuple[Tensor, Tensor]":
     """The network's outputs ``(B, C)`` and :func:`predict_classification`'s probabilities."""
-    _check_samples(samples)
+    integer(samples, "samples", minimum=1)
     mean, cov = linearized_outputs(evidence, model, x)
     return mean, class_probabilities(mean, cov, method, samples, generator)
-
-
-def _check_samples(samples: Any) -> None:
-    integer(samples, "samples", minimum=1)
 
 
 def _near_uniform_message(network: Tensor, predictive: Tensor) -> Optional[str]:
@@ -372,7 +368,7 @@ def predict(
                          "is closed-form (leave method out).")
     if classification:
         method = choice("auto" if method is None else method, ("auto", *CLASSIFICATION_METHODS), "method")
-        _check_samples(samples)  # before "auto" decides, which may not draw at all
+        integer(samples, "samples", minimum=1)  # before "auto" decides, which may not draw at all
     if evidence not in _described:
         _described.add(evidence)
         log.info(describe(source, method if classification else "closed form"))

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..curvature import CurvatureOptions, eval_mode
-from ..curvature.batches import call_model, move, split_batch
+from ..curvature.batches import call_model, move, non_finite_rows, split_batch
 from ..curvature.scale_invariance import NORMS, find_scale_invariant
 from ..curvature.structures import structure_class, structures_with
 from ..hyperparameters import BIAS_NORMALIZATION, GaussianPrior, Likelihood, no_decay_names
@@ -288,10 +288,8 @@ def _check_finite(likelihood: Likelihood, inputs: Any, output: torch.Tensor, tar
 
 def _non_finite_rows(values: List[Any], first: int = 5) -> List[int]:
     """The first rows (along the batch dimension) where a floating tensor of ``values`` holds NaN or inf."""
-    rows = set()
-    for value in values:
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0:
-            rows.update((~torch.isfinite(value)).reshape(len(value), -1).any(1).nonzero().flatten()[:first].tolist())
+    rows = {row for value in values if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0
+            for row in non_finite_rows(value)}
     return sorted(rows)[:first]
 
 

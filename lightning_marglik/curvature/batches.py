@@ -8,7 +8,7 @@ into the call form, size and batch dimensions that the per-example (exact) path 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -23,6 +23,7 @@ __all__ = [
     "check_data",
     "model_batch",
     "move",
+    "non_finite_rows",
     "not_a_tensor",
     "split_batch",
 ]
@@ -78,6 +79,11 @@ def check_data(data: Any, batch_fn: Optional[BatchFn] = None) -> None:
             "The data are one (inputs, targets) pair of tensors, not an iterable of batches: pass [(x, y)] for a "
             "single batch, or a DataLoader."
         )
+
+
+def non_finite_rows(value: Tensor) -> List[int]:
+    """The rows of ``value`` (along its first, the batch dimension) that hold NaN or inf, in order."""
+    return (~torch.isfinite(value)).reshape(len(value), -1).any(1).nonzero().flatten().tolist()
 
 
 def move(inputs: Any, device: torch.device, dtype: torch.dtype) -> Any:
