@@ -562,11 +562,13 @@ def test_help_is_plain_text():
     ({"narrow": {"class_path": "tests.lightning_models.Classifier", "init_args": {"widht": 2}}},
      r"`candidates.narrow.init_args.widht` is not an argument of Classifier \(did you mean 'width'\?\)"),
     ({"narrow": {"class_path": "tests.lightning_models.Classifier", "init_args": {"depth": "two"}}},
-     r"`candidates.narrow.init_args.depth` = 'two': Classifier's `depth` takes a number"),
+     r"`candidates.narrow.init_args.depth` = 'two': Classifier's `depth` takes an int"),
+    ({"narrow": {"class_path": "tests.lightning_models.Classifier", "init_args": {"width": 2.5}}},
+     r"`candidates.narrow.init_args.width` = 2.5: Classifier's `width` takes an int \(annotated int\)"),
     ({"narrow": {"class_path": "tests.lightning_models.Classifier", "init_args": {"norm": 1}}},
      r"`candidates.narrow.init_args.norm` = 1: Classifier's `norm` is a flag \(True or False\)"),
     ({"narrow": {"class_path": "tests.lightning_models.Classifier", "init_args": {"width": True}}},
-     r"`candidates.narrow.init_args.width` = True: Classifier's `width` takes a number"),
+     r"`candidates.narrow.init_args.width` = True: Classifier's `width` takes an int"),
     ({}, r"The configuration's `candidates` section is empty"),
 ])
 def test_candidates_arguments_that_cannot_build_it_are_refused_before_any_candidate_trains(tmp_path, change, message):

@@ -154,15 +154,18 @@ def _check_init_args(cls: type, init_args: Any, where: str) -> None:
             raise ValueError(f"`{where}.{key}` = {value!r}: {cls.__name__}'s `{key}` is a flag (True or False).")
         if expected == "number" and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
             raise ValueError(f"`{where}.{key}` = {value!r}: {cls.__name__}'s `{key}` takes a number.")
+        if expected == "int" and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+            raise ValueError(f"`{where}.{key}` = {value!r}: {cls.__name__}'s `{key}` takes an int (annotated int).")
 
 
 # a parameter annotated by one of these takes that kind of value (the names: annotations postponed as strings)
-_SCALAR_KINDS = {bool: "flag", "bool": "flag", int: "number", "int": "number", float: "number", "float": "number"}
+_SCALAR_KINDS = {bool: "flag", "bool": "flag", int: "int", "int": "int", float: "number", "float": "number"}
 
 
 def _scalar_kind(parameter: inspect.Parameter) -> Optional[str]:
-    """``"flag"`` or ``"number"`` where a parameter takes only that (by its annotation, else by its default's type),
-    ``None`` where it may take more (``Optional[int]``, a ``Union``, no default)."""
+    """``"flag"``, ``"int"`` or ``"number"`` where a parameter takes only that (by its annotation; else ``"flag"`` or
+    ``"number"`` by its default's type: a default of 0 may stand for a float), ``None`` where it may take more
+    (``Optional[int]``, a ``Union``, no default)."""
     if parameter.annotation is not parameter.empty:
         return _SCALAR_KINDS.get(parameter.annotation)
     default = parameter.default
