@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
@@ -16,7 +17,7 @@ from torch import Tensor, nn
 
 from . import solvers
 from .curvature import CurvatureOptions, CurvatureStatistics, collect_statistics
-from .curvature.batches import BatchFn
+from .curvature.batches import BatchFn, non_finite_data_rows, split_batch
 from .curvature.statistics import Jacobian
 from .denormals import DenormalFlush
 from .hyperparameters import GaussianPrior, Likelihood, assign_hyperparameters, learnable_values
@@ -37,6 +38,30 @@ def weights_fingerprint(params: List[Tensor]) -> Tensor:
             local = (p.to_local() if hasattr(p, "to_local") else p).detach().double()
             rows.append(torch.stack([local.sum(), local.pow(2).sum()]).to(rows[0].device if rows else local.device))
     return torch.stack(rows).cpu() if rows else torch.zeros(0, 2, dtype=torch.float64)  # one sync on a GPU
+
+
+def function_buffers(prior: GaussianPrior) -> List[Tensor]:
+    """The floating buffers of the prior's network outside the hyperparameter modules (e.g. BatchNorm's running
+    statistics): with the weights, what the network computes in eval mode."""
+    hyper = [m for m in prior.model.modules() if isinstance(m, (GaussianPrior, Likelihood))]
+    skip = {id(b) for m in hyper for b in m.buffers()}
+    return [b for b in prior.model.buffers() if b.is_floating_point() and id(b) not in skip]
+
+
+def _refuse_non_finite_data(dataloader: Iterable, batch_fn: Optional[BatchFn]) -> None:
+    """Name the first batch whose inputs or targets hold NaN or inf (read again: only where the evidence is not
+    finite).
+
+    Raises:
+        ValueError: Naming the batch, the rows and the fix.
+    """
+    for index, batch in enumerate(dataloader):
+        inputs, target = split_batch(batch, batch_fn)
+        for part, rows in (("inputs", non_finite_data_rows(inputs)), ("targets", non_finite_data_rows(target))):
+            if rows:
+                raise ValueError(f"LaplaceEvidence.fit: batch {index}'s {part} hold NaN or inf (rows {rows}, the "
+                                 "first of them), so the evidence is not finite: clean the data (drop or impute those "
+                                 "rows).")
 
 
 def require_data(n_data: int, likelihood: Likelihood) -> None:
@@ -102,7 +127,8 @@ class LaplaceEvidence:
         with torch.no_grad():
             weights = prior.params if params is None else params
             self._sq_norms = prior.group_sq_norms([p.detach() for p in weights], torch.float64).to(device)
-            self._fingerprint = weights_fingerprint(prior.params)  # the weights the statistics were gathered at
+            # the weights (and running statistics) the statistics were gathered at
+            self._fingerprint = weights_fingerprint(prior.params + function_buffers(prior))
         self._group_sizes = prior.group_sizes().to(torch.float64)
         self._tensor_groups = self._groups_of_tensors()
 
@@ -155,8 +181,9 @@ class LaplaceEvidence:
             The evidence object.
 
         Raises:
-            ValueError: On bad options, a model the structure cannot handle, bad targets, or data
-                without a datum (every label ``ignore_index``).
+            ValueError: On bad options, a model the structure cannot handle, bad targets, data
+                without a datum (every label ``ignore_index``), or data holding NaN or inf that make the
+                evidence not finite (named by batch and rows).
             TypeError: On batches that are not ``(inputs, targets)`` pairs.
         """
         options = CurvatureOptions(structure, approx, mc_samples, max_memory, backend, max_output_factor)
@@ -166,6 +193,10 @@ class LaplaceEvidence:
             )
         evidence = cls(stats, likelihood, prior)
         prior.record_n_data(evidence.n_data)
+        if not bool(torch.isfinite(evidence.log_marglik().detach())):
+            _refuse_non_finite_data(dataloader, batch_fn)
+            warnings.warn("LaplaceEvidence.fit: the evidence is not finite at the model's current weights, though "
+                          "the data are: NaN or inf weights, or a forward that diverges at them.", stacklevel=2)
         return evidence
 
     @classmethod
@@ -361,10 +392,11 @@ class LaplaceEvidence:
     # --- posterior ----------------------------------------------------------------------------
 
     def fitted_at(self, params: List[Tensor]) -> bool:
-        """Whether ``params`` (the prior's tensors, in its order) are the weights the curvature was gathered at
-        (their sums and sums of squares, to float64 rounding): the posterior covariance belongs to those
-        weights only, e.g. not to a checkpoint loaded after the estimate or to weights trained further."""
-        now = weights_fingerprint(params)
+        """Whether ``params`` (the prior's tensors, in its order) and the network's buffers (:func:`function_buffers`:
+        BatchNorm's running statistics) are those the curvature was gathered at (their sums and sums of squares, to
+        float64 rounding): the posterior covariance belongs to them only, e.g. not to a checkpoint loaded after the
+        estimate, to weights trained further, or to running statistics updated by forwards in train mode."""
+        now = weights_fingerprint(list(params) + function_buffers(self.prior))
         return now.shape == self._fingerprint.shape and bool(torch.allclose(now, self._fingerprint, rtol=1e-9, atol=1e-12))
 
     def jacobian_covariance(self, jacobians: Tensor) -> Tensor:

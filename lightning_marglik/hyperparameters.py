@@ -536,7 +536,8 @@ def map_loss(
                 "(prior.n_data), or pass the training set size N (not the batch size).",
                 stacklevel=2,
             )
-    data_term = nll.mean() / likelihood.temperature.detach().to(output.dtype)
+    # a batch whose every label is ignored holds no datum: no data term (a mean of none would be NaN)
+    data_term = (nll.mean() if nll.numel() else nll.sum()) / likelihood.temperature.detach().to(output.dtype)
     return data_term + prior.penalty() / n_data
 
 
@@ -558,8 +559,8 @@ def assign_hyperparameters(prior: GaussianPrior, likelihood: Likelihood, values:
         values: Log values by buffer name; names not given stay as they are.
 
     Raises:
-        ValueError: On an unknown name, a shape mismatch, or a value that is not finite in the
-            buffer's dtype (nothing is written then).
+        ValueError: On an unknown name, a value that is not a tensor, a shape mismatch, or a value that is not
+            finite in the buffer's dtype (nothing is written then).
     """
     buffers = {"log_precision": prior.log_precision, **likelihood.hyperparameters()}
     converted = {}
@@ -567,6 +568,9 @@ def assign_hyperparameters(prior: GaussianPrior, likelihood: Likelihood, values:
         if name not in buffers:
             raise ValueError(f"Unknown hyperparameter {name!r}; expected one of {sorted(buffers)}.")
         buffer = buffers[name]
+        if not isinstance(value, Tensor):
+            raise ValueError(f"Hyperparameter {name!r} must be a tensor of shape {tuple(buffer.shape)} (log values, "
+                             f"e.g. evidence.optimize().values[{name!r}]), got {type(value).__name__} {value!r}.")
         if value.shape != buffer.shape:
             raise ValueError(f"Hyperparameter {name!r} has shape {tuple(buffer.shape)}, got {tuple(value.shape)}.")
         cast = value.detach().to(buffer.device, buffer.dtype)

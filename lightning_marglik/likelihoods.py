@@ -27,7 +27,13 @@ def log_buffer(value: float, name: str) -> Tensor:
     tensor of one); a list, a string or a tensor of several values is refused with the option's name."""
     if isinstance(value, Tensor) and value.numel() == 1:
         value = value.item()
-    return torch.tensor(math.log(number(value, name)))
+    log_value = torch.tensor(math.log(number(value, name)))
+    held = log_value.exp()
+    if not bool(torch.isfinite(held)) or not bool(held > 0):
+        info = torch.finfo(log_value.dtype)
+        raise ValueError(f"`{name}` must lie within {log_value.dtype}'s range ({info.tiny:.3g} to {info.max:.3g}), the "
+                         f"dtype it is held in, got {value!r}, which it holds as {held.item()}.")
+    return log_value
 
 
 def categorical_traces(logits: Tensor, labels: Tensor) -> Tuple[Tensor, Tensor]:

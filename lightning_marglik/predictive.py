@@ -156,9 +156,10 @@ def _outputs(prior: GaussianPrior, model: nn.Module, x: Any) -> "tuple[Tensor, A
         raise ValueError(f"The network's forward failed on inputs {shape} ({type(err).__name__}: {err}): pass a "
                          "batch of inputs as training's forward took them.") from err
     if mean.dim() != 2 or mean.shape[0] != batch_size(x) or mean.shape[0] == 0:
-        raise ValueError(f"The network's outputs have shape {tuple(mean.shape)}, not (batch, outputs) = "
-                         f"({batch_size(x)}, C): pass a batch of at least one input (x[None] for one), to a forward "
-                         "that returns one output vector per input.")
+        raise ValueError(f"The network's outputs have shape {tuple(mean.shape)}, where predict needs one output "
+                         f"vector per input, (batch, outputs) with batch {batch_size(x)} (the inputs' first "
+                         "dimension): pass a batch of at least one input (x[None] for one input), to a forward that "
+                         "returns one output vector per input.")
     bad = non_finite_rows(mean)
     if bad:
         raise ValueError(f"The network's outputs are not finite for {len(bad)} of {mean.shape[0]} inputs (rows "
@@ -338,8 +339,8 @@ def predict(
 
     Raises:
         RuntimeError: If the callback has no estimate yet (called before ``trainer.fit``).
-        ValueError: If ``module`` is not the network of the posterior, or its weights are not the estimate's
-            (a checkpoint loaded, training continued), on a list batch, on outputs that are not ``(B, C)`` with
+        ValueError: If ``module`` is not the network of the posterior, or its weights or running statistics are
+            not the estimate's (a checkpoint loaded, training continued, forwards in train mode), on a list batch, on outputs that are not ``(B, C)`` with
             ``B >= 1`` or not finite (a NaN input), on any ``method`` for regression, on ``"auto"`` with an
             evidence whose likelihood statistics lack the confidence and correct count, on ``samples`` that is not
             an int of at least 1, or on a forward that fails on ``x``.
@@ -356,8 +357,9 @@ def predict(
             raise ValueError("predict: the module's weights are not finite: training diverged, or the training data "
                              "hold NaN or inf (MargLikCallback refuses them in its set-up batch only).")
         raise ValueError(
-            "predict: the module's weights are not those of the posterior's estimate (a checkpoint loaded, or "
-            "training went on after it): fit one at these weights, evidence = LaplaceEvidence.fit(module, "
+            "predict: the module's weights, or its running statistics (BatchNorm's), are not those of the "
+            "posterior's estimate (a checkpoint loaded, training went on after it, or forwards in train mode updated "
+            "the running statistics): fit one at these weights, evidence = LaplaceEvidence.fit(module, "
             "train_loader, module.likelihood, module.prior), and pass it instead.")
     if isinstance(x, list):
         raise ValueError(f"predict: got a list of {len(x)} (a DataLoader's (inputs, targets) batch?): pass the "

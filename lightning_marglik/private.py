@@ -132,6 +132,26 @@ def early_stopping_checks_at_epoch_end(callback: Any, trainer: Any) -> bool:
     return rule if checks is None else bool(checks)
 
 
+def checkpoint_saves_at_epoch_end(callback: Any, trainer: Any) -> bool:
+    """Whether Lightning's ``ModelCheckpoint`` saves at the end of training epochs only (else also after
+    validation, or every ``every_n_train_steps`` or ``train_time_interval``, before the epoch's estimate).
+
+    Reads its ``_save_on_train_epoch_end`` (the ``save_on_train_epoch_end`` argument; ``None``: Lightning's rule,
+    at the epoch's end where validation runs once per epoch, or never), ``_every_n_train_steps`` and
+    ``_train_time_interval``. Where one is missing, assumes Lightning's default (at the epoch's end), with a
+    warning: the arguments cannot be read then.
+    """
+    rule = trainer.val_check_interval == 1.0 and trainer.check_val_every_n_epoch == 1
+    names = ("_save_on_train_epoch_end", "_every_n_train_steps", "_train_time_interval")
+    for name in names:
+        if not hasattr(callback, name):
+            _fall_back(callback, name, "assuming it saves at the end of every training epoch, as Lightning's default "
+                       "does.")
+            return True
+    at_end = rule if callback._save_on_train_epoch_end is None else bool(callback._save_on_train_epoch_end)
+    return at_end and callback._every_n_train_steps < 1 and callback._train_time_interval is None
+
+
 def fsdp_strategy_kwargs(strategy: Any) -> Dict[str, Any]:
     """The keyword arguments Lightning's ``FSDPStrategy`` passes to ``FullyShardedDataParallel`` (its
     ``kwargs``, undocumented); ``{}``, with a warning, where the strategy keeps none: ``use_orig_params``

@@ -277,7 +277,8 @@ def adam(
         what = "reached a non-finite objective" if not finite else f"ended {lost:.4g} below its best value"
         warnings.warn(
             f"Adam (lr={lr:g}) {what} after {len(trace) - 1} of {steps} steps; kept the best point "
-            f"(step {best_step}). The learning rate is too large: lr={lr / 10:g} is safer."
+            f"(step {best_step}). The learning rate is too large for this objective: try lr={lr / 10:g} or smaller, "
+            "or solver='newton'."
         )
     stalled = len(trace) >= 2 and abs(trace[-1] - trace[-2]) <= max(1e-8 * abs(trace[-1]), _noise(best))
     return Solution(

@@ -1,6 +1,7 @@
 """The prior guard (issue 52): the approximate cross-validation against a dense float64 brute force, and what the
 callback does with it in a real ``Trainer``: the decision follows the scores, the learned weight decay reaches
-training only while it wins, the record survives a checkpoint on disk, the final epoch is not scored, and an
+training only while it wins, the record survives a checkpoint on disk, the final epoch is not scored (until a
+resumed fit trains on from it, as the uninterrupted run), and an
 operation without a forward-mode derivative turns the guard off with a warning instead of ending the fit."""
 from __future__ import annotations
 
@@ -215,13 +216,19 @@ def test_the_decisions_survive_a_checkpoint_on_disk_and_a_resume_restores_the_tr
     torch.manual_seed(0)
     trainer([callback, ModelCheckpoint(dirpath=tmp_path, save_last=True)], max_epochs=3).fit(first, _data())
     saved = list(callback.guard_decisions)
-    assert [d["epoch"] for d in saved] == [1, 2]
-    # resumed to epoch 4, the last: nothing new is scored, so the prior's treatment at the end is the one restored
+    assert [d["epoch"] for d in saved] == [1, 2]  # the estimate after the last epoch is not scored
+    # resumed to epoch 5 from the checkpoint on disk: epoch 3's estimate, unscored when it ended the first fit, is
+    # scored when training goes on, and the run is the uninterrupted one's (decisions, scores, evidence)
     resumed, second = MargLikCallback(frequency=1, steps=20), Classifier(n_data=90)
-    trainer([resumed], max_epochs=4).fit(second, _data(), ckpt_path=str(tmp_path / "last.ckpt"))
-    assert resumed.guard_decisions == saved
+    trainer([resumed], max_epochs=5).fit(second, _data(), ckpt_path=str(tmp_path / "last.ckpt"))
+    whole = MargLikCallback(frequency=1, steps=20)
+    uninterrupted, _ = _fit(whole, epochs=5)
+    assert resumed.guard_decisions[:2] == saved and [d["epoch"] for d in resumed.guard_decisions] == [1, 2, 3, 4]
+    assert resumed.guard_decisions == whole.guard_decisions
+    assert resumed.history == whole.history
+    assert torch.equal(second.net[0].weight, uninterrupted.net[0].weight)
     held = second.prior.treatments.get(GUARD, ([], ""))[0]
-    assert bool(held) == (saved[-1]["applied"] == "declared")
+    assert bool(held) == (whole.guard_decisions[-1]["applied"] == "declared")
 
 
 class NoForwardMode(torch.autograd.Function):

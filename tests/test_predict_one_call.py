@@ -247,7 +247,7 @@ def test_refusals_name_the_mistake_and_the_fix():
         predict(callback, Net("classification").double(), x)
     with torch.no_grad():
         module.net[0].weight[0, 0] += 1e-3  # e.g. a checkpoint loaded after the last estimate
-    with pytest.raises(ValueError, match="weights are not those of the posterior's estimate.*LaplaceEvidence.fit"):
+    with pytest.raises(ValueError, match="weights, or its running statistics .BatchNorm's., are not those of the posterior's estimate.*LaplaceEvidence.fit"):
         predict(callback, module, x)
     # the fix the message names: an evidence at these weights
     evidence = LaplaceEvidence.fit(module, DataLoader(data("classification", N, 0), batch_size=16), module.likelihood,

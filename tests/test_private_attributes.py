@@ -21,7 +21,7 @@ from torch.nn.utils import prune
 from torch.utils.data import SubsetRandomSampler
 
 from lightning_marglik import MargLikCallback, private
-from lightning_marglik.callbacks.checks import check_stock_early_stopping
+from lightning_marglik.callbacks.checks import check_stock_monitors
 from lightning_marglik.distributed import epoch_keys
 from lightning_marglik.hyperparameters import GaussianPrior
 from lightning_marglik.private import PrivateAPIError
@@ -155,7 +155,18 @@ def test_without_early_stoppings_moment_lightnings_rule_is_assumed_with_a_warnin
     fit = pl.Trainer(callbacks=[stopping], logger=False, enable_progress_bar=False, accelerator="cpu")
     with pytest.warns(UserWarning, match=r"has no EarlyStopping\._check_on_train_epoch_end; assuming it checks at the "
                                          r"end of every training epoch, as Lightning's default does"):
-        check_stock_early_stopping(fit, "MargLikCallback", every_epoch=True)
+        check_stock_monitors(fit, "MargLikCallback", every_epoch=True)
+
+
+@pytest.mark.parametrize("name", ["_save_on_train_epoch_end", "_every_n_train_steps", "_train_time_interval"])
+def test_without_model_checkpoints_moment_lightnings_default_is_assumed_with_a_warning(monkeypatch, name):
+    checkpoint = pl.callbacks.ModelCheckpoint(monitor="marglik", save_on_train_epoch_end=False)
+    assert not private.checkpoint_saves_at_epoch_end(checkpoint, pl.Trainer(logger=False, accelerator="cpu"))
+    fit = pl.Trainer(callbacks=[checkpoint], logger=False, enable_progress_bar=False, accelerator="cpu")
+    monkeypatch.delattr(checkpoint, name)
+    with pytest.warns(UserWarning, match=rf"has no ModelCheckpoint\.{name}; assuming it saves at the end of every "
+                                         r"training epoch, as Lightning's default does"):
+        check_stock_monitors(fit, "MargLikCallback", every_epoch=True)
 
 
 @pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p.__name__)

@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from ..curvature import CurvatureOptions, eval_mode
-from ..curvature.batches import call_model, move, non_finite_rows, split_batch
+from ..curvature.batches import call_model, move, non_finite_data_rows, split_batch
 from ..curvature.scale_invariance import NORMS, find_scale_invariant
 from ..curvature.structures import structure_class, structures_with
 from ..hyperparameters import BIAS_NORMALIZATION, GaussianPrior, Likelihood, no_decay_names
-from ..private import early_stopping_checks_at_epoch_end
+from ..private import checkpoint_saves_at_epoch_end, early_stopping_checks_at_epoch_end
 from ..validators import choice, number
 from .data import BatchFn
 from .output_layer import OutputLayer, forward_finding_output_layer
@@ -30,7 +30,7 @@ __all__ = [
     "check_model_forward",
     "check_processes",
     "check_statistics",
-    "check_stock_early_stopping",
+    "check_stock_monitors",
     "check_training_statistics",
     "check_weight_decay",
     "follow_training_modes",
@@ -40,13 +40,16 @@ __all__ = [
 STATISTICS = ("pass", "training")
 
 
-def check_stock_early_stopping(trainer: Trainer, who: str, every_epoch: bool) -> None:
-    """Refuse Lightning's own ``EarlyStopping`` on ``marglik`` where it would check without a fresh estimate.
+def check_stock_monitors(trainer: Trainer, who: str, every_epoch: bool) -> None:
+    """Refuse Lightning's own ``EarlyStopping`` and ``ModelCheckpoint`` on ``marglik`` where they would read it
+    without a fresh estimate.
 
-    It checks at the end of every training epoch (or, with ``check_on_train_epoch_end=False`` or other
-    validation intervals, after each validation, which runs before the epoch's estimate): without an
-    estimate it raises "metric marglik ... not available" (``strict=True``), or counts the last estimate
-    again towards its patience.
+    Each reads it at the end of every training epoch, or after each validation, which runs before the epoch's
+    estimate (``EarlyStopping(check_on_train_epoch_end=False)``, ``ModelCheckpoint``'s saves after validation,
+    every ``every_n_train_steps`` or ``train_time_interval``, other validation intervals). Without an estimate
+    early stopping raises "metric marglik ... not available" (``strict=True``) or counts the last estimate again
+    towards its patience; a checkpoint is ranked, and named, by the last estimate's value while it holds later
+    weights, or the fit ends in "could not find the monitored key".
 
     Args:
         trainer: The trainer whose callbacks are checked.
@@ -54,23 +57,34 @@ def check_stock_early_stopping(trainer: Trainer, who: str, every_epoch: bool) ->
         every_epoch: Whether every epoch ends with an estimate.
 
     Raises:
-        MargLikConfigurationError: Naming ``MargLikEarlyStopping``, which acts on fresh estimates only.
+        MargLikConfigurationError: Naming ``MargLikEarlyStopping`` or ``MargLikCheckpoint``, which act on fresh
+            estimates only.
     """
     for callback in trainer.callbacks:
         names = [cls.__name__ for cls in type(callback).__mro__]
-        if "EarlyStopping" not in names or "EarlyStoppingCore" in names or callback.monitor != MONITOR:
+        if "EarlyStoppingCore" in names or "CheckpointCore" in names or getattr(callback, "monitor", None) != MONITOR:
             continue
-        at_epoch_end = early_stopping_checks_at_epoch_end(callback, trainer)
+        if "EarlyStopping" in names:
+            at_epoch_end, reads, fix = (early_stopping_checks_at_epoch_end(callback, trainer), "checks",
+                                        "MargLikEarlyStopping(patience=...), which acts on fresh estimates only and "
+                                        "counts patience in estimations")
+            harm = f"fail with 'metric {MONITOR} ... not available' or count a stale estimate towards its patience"
+        elif "ModelCheckpoint" in names:
+            at_epoch_end, reads, fix = (checkpoint_saves_at_epoch_end(callback, trainer), "ranks its saves by",
+                                        "MargLikCheckpoint(save_top_k=...), which saves at fresh estimates only")
+            harm = ("rank and name a checkpoint by an earlier estimate than its weights', or fail with 'could not "
+                    "find the monitored key'")
+        else:
+            continue
         if every_epoch and at_epoch_end:
             continue
         when = (f"after every training epoch, but {who} does not estimate it after every epoch" if at_epoch_end else
-                "after every validation, which runs before the epoch's estimate (check_on_train_epoch_end=False or "
-                "validation intervals other than once per epoch)")
+                "after validation or within the epoch, which runs before the epoch's estimate "
+                "(check_on_train_epoch_end=False, save_on_train_epoch_end=False, every_n_train_steps, "
+                "train_time_interval or validation intervals other than once per epoch)")
         raise MargLikConfigurationError(
-            f"{type(callback).__name__}(monitor={MONITOR!r}) checks {MONITOR} {when}: Lightning's early stopping "
-            f"would fail with 'metric {MONITOR} ... not available' or count a stale estimate towards its patience. "
-            "Use MargLikEarlyStopping(patience=...), which acts on fresh estimates only and counts patience in "
-            "estimations."
+            f"{type(callback).__name__}(monitor={MONITOR!r}) {reads} {MONITOR} {when}: Lightning's callback would "
+            f"{harm}. Use {fix}."
         )
 
 
@@ -248,8 +262,8 @@ def check_forward(
         raise
     except Exception as err:  # whatever forward raised, the user needs to know it was the evidence's call
         raise MargLikConfigurationError(
-            f"MargLikCallback, one evidence batch through forward: {type(err).__name__}: {err}. The evidence pass "
-            "calls forward(x) for a tensor x, forward(*x) for a tuple and forward(**x) for a dict of the batch's "
+            f"MargLikCallback, one evidence batch through forward: {type(err).__name__}: {str(err).rstrip('.')}. The "
+            "evidence pass calls forward(x) for a tensor x, forward(*x) for a tuple and forward(**x) for a dict of the batch's "
             "inputs (of the training batches, or of `dataloader=`); where your forward takes another form, map "
             "batches with `marglik_batch(self, batch) -> (inputs, targets)` on the LightningModule."
         ) from err
@@ -274,8 +288,7 @@ def _check_finite(likelihood: Likelihood, inputs: Any, output: torch.Tensor, tar
         bad = ~torch.isfinite(likelihood.nll(output, target))
     if not bool(bad.any()):
         return
-    values = inputs.values() if isinstance(inputs, dict) else inputs if isinstance(inputs, tuple) else (inputs,)
-    bad_inputs, bad_targets = _non_finite_rows(list(values)), _non_finite_rows([target])
+    bad_inputs, bad_targets = non_finite_data_rows(inputs), non_finite_data_rows(target)
     where = (f"its inputs hold NaN or inf (rows {bad_inputs}, the first of them)" if bad_inputs
              else f"its targets hold NaN or inf (rows {bad_targets}, the first of them)" if bad_targets
              else "its outputs are not finite at finite inputs and targets (a forward that diverges at these weights)")
@@ -284,13 +297,6 @@ def _check_finite(likelihood: Likelihood, inputs: Any, output: torch.Tensor, tar
         f"{bad.numel()} data is not finite: {where}. Clean the data (drop or impute those rows) before training: "
         "trained on, they make the weights NaN."
     )
-
-
-def _non_finite_rows(values: List[Any], first: int = 5) -> List[int]:
-    """The first rows (along the batch dimension) where a floating tensor of ``values`` holds NaN or inf."""
-    rows = {row for value in values if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0
-            for row in non_finite_rows(value)}
-    return sorted(rows)[:first]
 
 
 def treat_biases(prior: GaussianPrior, biases: Optional[str]) -> None:

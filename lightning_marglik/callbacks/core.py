@@ -31,7 +31,7 @@ from .data import isolate_rng
 from .epoch_loss import EpochLoss
 from .estimating import EstimatorCore
 from .logged import log_after_training
-from .package import LightningModule, Trainer
+from .package import MONITOR, LightningModule, Trainer
 from .prior_guard import guard_off_reason, restore_guard, run_guard
 from .progress import progress
 from .report import announce_end
@@ -108,11 +108,23 @@ class MargLikCallbackCore(TrainedModuleQueries, EstimatorCore):
     def _setup_decisions(self) -> Dict[str, Any]:
         return dict(cost=self._cost, biases=self.biases, output_layer=self.output_layer)
 
-    def _decide_after_setup(self, trainer: Trainer) -> None:
+    def _decide_after_setup(self, trainer: Trainer, pl_module: LightningModule) -> None:
         prior, _ = self._hyperparameters()
         if self.guard:
             self.guard_off = guard_off_reason(trainer, prior)
         restore_guard(prior, self.guard_decisions if self.guard_off is None else [])
+        self._guard_the_last_estimate(trainer, pl_module)
+
+    def _guard_the_last_estimate(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Score the estimate a resumed fit starts from where the earlier fit ended right after it, unscored (no
+        training followed it then): at the same weights, hyperparameters and Monte-Carlo draws, as an
+        uninterrupted run scored it, so that training to more epochs goes on as that run's."""
+        last = self.history[-1] if self.history else None
+        if (self.guard_off is not None or last is None or last["epoch"] != trainer.current_epoch
+                or not math.isfinite(last[MONITOR]) or any(d["epoch"] == last["epoch"] for d in self.guard_decisions)):
+            return
+        self.evidence = self._evidence(trainer, pl_module, self.options, self._generator(trainer, last["epoch"]))
+        run_guard(self, trainer, pl_module, epoch=last["epoch"])
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
@@ -168,10 +180,7 @@ class MargLikCallbackCore(TrainedModuleQueries, EstimatorCore):
             The log evidence per datum after the hyperparameter steps (NaN if not finite).
         """
         strategy = trainer.strategy
-        rank, world = trainer.global_rank, trainer.world_size
-        # distinct Monte-Carlo draws on every rank, reproducible for a given (seed, epoch, rank)
-        generator = torch.Generator().manual_seed((self.seed + epoch) * world + rank) if self.options.mc_samples else None
-        evidence = self._evidence(trainer, pl_module, self.options, generator)
+        evidence = self._evidence(trainer, pl_module, self.options, self._generator(trainer, epoch))
         self.evidence = evidence
         self._record_n_data(evidence.n_data)  # the N of map_loss follows the evidence (e.g. a stream's new masks)
         if not torch.isfinite(evidence.log_marglik().detach()):
@@ -198,6 +207,13 @@ class MargLikCallbackCore(TrainedModuleQueries, EstimatorCore):
                 self._warned_ef = True
         self._averaging.sync(pl_module)  # the averaged copies hold the learned values, not an average of them
         return self._record_estimate(trainer, epoch, marglik, **extra)
+
+    def _generator(self, trainer: Trainer, epoch: int) -> Optional[torch.Generator]:
+        """The Monte-Carlo draws of the estimate after ``epoch``: distinct on every rank, reproducible for a given
+        (seed, epoch, rank); ``None`` for an exact curvature."""
+        if not self.options.mc_samples:
+            return None
+        return torch.Generator().manual_seed((self.seed + epoch) * trainer.world_size + trainer.global_rank)
 
     def _evidence(
         self, trainer: Trainer, pl_module: LightningModule, options: CurvatureOptions,

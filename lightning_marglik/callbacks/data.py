@@ -2,19 +2,19 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Tuple, Union
 
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn  # one rank state for both packages
 from pytorch_lightning.utilities.seed import isolate_rng  # also the numpy and Python generators, which loaders may use
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, SequentialSampler
 
 from ..curvature.batches import split_batch
 from ..distributed import evidence_loader
 from ..hyperparameters import Likelihood
 from .package import LightningModule, MargLikConfigurationError, Trainer
 
-__all__ = ["count_data", "evidence_batches", "named_loader_method"]
+__all__ = ["count_data", "dropped_examples", "evidence_batches", "named_loader_method"]
 
 Source = Union[DataLoader, str, None]
 BatchFn = Optional[Callable[[Any], Any]]
@@ -63,6 +63,33 @@ def _source_loader(dataloader: Source, trainer: Trainer, pl_module: LightningMod
     return loader
 
 
+def dropped_examples(loader: Any) -> Optional[Tuple[int, int, int, bool]]:
+    """What a ``drop_last=True`` loader leaves out of each epoch: ``(dropped, examples, batch_size, shuffled)``
+    (this process's), or ``None`` where it drops none."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    inner, size = getattr(batch_sampler, "sampler", None), getattr(batch_sampler, "batch_size", None)
+    if not getattr(batch_sampler, "drop_last", False) or inner is None or not size:
+        return None
+    try:
+        examples = len(inner)
+    except TypeError:
+        return None
+    in_order = isinstance(inner, SequentialSampler) or (isinstance(inner, DistributedSampler) and not inner.shuffle)
+    return (examples % size, examples, size, not in_order) if examples % size else None
+
+
+def _warn_if_dropped(loader: DataLoader) -> None:
+    """Say where a training loader never draws some examples the evidence covers (``drop_last`` in order)."""
+    dropped = dropped_examples(loader)
+    if dropped is not None and not dropped[3]:
+        count, examples, size, _ = dropped
+        rank_zero_warn(
+            f"MargLikCallback: the training DataLoader drops its last {count} of {examples} examples every epoch "
+            f"(drop_last=True with batch_size={size}, without shuffling): training never sees them, but the evidence "
+            "covers every example; shuffle, set drop_last=False, or pass `dataloader=` with the examples training sees."
+        )
+
+
 def evidence_batches(dataloader: Source, trainer: Trainer, pl_module: LightningModule, warn: bool = False) -> Iterable:
     """This rank's evidence batches: its unpadded shard of the examples one training epoch draws.
 
@@ -82,6 +109,8 @@ def evidence_batches(dataloader: Source, trainer: Trainer, pl_module: LightningM
         max_batches = int(limit) if math.isfinite(limit) else None
         if warn and max_batches is not None and not isinstance(source.dataset, IterableDataset):
             _warn_if_limited(source, max_batches, trainer.limit_train_batches)
+        if warn:
+            _warn_if_dropped(source)
     try:
         return evidence_loader(source, trainer.global_rank, trainer.world_size, max_batches)
     except ValueError as err:

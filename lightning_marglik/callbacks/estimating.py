@@ -174,10 +174,10 @@ class EstimatorCore(KnownKeywords):
         self._fit_record.drop()
         self._count_data(trainer, pl_module, lambda: self._check_setup(trainer, pl_module))
         self._follow_changed_learnables()  # after the set-up check, which decides the scale-invariant treatment
-        self._decide_after_setup(trainer)
+        self._decide_after_setup(trainer, pl_module)
         announce_setup(self)
 
-    def _decide_after_setup(self, trainer: Trainer) -> None:
+    def _decide_after_setup(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Decisions that read the set-up check's treatments, made before the set-up line names them."""
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

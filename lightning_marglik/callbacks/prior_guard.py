@@ -6,7 +6,8 @@ learned one is fed back into the MAP loss only while it scores at least as well,
 evidence learns are decoupled (``prior.treatments["prior guard"]``): the evidence goes on learning its own
 precisions (``prior.log_precision``, the evidence's own choice), training keeps the declared precision. Each
 decision is recorded (``callback.guard_decisions``, the history's ``"guard"`` entries) and said at the end of
-training. The estimate after training has no training to guard and is not scored.
+training. The estimate after training has no training to guard and is not scored, until a fit resumed from
+it trains on: then it is scored when that training starts, as an uninterrupted run scored it.
 
 The guard is off, with the reason said at set-up, under a strategy that shards the parameters (its folds'
 gradients are whole-model vectors) and where the evidence learns no tensor's weight decay.

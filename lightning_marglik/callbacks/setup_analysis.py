@@ -116,13 +116,13 @@ def check_fit(
         raise MargLikConfigurationError(str(err)) from err
     checks.check_processes(callback.options, trainer)
     check_strategy(callback, trainer)
+    if averaging is not None:  # before the stock monitors: weight averaging names what works beside it
+        averaging.setup(trainer, callback)
     who = f"{type(callback).__name__}({callback.schedule.describe()})"
-    checks.check_stock_early_stopping(trainer, who, callback.schedule.every_epoch())
+    checks.check_stock_monitors(trainer, who, callback.schedule.every_epoch())
     checks.check_model_forward(pl_module, callback._package)
     if isinstance(callback.dataloader, str):
         named_loader_method(callback.dataloader, trainer, pl_module)  # a wrong name fails now, not after burn-in
-    if averaging is not None:
-        averaging.setup(trainer, callback)
     if training_statistics:
         checks.check_training_statistics(trainer, pl_module)
 

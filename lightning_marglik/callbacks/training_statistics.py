@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 from ..curvature.training_pass import TrainingPassStatistics, mismatch
 from ..distributed import run_on_all_ranks
 from ..hyperparameters import Likelihood
-from .data import BatchFn
+from .data import BatchFn, dropped_examples
 from .package import LightningModule, MargLikConfigurationError, Trainer
 from .schedule import Schedule
 from .sharding import whole_parameters
@@ -55,12 +55,12 @@ def check_coverage(trainer: Trainer, dataloader: Any) -> None:
             f"batches (Trainer(limit_train_batches={trainer.limit_train_batches})), but the evidence covers every "
             f"example; train on every batch or {fix}."
         )
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    inner, size = getattr(batch_sampler, "sampler", None), getattr(batch_sampler, "batch_size", None)
-    if getattr(batch_sampler, "drop_last", False) and inner is not None and size and len(inner) % size:
+    dropped = dropped_examples(loader)
+    if dropped is not None:
+        count, examples, size, _ = dropped
         raise MargLikConfigurationError(
-            f"MargLikCallback(statistics='training'): the training DataLoader drops the last {len(inner) % size} of "
-            f"{len(inner)} examples each epoch (drop_last=True with batch_size={size}; a different part under "
+            f"MargLikCallback(statistics='training'): the training DataLoader drops the last {count} of "
+            f"{examples} examples each epoch (drop_last=True with batch_size={size}; a different part under "
             f"shuffling), but the evidence covers every example; set drop_last=False, a batch size that divides the "
             f"data, or {fix}."
         )

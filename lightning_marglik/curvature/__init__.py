@@ -21,7 +21,7 @@ from .exchange import Exchange
 from .functional import ExactPath
 from .hooks import Recorder, graph_uses
 from .options import APPROXIMATIONS, BACKENDS, STRUCTURES, CurvatureOptions
-from .plan import LayerLayout, Plan, candidates, check_model, locate, make_plan
+from .plan import LayerLayout, Plan, candidates, check_model, check_trainable, locate, make_plan
 from .statistics import BatchCurvature, CurvatureStatistics, LayerPlan, Structure, with_notes
 
 #: Largest size in bytes of one part of a batch's loss-Hessian factor and output gradients (:func:`_part_size`).
@@ -130,6 +130,7 @@ def collect_statistics(
     if batch_fn is not None and not callable(batch_fn):
         raise TypeError(f"`batch_fn` must map a batch to (inputs, targets), got {type(batch_fn).__name__} {batch_fn!r}.")
     check_data(dataloader, batch_fn)
+    check_trainable(prior)
     if options.backend == "backpack":
         from .backpack import backpack_statistics
 

@@ -23,6 +23,7 @@ __all__ = [
     "check_data",
     "model_batch",
     "move",
+    "non_finite_data_rows",
     "non_finite_rows",
     "not_a_tensor",
     "split_batch",
@@ -84,6 +85,15 @@ def check_data(data: Any, batch_fn: Optional[BatchFn] = None) -> None:
 def non_finite_rows(value: Tensor) -> List[int]:
     """The rows of ``value`` (along its first, the batch dimension) that hold NaN or inf, in order."""
     return (~torch.isfinite(value)).reshape(len(value), -1).any(1).nonzero().flatten().tolist()
+
+
+def non_finite_data_rows(data: Any, first: int = 5) -> List[int]:
+    """The first rows (along the batch dimension) where a floating tensor of ``data`` (a tensor, or a tuple or
+    dict of them: a batch's inputs or targets) holds NaN or inf."""
+    values = data.values() if isinstance(data, dict) else data if isinstance(data, (tuple, list)) else (data,)
+    rows = {row for value in values if isinstance(value, Tensor) and value.is_floating_point() and value.dim() > 0
+            for row in non_finite_rows(value)}
+    return sorted(rows)[:first]
 
 
 def move(inputs: Any, device: torch.device, dtype: torch.dtype) -> Any:

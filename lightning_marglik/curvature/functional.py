@@ -68,8 +68,22 @@ class ExactPath:
 
         Raises:
             TypeError: If ``forward`` does not return a tensor.
+            ValueError: If a BatchNorm without running statistics sees one example without spatial positions,
+                which has no statistics to normalize by.
         """
-        batch = model_batch(inputs)
+        try:
+            return self._rows(model_batch(inputs), factor)
+        except ValueError as error:
+            if "Expected more than 1 value per channel" not in str(error):
+                raise
+            raise ValueError(
+                "A BatchNorm without running statistics (track_running_stats=False) on features without spatial "
+                "positions, e.g. BatchNorm1d on (batch, features), normalizes by the batch: one example alone has no "
+                "statistics, so its per-example curvature (the exact path such a BatchNorm takes) cannot be computed. "
+                f"Keep running statistics (track_running_stats=True, the default), or use a LayerNorm. ({error})"
+            ) from error
+
+    def _rows(self, batch: ModelBatch, factor: Tensor) -> Tensor:
         if self.refusal is None:
             try:
                 return self._rows_by_vmap(batch, factor)

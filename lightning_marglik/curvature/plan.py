@@ -27,7 +27,7 @@ from .statistics import LayerPlan, Structure
 from .structures import structure_class
 from .exchange import Exchange
 
-__all__ = ["LayerLayout", "Plan", "candidates", "check_model", "locate", "make_plan"]
+__all__ = ["LayerLayout", "Plan", "candidates", "check_model", "check_trainable", "locate", "make_plan"]
 
 Owner = Tuple[str, nn.Module, str]
 
@@ -89,14 +89,32 @@ def locate(model: nn.Module, prior: GaussianPrior) -> Tuple[List[str], List[Owne
     return [names[id(p)] for p in params], [owners[id(p)] for p in params]
 
 
+def check_trainable(prior: GaussianPrior) -> None:
+    """The curvature's tensors are the trainable ones: refuse a prior that covers a tensor frozen after it was
+    built (the predictive may read a network frozen for inference; the curvature may not).
+
+    Raises:
+        ValueError: Naming the frozen tensors and the fix.
+    """
+    frozen = [n for n, p in zip(prior.param_names, prior.params) if not p.requires_grad]
+    if frozen:
+        raise ValueError(
+            f"The prior covers parameters {frozen} that do not require grad (frozen after the GaussianPrior was "
+            "built): frozen tensors are constants, outside the prior and the curvature. Build the GaussianPrior "
+            "after freezing them; a fine-tuning callback that freezes or unfreezes tensors during the fit changes "
+            "the tensors the evidence is of, which it does not follow."
+        )
+
+
 def check_model(model: nn.Module, prior: GaussianPrior, options: CurvatureOptions) -> None:
-    """What can be checked without data: the prior covers the trainable parameters, a diagonal
-    prior is not combined with ``kron``, the ``full`` structure fits in memory.
+    """What can be checked without data: the prior covers the trainable parameters and no frozen one, a
+    diagonal prior is not combined with ``kron``, the ``full`` structure fits in memory.
 
     Raises:
         ValueError: Naming the problem and a fix.
     """
     locate(model, prior)
+    check_trainable(prior)
     structure_class(options.structure).check(prior, options)
 
 

@@ -36,6 +36,11 @@ def _log_det_chol(matrix: Tensor) -> Tensor:
     return 2 * torch.log(torch.diagonal(chol)).sum()
 
 
+def _size(n_bytes: float) -> str:
+    """Bytes in GiB to a tenth, or in MiB where a tenth of a GiB would read as zero."""
+    return f"{n_bytes / 2**30:.1f} GiB" if n_bytes >= 2**30 / 10 else f"{n_bytes / 2**20:.3g} MiB"
+
+
 class FullStructure(Structure):
     """The full curvature over all of the prior's tensors.
 
@@ -58,8 +63,8 @@ class FullStructure(Structure):
         need = 2 * BYTES * self.n_params**2
         if need > max_memory:
             raise ValueError(
-                f"structure='full' needs about {need / 2**30:.1f} GiB for P={self.n_params:,} parameters (a P x P "
-                f"Gram matrix and its factorisation), above max_memory={max_memory / 2**30:.1f} GiB; use "
+                f"structure='full' needs about {_size(need)} for P={self.n_params:,} parameters (a P x P "
+                f"Gram matrix and its factorisation), above max_memory={_size(max_memory)}; use "
                 "structure='kron' or 'diag', or raise max_memory."
             )
         self.prior_structure = prior_structure

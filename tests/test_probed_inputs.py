@@ -1,0 +1,224 @@
+"""What two probing users passed (tenth session), each case refused before training with the problem and its fix,
+or now right: a prior over tensors frozen after it was built, Lightning's ``ModelCheckpoint`` ranking by a stale
+estimate, ``drop_last`` in order, hyperparameters beyond the buffer's dtype, NaN data in the engine, running
+statistics changed after the estimate, a BatchNorm that needs a batch, and a batch whose every label is ignored."""
+from __future__ import annotations
+
+import math
+import re
+import warnings
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_marglik import (
+    CategoricalLikelihood, GaussianLikelihood, GaussianPrior, LaplaceEvidence, MargLikCallback, map_loss, predict,
+)
+from lightning_marglik.callbacks.package import MargLikConfigurationError
+from tests.lightning_models import Regressor, loader, regression_data, trainer
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*does not have many workers.*", "ignore:.*LeafSpec.*")
+
+
+def _untrainable(module):
+    module.training_step = lambda batch, batch_idx: pytest.fail("training must not start")
+    return module
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+# --- a prior built before tensors were frozen -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("frozen", ["net.0", "net.2"])
+def test_a_layer_frozen_after_the_prior_is_refused_before_training_naming_it(frozen):
+    module = _untrainable(Regressor())
+    module.get_submodule(frozen).requires_grad_(False)
+    names = [f"{frozen[4:]}.weight", f"{frozen[4:]}.bias"]
+    with pytest.raises(MargLikConfigurationError, match=re.escape(f"covers parameters {names!r} that do not require grad")
+                       + r".*Build the GaussianPrior after freezing them"):
+        trainer([MargLikCallback(frequency=1)], 2).fit(module, loader(regression_data()))
+
+
+def test_the_engine_refuses_a_frozen_weight_the_prior_covers_and_takes_the_prior_built_after_freezing():
+    net = _net()
+    x, y = torch.randn(20, 3), torch.randn(20, 2)
+    before = GaussianPrior(net)
+    net[0].weight.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"covers parameters \['0.weight'\] that do not require grad"):
+        LaplaceEvidence.fit(net, [(x, y)], GaussianLikelihood(), before)
+    after = GaussianPrior(net)
+    assert "0.weight" not in after.param_names
+    assert math.isfinite(LaplaceEvidence.fit(net, [(x, y)], GaussianLikelihood(), after).log_marglik().item())
+
+
+def test_predict_still_reads_a_network_frozen_for_inference():
+    net = _net()
+    x, y = torch.randn(20, 3), torch.randn(20, 2)
+    evidence = LaplaceEvidence.fit(net, [(x, y)], GaussianLikelihood(), GaussianPrior(net))
+    expected = predict(evidence, net, x[:4])
+    net.requires_grad_(False)
+    assert torch.equal(predict(evidence, net, x[:4]).variance, expected.variance)
+
+
+# --- Lightning's ModelCheckpoint on marglik ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arguments, saving", [
+    (dict(frequency=2), {}),
+    (dict(frequency=1, settle=0.05), {}),
+    (dict(frequency=1), dict(save_on_train_epoch_end=False)),
+    (dict(frequency=1), dict(every_n_train_steps=2)),
+], ids=["frequency=2", "settle", "after validation", "every_n_train_steps"])
+def test_lightning_model_checkpoint_on_marglik_without_a_fresh_estimate_is_refused_naming_marglik_checkpoint(
+        tmp_path, arguments, saving):
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, monitor="marglik", mode="max", **saving)
+    with pytest.raises(MargLikConfigurationError, match=r"ModelCheckpoint\(monitor='marglik'\) ranks its saves by "
+                                                        r"marglik.*Use MargLikCheckpoint\(save_top_k=\.\.\.\)"):
+        trainer([MargLikCallback(structure="diag", **arguments), checkpoint], 4).fit(
+            _untrainable(Regressor()), loader(regression_data()))
+    assert not list(tmp_path.iterdir())
+
+
+def test_lightning_model_checkpoint_on_marglik_names_each_file_by_its_own_estimate_when_every_epoch_estimates(tmp_path):
+    callback = MargLikCallback(structure="diag", frequency=1, steps=10)
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, monitor="marglik", mode="max", save_top_k=-1,
+                                              filename="{epoch}-{marglik:.6f}")
+    trainer([callback, checkpoint], 3).fit(Regressor(), loader(regression_data()))
+    named = sorted(float(p.stem.split("marglik=")[1]) for p in tmp_path.iterdir())
+    assert named == pytest.approx(sorted(h["marglik"] for h in callback.history), abs=1e-6)
+
+
+# --- drop_last without shuffling ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_drop_last_in_order_is_said_to_leave_examples_out_of_training(shuffle):
+    data = DataLoader(regression_data(70), batch_size=16, drop_last=True, shuffle=shuffle)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer([MargLikCallback(structure="diag", frequency=1, steps=5)], 1).fit(Regressor(n_data=70), data)
+    said = [str(w.message) for w in caught if "drop_last" in str(w.message)]
+    if shuffle:  # every example is drawn across epochs: the evidence's N is training's
+        assert not said
+    else:
+        assert said == ["MargLikCallback: the training DataLoader drops its last 6 of 70 examples every epoch "
+                        "(drop_last=True with batch_size=16, without shuffling): training never sees them, but the "
+                        "evidence covers every example; shuffle, set drop_last=False, or pass `dataloader=` with the "
+                        "examples training sees."]
+
+
+# --- hyperparameters beyond the dtype that holds them ----------------------------------------------------
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda: GaussianPrior(nn.Linear(2, 2), precision=1e39), "precision"),
+    (lambda: GaussianLikelihood(sigma=1e39), "sigma"),
+    (lambda: GaussianLikelihood(sigma=1e-46), "sigma"),
+    (lambda: CategoricalLikelihood(temperature=1e-50), "temperature"),
+])
+def test_a_hyperparameter_its_float32_buffer_cannot_hold_is_refused_at_construction(make, name):
+    torch.set_default_dtype(torch.float32)  # the buffers' dtype outside the suite (conftest restores float64)
+    with pytest.raises(ValueError, match=rf"`{name}` must lie within torch.float32's range"):
+        make()
+
+
+def test_set_hyperparameters_names_a_value_that_is_not_a_tensor():
+    net = _net()
+    prior = GaussianPrior(net)
+    evidence = LaplaceEvidence.fit(net, [(torch.randn(10, 3), torch.randn(10, 2))], GaussianLikelihood(), prior)
+    before = prior.log_precision.clone()
+    with pytest.raises(ValueError, match=r"'log_precision' must be a tensor of shape \(4,\).*got list"):
+        evidence.set_hyperparameters({"log_precision": [0.0, 0.0, 0.0, 0.0]})
+    assert torch.equal(prior.log_precision, before)
+
+
+# --- NaN in the engine's data ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("part, structure", [("targets", "kron"), ("inputs", "diag"), ("inputs", "full")])
+def test_the_engine_names_the_batch_and_rows_of_non_finite_data(part, structure):
+    net = _net()
+    x, y = torch.randn(20, 3), torch.randn(20, 2)
+    (y if part == "targets" else x)[13, 1] = math.nan if part == "targets" else math.inf
+    batches = [(x[:10], y[:10]), (x[10:], y[10:])]
+    with pytest.raises(ValueError, match=rf"batch 1's {part} hold NaN or inf \(rows \[3\], the first of them\).*clean "
+                                         r"the data"):
+        LaplaceEvidence.fit(net, batches, GaussianLikelihood(), GaussianPrior(net), structure=structure)
+
+
+def test_the_engine_warns_where_clean_data_give_a_non_finite_evidence():
+    net = _net()
+    with torch.no_grad():
+        net[0].weight[0, 0] = math.nan
+    with pytest.warns(UserWarning, match="not finite at the model's current weights, though the data are"):
+        LaplaceEvidence.fit(net, [(torch.randn(10, 3), torch.randn(10, 2))], GaussianLikelihood(), GaussianPrior(net))
+
+
+# --- running statistics changed after the estimate -----------------------------------------------------------
+
+
+def test_predict_refuses_running_statistics_that_changed_after_the_estimate():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    x, y = torch.randn(40, 3), torch.randint(0, 3, (40,))
+    net.train()(x)  # running statistics of the training data
+    evidence = LaplaceEvidence.fit(net, [(x, y)], CategoricalLikelihood(), GaussianPrior(net))
+    predict(evidence, net, x[:4])  # as fitted
+    net.train()(x + 3.0)  # e.g. a forward in train mode, or update_bn on other data
+    with pytest.raises(ValueError, match=r"running statistics \(BatchNorm's\), are not those of the posterior's"):
+        predict(evidence, net, x[:4])
+
+
+# --- a BatchNorm that needs a batch ------------------------------------------------------------------------------
+
+
+def test_a_batchnorm_without_running_statistics_on_features_is_refused_naming_the_fix():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 8), nn.BatchNorm1d(8, track_running_stats=False), nn.ReLU(), nn.Linear(8, 3))
+    x, y = torch.randn(24, 3), torch.randint(0, 3, (24,))
+    with pytest.raises(ValueError, match=r"BatchNorm without running statistics.*one example alone has no statistics"
+                                         r".*track_running_stats=True"):
+        LaplaceEvidence.fit(net, [(x, y)], CategoricalLikelihood(), GaussianPrior(net))
+
+
+# --- smaller messages ------------------------------------------------------------------------------------------
+
+
+def test_a_batch_whose_every_label_is_ignored_adds_no_data_term():
+    net = _net()
+    prior = GaussianPrior(net)
+    prior.record_n_data(50)
+    loss = map_loss(net(torch.randn(4, 3)), torch.full((4,), -100), CategoricalLikelihood(), prior)
+    assert torch.equal(loss, prior.penalty() / 50)
+
+
+def test_the_full_structures_memory_refusal_says_sizes_that_are_not_rounded_to_zero():
+    net = _net()
+    with pytest.raises(ValueError, match=r"needs about 0\.0381 MiB .* above max_memory=0\.000954 MiB"):
+        LaplaceEvidence.fit(net, [(torch.randn(4, 3), torch.randn(4, 2))], GaussianLikelihood(), GaussianPrior(net),
+                            structure="full", max_memory=1000)
+
+
+def test_predict_on_one_unbatched_input_says_what_the_batch_dimension_is():
+    net = _net()
+    x, y = torch.randn(20, 3), torch.randn(20, 2)
+    evidence = LaplaceEvidence.fit(net, [(x, y)], GaussianLikelihood(), GaussianPrior(net))
+    with pytest.raises(ValueError, match=r"outputs have shape \(2,\), where predict needs one output vector per input, "
+                                         r"\(batch, outputs\) with batch 3 \(the inputs' first dimension\).*x\[None\]"):
+        predict(evidence, net, x[0])
+
+
+def test_a_forwards_own_message_is_quoted_without_a_doubled_full_stop():
+    class Picky(Regressor):
+        def forward(self, x):
+            raise RuntimeError("this forward reads a dict.")
+
+    with pytest.raises(MargLikConfigurationError, match=r"RuntimeError: this forward reads a dict\. The evidence pass"):
+        trainer([MargLikCallback(frequency=1)], 1).fit(_untrainable(Picky()), loader(regression_data()))
