@@ -180,7 +180,8 @@ class MargLikCallbackCore(TrainedModuleQueries, EstimatorCore):
             The log evidence per datum after the hyperparameter steps (NaN if not finite).
         """
         strategy = trainer.strategy
-        evidence = self._evidence(trainer, pl_module, self.options, self._generator(trainer, epoch))
+        generator = self._generator(trainer, epoch)
+        evidence = self._evidence(trainer, pl_module, self.options, generator)
         self.evidence = evidence
         self._record_n_data(evidence.n_data)  # the N of map_loss follows the evidence (e.g. a stream's new masks)
         if not torch.isfinite(evidence.log_marglik().detach()):
