@@ -25,6 +25,7 @@ Usage::
     python benchmarks/investigations/prior_guard.py --analyse     # writes benchmarks/results/prior_guard.md
     python benchmarks/investigations/prior_guard.py --recheck     # seed 0 of the defaults arm again, compared
     python benchmarks/investigations/prior_guard.py --learned-head  # the misses with the output layer learned
+    python benchmarks/investigations/prior_guard.py --bounded-score  # the refits scored otherwise (Brier, accuracy)
 """
 from __future__ import annotations
 
@@ -189,6 +190,51 @@ def learned_head() -> None:
               f"{old['final']['nll']:.4f}; guard {[d['applied'] for d in new['guard']]}")
 
 
+BOUNDED_GRID = (0.1, 1.0, 10.0, 100.0)
+
+
+def bounded_score() -> None:
+    """At the final weights of seed 0's defaults run of the family's noise members: the approximate CV's refits of
+    a uniform prior (every tensor at delta, as cross-validation's grid) and of the learned one, scored by their
+    log likelihood (the guard's score), by Brier's bounded score and by accuracy per datum, beside the test metrics
+    of the runs trained at those priors (printed; the reading quotes it). The held-out logits are the guard's own,
+    recorded as :func:`lightning_marglik.guard.approximate_cv` computes them."""
+    import math
+
+    import torch
+    from lightning_marglik import LaplaceEvidence, guard
+
+    for member in family.MEMBERS[:3]:
+        spec = family_spec(member, 0, "defaults")
+        data = _zoo.load(spec.dataset, spec.n_train, spec.n_test)
+        module = _zoo.make_module(spec, data, len(data.y_train))
+        module.load_state_dict(torch.load(_zoo.weights_path(spec, cache_dir()), weights_only=False)["final"])
+        loader = _zoo._loader(data.x_train, data.y_train, 500, None)  # the evidence data of the runs
+        evidence = LaplaceEvidence.fit(module, loader, module.likelihood, module.prior)
+        learned = module.prior.log_precision.detach().clone()
+        candidates = {f"delta={d:g}": torch.full_like(learned, math.log(d)) for d in BOUNDED_GRID}
+        candidates["learned"] = learned
+        batches = list(loader)
+        logits: List[Any] = []
+        linearized = guard._linearized
+        guard._linearized = lambda *args: logits.append(linearized(*args)) or logits[-1]  # type: ignore[assignment]
+        try:
+            logs = guard.approximate_cv(evidence, module, batches, candidates)
+        finally:
+            guard._linearized = linearized
+        targets = [t for fold in guard.fold_calls(batches, guard.FOLDS) for _, t in fold]  # each candidate's order
+        print(f"{member.cell} ({_zoo.library_state()}):")
+        for c, name in enumerate(candidates):
+            held = torch.cat([f.double() for f in logits[c * len(targets):(c + 1) * len(targets)]])
+            y = torch.cat(targets)
+            brier = (held.softmax(-1) - torch.nn.functional.one_hot(y, held.shape[-1])).pow(2).sum(-1).mean()
+            arm = "defaults" if name == "learned" else "delta=1" if name == "delta=1" else name
+            test = _zoo.stored(family_spec(member, 0, arm), cache_dir())["final"]
+            print(f"  {name}: log likelihood {logs[name]:.3f}, Brier {brier:.4f}, accuracy "
+                  f"{(held.argmax(-1) == y).double().mean():.4f}; trained at it, test NLL {test['nll']:.4f} and "
+                  f"accuracy {test['acc']:.4f}")
+
+
 def recheck() -> None:
     """Seed 0 of every cell's ``defaults`` arm trained again by this checkout's library (cached apart, in
     ``outputs/prior_guard/recheck_<commit>``), against the study's runs: whether a later change of the guard kept
@@ -216,7 +262,9 @@ def recheck() -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     steps = {"--recheck": ("train seed 0 of every cell's defaults arm with this library and compare", recheck),
-             "--learned-head": ("seed 0 of the missed cells with the output layer learned, against the study", learned_head)}
+             "--learned-head": ("seed 0 of the missed cells with the output layer learned, against the study", learned_head),
+             "--bounded-score": ("the refits of a uniform prior grid scored by log likelihood, Brier and accuracy",
+                                 bounded_score)}
     _zoo.study_main(None if argv is None else list(argv), __doc__, NAME, plan, cache_dir(), analyse, steps)
 
 
