@@ -118,7 +118,8 @@ class MargLikCallbackCore(TrainedModuleQueries, EstimatorCore):
     def _guard_the_last_estimate(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Score the estimate a resumed fit starts from where the earlier fit ended right after it, unscored (no
         training followed it then): at the same weights, hyperparameters and Monte-Carlo draws, as an
-        uninterrupted run scored it, so that training to more epochs goes on as that run's."""
+        uninterrupted run scored it, so that training to more epochs goes on as that run's (with
+        ``statistics="training"`` on an evidence pass: the epoch's training sums are not in the checkpoint)."""
         last = self.history[-1] if self.history else None
         if (self.guard_off is not None or last is None or last["epoch"] != trainer.current_epoch
                 or not math.isfinite(last[MONITOR]) or any(d["epoch"] == last["epoch"] for d in self.guard_decisions)):
