@@ -94,6 +94,19 @@ def test_the_tests_the_guarantees_and_works_with_pages_name_exist():
             assert (ROOT / path).is_file(), f"{page} names {path}, which does not exist"
 
 
+def test_every_table_of_the_pages_starts_with_a_header_and_its_delimiter_row():
+    """A row after a blank line starts a new table: without its own header and delimiter it renders as text (the
+    strict build does not catch it)."""
+    broken = []
+    for page in [ROOT / "README.md", *DOCS.glob("*.md"), *(ROOT / "benchmarks" / "results").glob("*.md")]:
+        lines = page.read_text().splitlines()
+        for i, line in enumerate(lines):
+            starts = line.startswith("|") and (i == 0 or not lines[i - 1].strip())  # a new block
+            if starts and not (i + 1 < len(lines) and re.match(r"^\|(\s*:?-+:?\s*\|)+\s*$", lines[i + 1])):
+                broken.append(f"{page.relative_to(ROOT)}:{i + 1}")
+    assert not broken, f"table rows without a header and delimiter row before them: {broken}"
+
+
 def test_readme_lightning_example_trains_and_reads_the_result(tmp_path, monkeypatch, capsys):
     torch.set_default_dtype(torch.float32)  # as a user runs it (the fixture restores float64)
     monkeypatch.chdir(tmp_path)  # checkpoints and logs go here

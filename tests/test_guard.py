@@ -248,14 +248,34 @@ class NoForwardMode(torch.autograd.Function):
         return grad * (1 - output ** 2)
 
 
+class LegacyTanh(torch.autograd.Function):
+    """tanh as an autograd.Function of the legacy form (forward(ctx, x)), which torch.func refuses."""
+
+    @staticmethod
+    def forward(ctx, x):
+        output = torch.tanh(x)
+        ctx.save_for_backward(output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        (output,) = ctx.saved_tensors
+        return grad * (1 - output ** 2)
+
+
 class OpaqueTanh(nn.Module):
+    def __init__(self, function=NoForwardMode):
+        super().__init__()
+        self.function = function
+
     def forward(self, x):
-        return NoForwardMode.apply(x)
+        return self.function.apply(x)
 
 
-def test_a_network_without_forward_mode_derivatives_turns_the_guard_off_with_a_warning_and_trains_on():
+@pytest.mark.parametrize("function", [NoForwardMode, LegacyTanh], ids=["no jvp", "legacy form"])
+def test_a_network_without_forward_mode_derivatives_turns_the_guard_off_with_a_warning_and_trains_on(function):
     module = Classifier(n_data=90)
-    module.net[1] = OpaqueTanh()
+    module.net[1] = OpaqueTanh(function)
     callback = MargLikCallback(frequency=1, steps=20)
     with pytest.warns(UserWarning, match="prior guard off: the network's forward has no forward-mode derivative"):
         _fit(callback, epochs=3, module=module)

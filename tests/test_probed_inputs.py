@@ -1,7 +1,9 @@
-"""What two probing users passed (tenth session), each case refused before training with the problem and its fix,
+"""What four probing users passed (tenth session), each case refused before training with the problem and its fix,
 or now right: a prior over tensors frozen after it was built, Lightning's ``ModelCheckpoint`` ranking by a stale
 estimate, ``drop_last`` in order, hyperparameters beyond the buffer's dtype, NaN data in the engine, running
-statistics changed after the estimate, a BatchNorm that needs a batch, and a batch whose every label is ignored."""
+statistics changed after the estimate, a BatchNorm that needs a batch, a batch whose every label is ignored, the
+selection's candidates named or built wrongly, two estimating callbacks in one Trainer, a burn-in longer than the fit,
+and the end line's epochs."""
 from __future__ import annotations
 
 import math
@@ -15,10 +17,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_marglik import (
-    CategoricalLikelihood, GaussianLikelihood, GaussianPrior, LaplaceEvidence, MargLikCallback, map_loss, predict,
+    CategoricalLikelihood, GaussianLikelihood, GaussianPrior, LaplaceEvidence, MargLikBoundCallback, MargLikCallback,
+    map_loss, predict, select_models,
 )
 from lightning_marglik.callbacks.package import MargLikConfigurationError
-from tests.lightning_models import Regressor, loader, regression_data, trainer
+from lightning_marglik.callbacks.prior_guard import guard_words
+from tests.lightning_models import BlobData, Classifier, Regressor, loader, regression_data, trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*does not have many workers.*", "ignore:.*LeafSpec.*")
 
@@ -222,3 +226,59 @@ def test_a_forwards_own_message_is_quoted_without_a_doubled_full_stop():
 
     with pytest.raises(MargLikConfigurationError, match=r"RuntimeError: this forward reads a dict\. The evidence pass"):
         trainer([MargLikCallback(frequency=1)], 1).fit(_untrainable(Picky()), loader(regression_data()))
+
+
+# --- the selection API and the estimating callbacks (the third probe) ---------------------------------------
+
+
+@pytest.fixture
+def float32():  # the selection's Lightning modules are float32, like a user's
+    torch.set_default_dtype(torch.float32)
+
+
+def test_select_models_refuses_a_candidate_name_that_is_not_a_string_before_training(tmp_path):
+    with pytest.raises(ValueError, match=r"candidate names must be non-empty strings .*got 8 \(int\)"):
+        select_models({8: lambda: pytest.fail("nothing is built")}, datamodule=BlobData(), output_dir=str(tmp_path),
+                      verbose=False)
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_select_models_refuses_two_factories_that_return_one_module(float32):
+    shared = Classifier(60)
+    with pytest.raises(ValueError, match=r"the factory of candidate 'b' returned the module that the factory of "
+                                         r"candidate 'a' returned, trained already"):
+        select_models({"a": lambda: shared, "b": lambda: shared}, datamodule=BlobData(),
+                      callback={"structure": "diag", "steps": 5}, trainer={"max_epochs": 1, "enable_progress_bar": False},
+                      verbose=False)
+
+
+@pytest.mark.skipif(not hasattr(BaseException, "add_note"), reason="exception notes: Python 3.11")
+def test_a_candidate_that_fails_in_training_is_named_in_the_traceback(float32):
+    class Fails(Classifier):
+        def training_step(self, batch, batch_idx):
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom") as raised:
+        select_models({"fine": lambda: Classifier(60), "fails": lambda: Fails(60)}, datamodule=BlobData(),
+                      callback={"structure": "diag", "steps": 5}, trainer={"max_epochs": 1, "enable_progress_bar": False},
+                      verbose=False)
+    assert raised.value.__notes__ == ["select_models: raised while training candidate 'fails' (2 of 2); the results of "
+                                      "those before it are not kept (no output_dir)."]
+
+
+def test_two_estimating_callbacks_in_one_trainer_are_refused_before_training():
+    with pytest.raises(MargLikConfigurationError, match=r"MargLikCallback next to MargLikBoundCallback in one Trainer: "
+                                                        r"both would step the same hyperparameters"):
+        trainer([MargLikCallback(frequency=1), MargLikBoundCallback()], 2).fit(
+            _untrainable(Regressor()), loader(regression_data()))
+
+
+def test_a_bound_callbacks_burnin_that_leaves_no_epoch_is_refused_before_training():
+    with pytest.raises(MargLikConfigurationError, match=r"MargLikBoundCallback\(burnin=3\), but the fit trains 3 epochs "
+                                                        r"\(max_epochs\): no epoch is left"):
+        trainer([MargLikBoundCallback(burnin=3)], 3).fit(_untrainable(Regressor()), loader(regression_data()))
+
+
+def test_the_end_lines_epochs_count_from_zero_as_the_best_epoch_and_the_checkpoint_files():
+    last = {"epoch": 115, "learned": -1.0, "declared": -0.5, "applied": "declared"}  # after 115 epochs
+    assert "log likelihood per datum at epoch=114:" in guard_words({"estimates": 3, "declared": 2, "last": last})

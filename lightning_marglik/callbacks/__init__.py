@@ -218,11 +218,12 @@ class MargLikBoundCallback(MargLikBoundCallbackCore, Callback):
     gradient is all-reduced once per step. The mean of an epoch's estimates (log evidence per
     datum, a stochastic lower bound at moving weights) is logged as ``marglik`` at the epoch's
     end, with every hyperparameter; ``MargLikCheckpoint`` and ``MargLikEarlyStopping`` act on it.
-    The per-step estimates are in ``history`` (``steps`` per epoch).
+    ``history`` holds one entry per epoch with steps: that mean, and how many ``steps`` it averages.
 
     The set-up checks, the count of ``N`` stored on the prior, the treatment of scale-invariant
     tensors and resuming (the Adam state of the steps is saved) are those of
-    :class:`MargLikCallback`; the bound's batches are the training batches (the LightningModule's
+    :class:`MargLikCallback`; its other defaults are not: every tensor's precision is learned and fed back (no held
+    output layer, no decoupled biases, no prior guard); the bound's batches are the training batches (the LightningModule's
     ``marglik_batch`` maps them, as for the evidence pass).
 
     Args:

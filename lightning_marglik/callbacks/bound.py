@@ -80,6 +80,12 @@ class MargLikBoundCallbackCore(EstimatorCore):
             )
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        burnin, epochs = self.schedule.burnin, trainer.max_epochs
+        if epochs is not None and epochs >= 0 and burnin >= epochs:
+            raise MargLikConfigurationError(
+                f"MargLikBoundCallback(burnin={burnin}), but the fit trains {epochs} epochs (max_epochs): no epoch is "
+                f"left for a hyperparameter step; choose burnin < {epochs}, or more epochs."
+            )
         batches = trainer.num_training_batches
         if math.isfinite(batches) and batches < self.every_k_batches:
             raise MargLikConfigurationError(

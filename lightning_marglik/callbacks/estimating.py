@@ -142,6 +142,13 @@ class EstimatorCore(KnownKeywords):
             return
         # Every fit starts afresh: the Adam state and history of another model must not carry over.
         # Lightning restores a checkpoint (load_state_dict) after setup, so a resumed fit gets its state back.
+        others = [type(c).__name__ for c in trainer.callbacks if isinstance(c, EstimatorCore) and c is not self]
+        if others:
+            raise MargLikConfigurationError(
+                f"{type(self).__name__} next to {', '.join(others)} in one Trainer: both would step the same "
+                f"hyperparameters and log one '{MONITOR}' (Lightning's mean of their evidences), on which the "
+                "checkpoint and early stopping would act; keep one estimating callback per fit."
+            )
         self._fit_record.keep(self)
         self._reset_state()
         self.prior, self.likelihood = find_hyperparameters(pl_module)

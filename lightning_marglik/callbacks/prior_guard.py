@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
+import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn  # one rank state for both packages
 
 from ..curvature.batches import move, split_batch
@@ -93,7 +94,9 @@ def run_guard(callback: Any, trainer: Trainer, pl_module: LightningModule, epoch
     try:
         scores = approximate_cv(callback.evidence, pl_module, batches, {"learned": learned, "declared": declared},
                                 reduce=lambda t: strategy.reduce(t.to(strategy.root_device), reduce_op="sum").to(t.device))
-    except NotImplementedError as error:  # an operation without a forward-mode derivative: the same on every rank
+    except (NotImplementedError, RuntimeError) as error:  # the same on every rank
+        if not _no_forward_mode(error):
+            raise
         callback.guard_off = f"off: the network's forward has no forward-mode derivative ({str(error).splitlines()[0]})"
         rank_zero_warn(f"MargLikCallback: prior guard {callback.guard_off}; the learned weight decay is fed back from "
                        "here on, as with guard=False.")
@@ -104,6 +107,15 @@ def run_guard(callback: Any, trainer: Trainer, pl_module: LightningModule, epoch
     decision = {"epoch": epoch, **scores, "applied": applied}
     callback.guard_decisions.append(decision)
     return decision
+
+
+def _no_forward_mode(error: Exception) -> bool:
+    """Whether ``error`` says the forward has no forward-mode derivative: an operation without one
+    (``NotImplementedError``), or an ``autograd.Function`` of the legacy form (``forward(ctx, ...)``), which torch.func
+    refuses (a ``RuntimeError`` naming its transforms); not out of memory or the forward's own errors."""
+    if isinstance(error, NotImplementedError):
+        return True
+    return not isinstance(error, torch.OutOfMemoryError) and "functorch transforms" in str(error)
 
 
 def guard_phrase(callback: Any) -> str:
@@ -127,7 +139,9 @@ def guard_summary(decisions: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
 def guard_words(summary: Dict[str, Any]) -> str:
     """The end-of-training phrase of :func:`guard_summary`'s facts."""
     last = summary["last"]
-    scores = (f"log likelihood per datum at epoch={last['epoch']}: learned {last['learned']:.4g}, "
+    # epoch= counts from 0 in the end line, as Lightning's checkpoint names and the best epoch do (the decision's
+    # epoch counts the epochs the estimate followed, from 1, as the history's)
+    scores = (f"log likelihood per datum at epoch={last['epoch'] - 1}: learned {last['learned']:.4g}, "
               f"declared {last['declared']:.4g}")
     if not summary["declared"]:
         return f"prior guard: the learned weight decay scored at least as well at all {summary['estimates']} estimates ({scores})"

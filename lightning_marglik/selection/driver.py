@@ -10,6 +10,7 @@ import math
 import os
 import time
 import warnings
+import weakref
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import pytorch_lightning as pl
@@ -324,6 +325,7 @@ def select_models(
         reusable = {name for name in candidates if resume and name in stored and stored[name].settings == wanted[name]
                     and stored[name].metrics_error is None and (not auto or _has_auto_evidences(stored[name]))}
         results: List[CandidateResult] = []
+        built: Dict[int, Tuple["weakref.ref[Any]", str]] = {}  # the modules the factories returned (_build)
         directions: Dict[str, bool] = {}
         start, trained, training_seconds = time.perf_counter(), 0, 0.0
         for index, (name, factory) in enumerate(candidates.items(), 1):
@@ -340,7 +342,7 @@ def select_models(
                 continue
             candidate_start = time.perf_counter()
             pl.seed_everything(seed, verbose=False)
-            module = _build(name, factory)
+            module = _build(name, factory, built)
             prior, _ = find_hyperparameters(module)
             if check_options is not None:  # before training: e.g. a diagonal prior with "kron-ef", "full-ggn" too large
                 try:
@@ -361,7 +363,14 @@ def select_models(
             own = [own] if isinstance(own, pl.Callback) else list(own)
             fit_trainer = pl.Trainer(callbacks=[cb, *own, *([check] if check else [])], **kwargs)
             fit_start = time.perf_counter()
-            fit_trainer.fit(module, train_dataloaders=train_dataloader, datamodule=datamodule)
+            try:
+                fit_trainer.fit(module, train_dataloaders=train_dataloader, datamodule=datamodule)
+            except Exception as error:
+                if hasattr(error, "add_note"):  # Python 3.11: the traceback names the candidate
+                    kept = f"kept in {output_dir}" if output_dir else "not kept (no output_dir)"
+                    error.add_note(f"select_models: raised while training candidate {name!r} ({index} of "
+                                   f"{len(candidates)}); the results of those before it are {kept}.")
+                raise
             evidences: Dict[str, float] = {}
             refused: Optional[str] = None
             folded = _folded(cb, fit_trainer, module, name) if fold else None
@@ -464,11 +473,15 @@ def check_candidates(candidates: Any) -> None:
         ValueError: select_models: candidate 'mlp' is a Linear instance, not a factory: give a class or a function that returns a fresh module, e.g. {'mlp': Linear} or {'mlp': lambda: Linear(...)}; each candidate is built after seeding and trained once.
 
     Raises:
-        ValueError: On no candidates, or a candidate that is a module instance or not callable.
+        ValueError: On no candidates, a name that is not a non-empty string, or a candidate that is a module
+            instance or not callable.
     """
     if not isinstance(candidates, Mapping) or not candidates:
         raise ValueError(f"`candidates` must be a non-empty mapping name -> factory, got {candidates!r}.")
     for name, factory in candidates.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"select_models: candidate names must be non-empty strings (they name the results kept "
+                             f"in output_dir), got {name!r} ({type(name).__name__}); e.g. {{{str(name)!r}: ...}}.")
         if isinstance(factory, torch.nn.Module) or not callable(factory):
             kind = type(factory).__name__
             raise ValueError(
@@ -495,16 +508,25 @@ def check_callback_arguments(callback: Mapping[str, Any]) -> Dict[str, Any]:
     return dict(callback)
 
 
-def _build(name: str, factory: Callable[[], pl.LightningModule]) -> pl.LightningModule:
-    """Candidate ``name``'s fresh module from its factory.
+def _build(name: str, factory: Callable[[], pl.LightningModule],
+           built: Dict[int, Tuple["weakref.ref[Any]", str]]) -> pl.LightningModule:
+    """Candidate ``name``'s fresh module from its factory; ``built``: id -> (a weak reference, the candidate's name)
+    of the modules earlier candidates' factories returned, to which it is added.
 
     Raises:
-        ValueError: If the factory returns something other than a ``pytorch_lightning.LightningModule``.
+        ValueError: If the factory returns something other than a ``pytorch_lightning.LightningModule``, or a
+            module an earlier candidate's factory returned (it would start from that candidate's training).
     """
     module = factory()
     if not isinstance(module, pl.LightningModule):
         raise ValueError(f"select_models: candidate {name!r}'s factory returned a {type(module).__name__}, not a "
                          "pytorch_lightning.LightningModule (with a GaussianPrior and a likelihood).")
+    reference, earlier = built.get(id(module), (None, ""))
+    if reference is not None and reference() is module:  # an id alone may be a freed module's, reused
+        raise ValueError(f"select_models: the factory of candidate {name!r} returned the module that the factory of "
+                         f"candidate {earlier!r} returned, trained already: each factory must build a fresh module, "
+                         "e.g. lambda: Net(...), not lambda: net.")
+    built[id(module)] = (weakref.ref(module), name)
     return module
 
 
