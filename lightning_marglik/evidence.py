@@ -392,10 +392,11 @@ class LaplaceEvidence:
     # --- posterior ----------------------------------------------------------------------------
 
     def fitted_at(self, params: List[Tensor]) -> bool:
-        """Whether ``params`` (the prior's tensors, in its order) and the network's buffers (:func:`function_buffers`:
-        BatchNorm's running statistics) are those the curvature was gathered at (their sums and sums of squares, to
-        float64 rounding): the posterior covariance belongs to them only, e.g. not to a checkpoint loaded after the
-        estimate, to weights trained further, or to running statistics updated by forwards in train mode."""
+        """Whether ``params`` (the prior's tensors, in its order) and the network's buffers
+        (:func:`function_buffers`: BatchNorm's running statistics) are those the curvature was gathered at (their
+        sums and sums of squares, to float64 rounding): the posterior covariance belongs to them only, e.g. not to
+        a checkpoint loaded after the estimate, to weights trained further, or to running statistics updated by
+        forwards in train mode."""
         now = weights_fingerprint(list(params) + function_buffers(self.prior))
         return now.shape == self._fingerprint.shape and bool(torch.allclose(now, self._fingerprint, rtol=1e-9, atol=1e-12))
 

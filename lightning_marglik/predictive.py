@@ -340,10 +340,10 @@ def predict(
     Raises:
         RuntimeError: If the callback has no estimate yet (called before ``trainer.fit``).
         ValueError: If ``module`` is not the network of the posterior, or its weights or running statistics are
-            not the estimate's (a checkpoint loaded, training continued, forwards in train mode), on a list batch, on outputs that are not ``(B, C)`` with
-            ``B >= 1`` or not finite (a NaN input), on any ``method`` for regression, on ``"auto"`` with an
-            evidence whose likelihood statistics lack the confidence and correct count, on ``samples`` that is not
-            an int of at least 1, or on a forward that fails on ``x``.
+            not the estimate's (a checkpoint loaded, training continued, forwards in train mode), on a list batch,
+            on outputs that are not ``(B, C)`` with ``B >= 1`` or not finite (a NaN input), on any ``method`` for
+            regression, on ``"auto"`` with an evidence whose likelihood statistics lack the confidence and correct
+            count, on ``samples`` that is not an int of at least 1, or on a forward that fails on ``x``.
         TypeError: If ``source`` is neither a callback nor an evidence.
     """
     evidence = _evidence_of(source)

@@ -262,7 +262,8 @@ def recheck() -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     steps = {"--recheck": ("train seed 0 of every cell's defaults arm with this library and compare", recheck),
-             "--learned-head": ("seed 0 of the missed cells with the output layer learned, against the study", learned_head),
+             "--learned-head": ("seed 0 of the missed cells with the output layer learned, against the study",
+                                learned_head),
              "--bounded-score": ("the refits of a uniform prior grid scored by log likelihood, Brier and accuracy",
                                  bounded_score)}
     _zoo.study_main(None if argv is None else list(argv), __doc__, NAME, plan, cache_dir(), analyse, steps)

@@ -223,8 +223,8 @@ class MargLikBoundCallback(MargLikBoundCallbackCore, Callback):
     The set-up checks, the count of ``N`` stored on the prior, the treatment of scale-invariant
     tensors and resuming (the Adam state of the steps is saved) are those of
     :class:`MargLikCallback`; its other defaults are not: every tensor's precision is learned and fed back (no held
-    output layer, no decoupled biases, no prior guard); the bound's batches are the training batches (the LightningModule's
-    ``marglik_batch`` maps them, as for the evidence pass).
+    output layer, no decoupled biases, no prior guard). The bound's batches are the training batches (the
+    LightningModule's ``marglik_batch`` maps them, as for the evidence pass).
 
     Args:
         bound: ``"parametric"`` (the curvature ``structure`` of each batch, Kronecker or diagonal:

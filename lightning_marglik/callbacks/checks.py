@@ -263,8 +263,8 @@ def check_forward(
     except Exception as err:  # whatever forward raised, the user needs to know it was the evidence's call
         raise MargLikConfigurationError(
             f"MargLikCallback, one evidence batch through forward: {type(err).__name__}: {str(err).rstrip('.')}. The "
-            "evidence pass calls forward(x) for a tensor x, forward(*x) for a tuple and forward(**x) for a dict of the batch's "
-            "inputs (of the training batches, or of `dataloader=`); where your forward takes another form, map "
+            "evidence pass calls forward(x) for a tensor x, forward(*x) for a tuple and forward(**x) for a dict of the "
+            "batch's inputs (of the training batches, or of `dataloader=`); where your forward takes another form, map "
             "batches with `marglik_batch(self, batch) -> (inputs, targets)` on the LightningModule."
         ) from err
     try:

@@ -140,8 +140,6 @@ class EstimatorCore(KnownKeywords):
         check_package(self, trainer)
         if stage != "fit":
             return
-        # Every fit starts afresh: the Adam state and history of another model must not carry over.
-        # Lightning restores a checkpoint (load_state_dict) after setup, so a resumed fit gets its state back.
         others = [type(c).__name__ for c in trainer.callbacks if isinstance(c, EstimatorCore) and c is not self]
         if others:
             raise MargLikConfigurationError(
@@ -149,6 +147,8 @@ class EstimatorCore(KnownKeywords):
                 f"hyperparameters and log one '{MONITOR}' (Lightning's mean of their evidences), on which the "
                 "checkpoint and early stopping would act; keep one estimating callback per fit."
             )
+        # Every fit starts afresh: the Adam state and history of another model must not carry over.
+        # Lightning restores a checkpoint (load_state_dict) after setup, so a resumed fit gets its state back.
         self._fit_record.keep(self)
         self._reset_state()
         self.prior, self.likelihood = find_hyperparameters(pl_module)
