@@ -115,6 +115,7 @@ def run(
     nll_gap = {r["model"]: r["nll_gap"] for r in rows}
     chosen = max(marglik, key=lambda k: marglik[k])
     smallest = min(gap, key=lambda k: gap[k])
+    smallest_nll = min(nll_gap, key=lambda k: nll_gap[k])
     out = {
         "rows": rows,
         "marglik": marglik,
@@ -122,15 +123,15 @@ def run(
         "nll_gap": nll_gap,
         "chosen": chosen,
         "smallest_gap": smallest,
-        "agree": chosen == smallest and chosen == min(nll_gap, key=lambda k: nll_gap[k]),
+        "agree": chosen == smallest == smallest_nll,
     }
     if verbose:
         print(markdown_table(rows, ["model", "marglik", "train_acc", "test_acc", "acc_gap", "train_nll", "test_nll",
                                     "nll_gap", "seconds"]))
         for r in rows:
             print(f"  {r['model']}: prior precisions {r['prior_precision']}")
-        print(f"evidence chooses '{chosen}'; smallest generalization gap: '{smallest}' -> "
-              f"{'agree' if out['agree'] else 'DISAGREE'}")
+        print(f"evidence chooses '{chosen}'; smallest generalization gap: '{smallest}' (accuracy), "
+              f"'{smallest_nll}' (NLL) -> {'agree' if out['agree'] else 'DISAGREE'}")
     if plot:
         make_plot(fits, rows, plot)
         if verbose:

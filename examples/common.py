@@ -65,12 +65,19 @@ def cosine_schedule(optimizer: torch.optim.Optimizer, max_epochs: int, lr_min: f
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "epoch"}}
 
 
+def quick_or_results(options: argparse.ArgumentParser, quick: str, results: str) -> None:
+    """Add ``--quick`` and ``--results``, which never go together: a smoke test's figures must not replace the
+    committed ones."""
+    either = options.add_mutually_exclusive_group()
+    either.add_argument("--quick", action="store_true", help=quick)
+    either.add_argument("--results", action="store_true", help=results)
+
+
 def study_options(doc: str, name: str, quick: str, plot: bool = False) -> argparse.ArgumentParser:
     """The options of a study example (``--quick``, ``--results``, ``--output-dir``, ``--threads``); it adds its seeds."""
     options = argparse.ArgumentParser(description=doc.split("\n")[0])
-    options.add_argument("--quick", action="store_true", help=f"smoke test: {quick}")
-    options.add_argument("--results", action="store_true",
-                         help=f"write the table{' and plot' if plot else ''} to examples/results/")
+    quick_or_results(options, f"smoke test: {quick}",
+                     f"write the table{' and plot' if plot else ''} to examples/results/")
     options.add_argument("--output-dir", default=os.path.join(OUTPUTS, name))
     options.add_argument("--threads", type=int, default=1)
     return options
@@ -201,11 +208,10 @@ def parser(description: str, config: str) -> argparse.ArgumentParser:
         epilog="Any other argument is a LightningCLI override of the config, e.g. --trainer.max_epochs=5.",
     )
     found.add_argument("--config", default=config, help="YAML with trainer, model and data (default: %(default)s)")
-    found.add_argument("--quick", action="store_true", help="smoke test: a few epochs (seconds)")
+    quick_or_results(found, "smoke test: a few epochs (seconds)", "rewrite the committed examples/results/ instead")
     found.add_argument("--threads", type=int, default=DEFAULT_THREADS,
                        help="torch threads (default %(default)s: fastest for these small models, see docs/install.md)")
     found.add_argument("--output-dir", help="where plots and tables go (default: outputs/, ignored by git)")
-    found.add_argument("--results", action="store_true", help="rewrite the committed examples/results/ instead")
     return found
 
 
@@ -271,6 +277,8 @@ def select(name: str, argv: Optional[Sequence[str]]) -> Tuple[List[Any], str, Di
         The results (best evidence first), the output directory, the configuration used and the seconds taken.
     """
     args = list(sys.argv[1:] if argv is None else argv)
+    if "--results" in args and "--quick" in args:
+        sys.exit(f"{name}: --quick and --results go apart: a smoke test's figures must not replace the committed ones.")
     into = RESULTS if "--results" in args else OUTPUTS
     args = [a for a in args if a != "--results"]
     start = time.perf_counter()

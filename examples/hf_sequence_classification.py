@@ -42,7 +42,9 @@ from lightning_marglik.selection import quiet_lightning  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from common import OUTPUTS, RESULTS, library_state, markdown_table, write_report  # noqa: E402
+from common import (  # noqa: E402
+    OUTPUTS, RESULTS, library_state, markdown_table, quick_or_results, write_report,
+)
 from transformer_tokens import MAX_LEN, VOCAB, DictDataset, make_sequences  # noqa: E402
 
 NAME = "hf_sequence_classification"
@@ -186,8 +188,8 @@ def markdown(out: Dict, command: str, seconds: float) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict:
     options = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    options.add_argument("--quick", action="store_true", help="smoke test: 128 sequences, 5 epochs, ranks 0 and 2")
-    options.add_argument("--results", action="store_true", help="write the table to examples/results/")
+    quick_or_results(options, "smoke test: 128 sequences, 5 epochs, ranks 0 and 2",
+                     "write the table to examples/results/")
     options.add_argument("--output-dir", help="where the table goes (default: outputs/, ignored by git)")
     options.add_argument("--threads", type=int, default=1)
     options.add_argument("--seed", type=int, default=0)

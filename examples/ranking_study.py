@@ -63,7 +63,7 @@ from lightning_marglik import (  # noqa: E402
     CategoricalLikelihood, CurvatureOptions, GaussianPrior, LaplaceEvidence, MargLikCallback, MargLikEarlyStopping,
     collect_statistics, map_loss,
 )
-from common import OUTPUTS, RESULTS, library_state  # noqa: E402
+from common import OUTPUTS, RESULTS, library_state, quick_or_results  # noqa: E402
 from lightning_marglik.denormals import DenormalFlush  # noqa: E402
 from lightning_marglik.diagnostics import ef_ratio_of, rescale_empirical_fisher, traces_from_statistics  # noqa: E402
 from lightning_marglik.gprior import curvature_diagonal, optimize_g_prior  # noqa: E402
@@ -944,9 +944,8 @@ def study_options(description: str, name: str, seeds: Sequence[int], quick: str,
     analyse, results, output directory, cache, bootstrap, threads and shards."""
     options = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     options.add_argument("--seeds", type=int, nargs="+", default=list(seeds))
-    options.add_argument("--quick", action="store_true", help=quick)
+    quick_or_results(options, quick, f"write examples/results/{name}.{outputs}")
     options.add_argument("--analyse", action="store_true", help="only analyse the cached runs")
-    options.add_argument("--results", action="store_true", help=f"write examples/results/{name}.{outputs}")
     options.add_argument("--output-dir", help=f"where the .{outputs} go (default outputs/)")
     options.add_argument("--cache", help=f"run cache (default outputs/{name}/runs, quick: .../quick)")
     options.add_argument("--bootstrap", type=int, default=2000)

@@ -38,9 +38,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch import Tensor, nn
 
-from .curvature import CurvatureOptions, CurvatureStatistics, _eager, collect_statistics, eval_mode, locate
-from .curvature.batches import BatchFn, batch_size, call_model, move, split_batch
-from .curvature.batches import batch_dims
+from .curvature import CurvatureOptions, CurvatureStatistics, collect_statistics, eval_mode, locate
+from .curvature.batches import BatchFn, batch_dims, batch_size, call_model, eager, move, split_batch
 from .curvature.functional import jacobian_rows
 from .curvature.statistics import BatchCurvature
 from .curvature.structures import FullStructure, structure_class, structures_with
@@ -254,7 +253,7 @@ def _kernel_statistics(
     size = n if subset_size is None else subset_size
     options = CurvatureOptions("full", approx, mc_samples, max_memory=sys.maxsize)
     out = []
-    with eval_mode(model), _eager():
+    with eval_mode(model), eager():
         with torch.no_grad():
             output = call_model(model, inputs)
         factor = likelihood.hessian_sqrt(output, target, approx, mc_samples, generator)

@@ -293,6 +293,11 @@ class GaussianPrior(nn.Module):
         missing = [n for n in self.param_names if n not in found]
         if missing:
             renamed = unknown_wrappers(missing, list(found))  # a wrapper's name that torch renamed, say
+            if any(".base_layer." in name for name in renamed):
+                raise RuntimeError(
+                    f"GaussianPrior: parameters {missing} are no longer in the model; it has {sorted(renamed)[:4]} "
+                    "instead: peft wrapped its layers after the prior was built. Build the GaussianPrior after "
+                    "get_peft_model(...), so that it covers the trainable adapter tensors and not the frozen base.")
             raise RuntimeError(f"GaussianPrior: parameters {missing} are no longer in the model" + (
                 f"; it has {sorted(renamed)} instead: a wrapper's name that lightning_marglik does not strip "
                 f"(it strips {', '.join(WRAPPER_PREFIXES)}; lightning_marglik.private.strip_wrapper_prefixes)."

@@ -155,6 +155,11 @@ def _outputs(prior: GaussianPrior, model: nn.Module, x: Any) -> "tuple[Tensor, A
         shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
         raise ValueError(f"The network's forward failed on inputs {shape} ({type(err).__name__}: {err}): pass a "
                          "batch of inputs as training's forward took them.") from err
+    if mean.dim() > 2 and mean.shape[0] == batch_size(x):
+        raise ValueError(f"The network's outputs have shape {tuple(mean.shape)}: one output per position of each "
+                         "input (e.g. a token classifier or a language model), where predict gives one predictive "
+                         "per input, of (batch, outputs). The evidence takes such outputs; the predictive has no "
+                         "per-position form: call predict on a network that returns (batch, outputs).")
     if mean.dim() != 2 or mean.shape[0] != batch_size(x) or mean.shape[0] == 0:
         raise ValueError(f"The network's outputs have shape {tuple(mean.shape)}, where predict needs one output "
                          f"vector per input, (batch, outputs) with batch {batch_size(x)} (the inputs' first "

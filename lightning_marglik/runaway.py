@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from typing import Dict, Mapping
 
-from .hyperparameters import GaussianPrior
+from .hyperparameters import GaussianPrior, no_decay_names
 from .validators import number
 
 __all__ = ["RUNAWAY_LOG_RISE", "runaway_message", "runaway_precisions"]
@@ -89,10 +89,12 @@ def runaway_message(prior: GaussianPrior, rises: Mapping[str, float], who: str =
             "biases and normalization parameters the callback decouples, or GaussianPrior(learn=False)."
         )
     elif trained:
+        biases = set(no_decay_names(prior)) & set(trained)  # biases learned and fed back: biases='learn'
         parts.append(
             f"Trained with that weight decay, these are being switched off: {listed(trained)}. To keep them, hold "
-            f"their precision: GaussianPrior(fixed={trained!r}), or MargLikCallback(biases='decoupled') for biases "
-            "and normalization parameters."
+            f"their precision: GaussianPrior(fixed={trained!r})"
+            + (", or MargLikCallback(biases='decoupled') for the biases and normalization parameters among them."
+               if biases else ".")
         )
     if counted:
         parts.append(

@@ -77,8 +77,12 @@ def test_default_output_dir_is_ignored_and_results_only_when_asked():
     options = common.parser("an example", "configs/toy_regression.yaml")
     args, overrides = common.parse(options, ["--trainer.max_epochs=5"], quick=["--trainer.max_epochs=1"])
     assert args.output_dir == common.OUTPUTS and overrides == ["--trainer.max_epochs=5"] and args.threads == 1
-    args, overrides = common.parse(options, ["--results", "--quick", "--trainer.max_epochs=5"], quick=["--trainer.max_epochs=1"])
-    assert args.output_dir == common.RESULTS and overrides == ["--trainer.max_epochs=1", "--trainer.max_epochs=5"]
+    args, overrides = common.parse(options, ["--quick", "--trainer.max_epochs=5"], quick=["--trainer.max_epochs=1"])
+    assert args.output_dir == common.OUTPUTS and overrides == ["--trainer.max_epochs=1", "--trainer.max_epochs=5"]
+    args, overrides = common.parse(options, ["--results", "--trainer.max_epochs=5"], quick=["--trainer.max_epochs=1"])
+    assert args.output_dir == common.RESULTS and overrides == ["--trainer.max_epochs=5"]
+    with pytest.raises(SystemExit):  # a smoke test's figures never replace the committed ones
+        common.parse(options, ["--results", "--quick"], quick=["--trainer.max_epochs=1"])
 
 
 @pytest.mark.skipif(not os.environ.get("MARGLIK_SLOW_TESTS"), reason="minutes of CPU: set MARGLIK_SLOW_TESTS=1")

@@ -291,9 +291,11 @@ def test_a_shared_input_whose_expansion_changes_the_output_stays_on_the_exact_pa
     check_against_reference(ev, graph_problem(model, x, y, "classification").reference("diag", "ggn"), prior, lik)
 
 
-def test_a_layout_that_only_looked_batch_first_on_the_first_batch_is_refused():
+def test_a_layout_that_only_looks_batch_first_on_the_first_batch_takes_the_exact_path():
     """Sequence-first Linear calls (T, B, C): with B == T on the first batch the rows look like
-    examples; a later batch with another size shows they are not. Refused, never silently wrong."""
+    examples; a forward of one example fewer shows they are not. The exact path, as for any other
+    batching (before, only a later batch of another size showed it, refused; batches all of size T
+    were silently wrong)."""
 
     class SequenceFirst(nn.Module):
         def __init__(self) -> None:
@@ -307,8 +309,10 @@ def test_a_layout_that_only_looked_batch_first_on_the_first_batch_is_refused():
     model = SequenceFirst().double()
     x, y = torch.randn(7, 4, 3), torch.randn(7, 2)
     prior, lik = hyperparameters(model, "regression")
-    with pytest.raises(ValueError, match="Module 'fc' was called with input .* on a batch of 3 examples"):
-        fit(model, batches(x, y, 4), lik, prior, "kron")  # batches of 4 (= T) and 3
+    as_long = fit(model, batches(x, y, 4), lik, prior, "kron")  # batches of 4 (= T) and 3
+    other = fit(model, batches(x, y, 3), lik, prior, "kron")
+    assert "fc" in as_long.slow
+    check_same_evidence(as_long, other)
 
 
 # --- in-place operations after a hooked layer ---------------------------------------------------

@@ -282,3 +282,93 @@ def test_a_bound_callbacks_burnin_that_leaves_no_epoch_is_refused_before_trainin
 def test_the_end_lines_epochs_count_from_zero_as_the_best_epoch_and_the_checkpoint_files():
     last = {"epoch": 115, "learned": -1.0, "declared": -0.5, "applied": "declared"}  # after 115 epochs
     assert "log likelihood per datum at epoch=114:" in guard_words({"estimates": 3, "declared": 2, "last": last})
+
+
+# --- integrations (the fifth probe) ------------------------------------------------------------------------------
+
+
+class _SequenceFirst(nn.Module):
+    """A batch-first network around PyTorch's default sequence-first TransformerEncoderLayer."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(2, 8)
+        self.layer = nn.TransformerEncoderLayer(8, nhead=2, dim_feedforward=8, dropout=0.0)  # batch_first=False
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):  # (B, T, 2)
+        return self.head(self.layer(self.embed(x).transpose(0, 1)).mean(0))
+
+
+@pytest.mark.parametrize("structure", ["diag", "kron"])
+def test_a_sequence_first_layer_whose_length_equals_the_batch_size_is_not_taken_batch_first(structure):
+    torch.manual_seed(0)
+    net = _SequenceFirst().eval()
+    x, y = torch.randn(24, 4, 2), torch.randint(0, 3, (24,))  # sequences of 4
+    prior, likelihood = GaussianPrior(net), CategoricalLikelihood()
+
+    def log_det(batch):
+        batches = [(x[i:i + batch], y[i:i + batch]) for i in range(0, 24, batch)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the exact path's warning
+            return LaplaceEvidence.fit(net, batches, likelihood, prior, structure=structure, mc_samples=0).log_det()
+
+    assert torch.allclose(log_det(4), log_det(3), rtol=1e-10)  # batches of 4, the sequences' length, as of 3
+
+
+def test_the_scale_invariance_of_a_compiled_network_is_found_as_of_the_plain_one():
+    class Net(Regressor):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(1, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 1))
+            self.prior = GaussianPrior(self.net)
+
+    plain, compiled = Net(), Net()
+    compiled.net = torch.compile(compiled.net)  # the default backend (inductor): its forward skips module hooks
+    compiled.prior = GaussianPrior(compiled.net)
+    for module in (plain, compiled):
+        trainer([MargLikCallback(frequency=1, steps=5)], 1).fit(module, loader(regression_data()))
+    assert plain.prior.treatments["scale-invariant"][0] == ["0.weight", "0.bias"]
+    assert compiled.prior.treatments["scale-invariant"][0] == ["_orig_mod.0.weight", "_orig_mod.0.bias"]
+
+
+def test_a_prior_built_before_peft_wrapped_the_network_names_the_order_to_build_them_in():
+    peft = pytest.importorskip("peft")
+    net = _net()
+    prior = GaussianPrior(net)
+    net = peft.get_peft_model(net, peft.LoraConfig(r=2, target_modules=["0"], lora_dropout=0.0))
+    with pytest.raises(RuntimeError, match=r"peft wrapped its layers after the prior was built\. Build the "
+                                           r"GaussianPrior after get_peft_model"):
+        LaplaceEvidence.fit(net, [(torch.randn(8, 3), torch.randn(8, 2))], GaussianLikelihood(), prior)
+
+
+def test_predict_on_per_position_outputs_says_it_has_no_per_position_form():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 5))  # (B, T) tokens -> (B, T, 5) logits
+    x, y = torch.randint(0, 10, (6, 4)), torch.randint(0, 5, (6, 4))
+    evidence = LaplaceEvidence.fit(net, [(x, y)], CategoricalLikelihood(), GaussianPrior(net))
+    with pytest.raises(ValueError, match=r"outputs have shape \(6, 4, 5\): one output per position of each input.*"
+                                         r"no per-position form"):
+        predict(evidence, net, x)
+
+
+class _ItemBranch(nn.Module):
+    """A forward with Python control flow on a tensor's value, which vmap refuses."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.linear(x) * (2.0 if x.sum().item() > 0 else 1.0)
+
+
+def test_predicts_fallback_warning_gives_no_structure_advice_it_cannot_take():
+    net = _ItemBranch()
+    x, y = torch.randn(10, 3), torch.randint(0, 2, (10,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        evidence = LaplaceEvidence.fit(net, [(x, y)], CategoricalLikelihood(), GaussianPrior(net), structure="full")
+    with pytest.warns(UserWarning, match=r"For the fast path, write the forward without") as caught:
+        predict(evidence, net, x[:3], method="probit")
+    assert not any("structure=" in str(w.message) for w in caught)

@@ -5,7 +5,9 @@ import csv
 import itertools
 import json
 import math
+import os
 import re
+import signal
 import subprocess
 import sys
 from typing import Union
@@ -617,3 +619,48 @@ def test_without_an_output_dir_the_command_says_that_nothing_is_written(tmp_path
     run_command_line([write_config(tmp_path, output_dir=None), "--trainer.max_epochs=1"])
     assert "no output_dir: nothing written" in capsys.readouterr().out
     assert not (tmp_path / "out").exists()
+
+
+# --- what a hurried command line passed (tenth session's probe) -------------------------------------------------
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--callback.structur=diag", "unrecognized arguments: --callback.structur=diag"),  # a prefix is no option
+    ("--threads=0", "--threads must be at least 1, got 0."),
+    ("--trainer.max_epochs=0", "`trainer.max_epochs` is 0: no candidate would be trained"),
+    ("--trainer.limit_train_batches=0", "`trainer.limit_train_batches` is 0: no candidate would be trained"),
+    ("--trainer.devices=2", "`trainer` asks for several processes (devices=2)"),
+])
+def test_overrides_that_would_mislead_are_refused_in_one_line_before_any_training(tmp_path, capsys, override, message):
+    path = write_config(tmp_path)
+    with pytest.raises(SystemExit):
+        run_command_line([path, override])
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_quick_in_the_yaml_is_the_command_lines_quick(tmp_path):
+    results, config = run_command_line([write_config(tmp_path, quick=True)])
+    assert {r.epochs for r in results} == {1} and config["trainer"]["limit_train_batches"] == 2
+    assert config["output_dir"] == str(tmp_path / "out" / "quick")
+
+
+class StopsItself(Classifier):
+    """Sends its own process SIGTERM in training, as a cluster's time limit or `kill` would."""
+
+    def training_step(self, batch, batch_idx):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_run_stopped_by_sigterm_says_so_and_fails(tmp_path, capsys):
+    path = write_config(tmp_path, candidates={"stops": {"class_path": "tests.test_selection.StopsItself",
+                                                       "init_args": {"n_data": 60}}})
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            main([path])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert stopped.value.code == 143  # not Lightning's 0, which `marglik-select ... && next-step` takes for success
+    assert "marglik-select: stopped by SIGTERM; the candidates finished before are kept" in capsys.readouterr().err

@@ -24,8 +24,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from ..curvature import _eager, eval_mode
-from ..curvature.batches import call_model
+from ..curvature import eval_mode
+from ..curvature.batches import call_model, eager
 from ..hyperparameters import GaussianPrior
 from .package import LightningModule
 
@@ -170,7 +170,7 @@ def forward_finding_output_layer(pl_module: LightningModule, inputs: Any) -> Tup
     hooks = [modules[n].register_forward_hook(record(n)) for n, params in own.items()
              if any(p.dim() >= 2 for p in params.values())]
     try:
-        with eval_mode(pl_module), torch.enable_grad(), _eager():  # a compiled module's hooks fire only eagerly
+        with eval_mode(pl_module), torch.enable_grad(), eager():  # a compiled module's hooks fire only eagerly
             output = call_model(pl_module, inputs)
     finally:
         for hook in hooks:

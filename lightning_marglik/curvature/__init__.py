@@ -6,16 +6,15 @@ planned on the first batch (:mod:`.plan`); the structures live in :mod:`.structu
 """
 from __future__ import annotations
 
-import contextlib
 import warnings
 from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, ContextManager, Iterable, Iterator, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, Optional, Tuple
 
 import torch
 from torch import nn
 
 from ..hyperparameters import GaussianPrior, Likelihood
-from .batches import BatchFn, batch_size, check_data, move, slice_batch, split_batch
+from .batches import BatchFn, batch_size, call_model, check_data, eager, move, slice_batch, split_batch
 from .estimator import resolved_options
 from .exchange import Exchange
 from .functional import ExactPath
@@ -60,13 +59,6 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
     finally:
         for module, flag in flags:
             module.training = flag
-
-
-def _eager() -> contextlib.AbstractContextManager:
-    """Run ``torch.compile``d modules eagerly: the statistics are the same function of the same
-    parameters, and hooks see every submodule call."""
-    set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
-    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -142,7 +134,7 @@ def collect_statistics(
     compute = _compute_dtype(dtype)
     stats: Optional[CurvatureStatistics] = None
     plan: Optional[Plan] = None
-    with _ending(exchange), eval_mode(model), torch.enable_grad(), _eager(), Recorder(model) as recorder:
+    with _ending(exchange), eval_mode(model), torch.enable_grad(), eager(), Recorder(model) as recorder:
         recorder.keep = candidates(owners, options)
 
         def passes() -> int:
@@ -169,6 +161,7 @@ def collect_statistics(
                     name: LayerLayout(out.requires_grad, recorder.inputs[name].shape[:1] == out.shape[:1] == leading)
                     for name, out in recorder.outputs.items()
                 }
+                layouts = _scaling_with_the_batch(model, inputs, size, layouts)
                 plan = make_plan(prior, owners, options, dict(recorder.counts), graph_uses(output, params), layouts,
                                  exchange)
                 estimator = with_notes(estimator, plan.structures)
@@ -198,6 +191,37 @@ def collect_statistics(
     if stats is None:
         raise ValueError("The data loader yielded no batches.")
     return stats
+
+
+def _scaling_with_the_batch(model: nn.Module, inputs: Any, size: int, layouts: Dict[str, LayerLayout]
+                             ) -> Dict[str, LayerLayout]:
+    """``layouts`` with ``batch_first`` kept only where the layer's leading dimension follows the batch: one forward
+    without gradients of all but the first batch's last example. A leading size equal to the batch's by chance (a
+    sequence-first ``(T, B, D)`` or a position table ``(T, D)`` with ``T`` the batch size) would take its rows as
+    examples. Where that forward fails (a model that needs the batch's size), the first batch's shapes decide."""
+    if size < 2 or not any(layout.batch_first for layout in layouts.values()):
+        return layouts
+    modules = dict(model.named_modules())
+    leading: Dict[str, Tuple[int, ...]] = {}
+
+    def hook(name: str) -> Callable[..., None]:
+        def record(module: nn.Module, args: Tuple[Any, ...], output: Any) -> None:
+            if args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor):
+                leading[name] = args[0].shape[:1] + output.shape[:1]
+        return record
+
+    handles = [modules[name].register_forward_hook(hook(name)) for name in layouts if name in modules]
+    try:
+        with torch.no_grad():
+            call_model(model, slice_batch(inputs, 0, size - 1))
+    except Exception:  # noqa: BLE001 - any failure of the model on another batch size: keep the first batch's view
+        return layouts
+    finally:
+        for handle in handles:
+            handle.remove()
+    # (1, 1): an input shared by the batch, which the recorder expanded to the batch on the first batch
+    return {name: layout._replace(batch_first=layout.batch_first and leading.get(name) in ((size - 1,) * 2, (1, 1)))
+            for name, layout in layouts.items()}
 
 
 def _ending(exchange: Optional[Exchange]) -> ContextManager[None]:

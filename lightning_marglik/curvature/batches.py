@@ -7,8 +7,9 @@ into the call form, size and batch dimensions that the per-example (exact) path 
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -21,6 +22,7 @@ __all__ = [
     "batch_size",
     "call_model",
     "check_data",
+    "eager",
     "model_batch",
     "move",
     "non_finite_data_rows",
@@ -88,12 +90,16 @@ def non_finite_rows(value: Tensor) -> List[int]:
 
 
 def non_finite_data_rows(data: Any, first: int = 5) -> List[int]:
-    """The first rows (along the batch dimension) where a floating tensor of ``data`` (a tensor, or a tuple or
-    dict of them: a batch's inputs or targets) holds NaN or inf."""
-    values = data.values() if isinstance(data, dict) else data if isinstance(data, (tuple, list)) else (data,)
-    rows = {row for value in values if isinstance(value, Tensor) and value.is_floating_point() and value.dim() > 0
-            for row in non_finite_rows(value)}
-    return sorted(rows)[:first]
+    """The first rows (along the batch dimension) where a floating tensor of ``data`` (a tensor, or tuples and
+    dicts of them: a batch's inputs or targets) holds NaN or inf."""
+
+    def rows(value: Any) -> Set[int]:
+        if isinstance(value, Tensor):
+            return set(non_finite_rows(value)) if value.is_floating_point() and value.dim() > 0 else set()
+        values = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ()
+        return set().union(*(rows(v) for v in values))
+
+    return sorted(rows(data))[:first]
 
 
 def move(inputs: Any, device: torch.device, dtype: torch.dtype) -> Any:
@@ -105,6 +111,13 @@ def move(inputs: Any, device: torch.device, dtype: torch.dtype) -> Any:
     if isinstance(inputs, dict):
         return {k: move(v, device, dtype) for k, v in inputs.items()}
     return inputs
+
+
+def eager() -> contextlib.AbstractContextManager:
+    """Run ``torch.compile``d modules eagerly: the same function of the same parameters, and hooks see every
+    submodule call."""
+    set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
 
 
 def call_model(model: nn.Module, inputs: Inputs) -> Tensor:
@@ -134,18 +147,29 @@ def not_a_tensor(output: Any) -> TypeError:
 
 
 def batch_size(inputs: Inputs) -> int:
-    """Number of examples: the leading size of the first tensor in ``inputs``."""
-    if isinstance(inputs, Tensor):
-        return inputs.shape[0]
-    values = inputs.values() if isinstance(inputs, dict) else inputs
-    for value in values:
-        if isinstance(value, Tensor):
-            return value.shape[0]
-    raise TypeError(
-        f"Model inputs contain no tensor at their top level (got a {type(inputs).__name__} of "
-        f"{[type(v).__name__ for v in values]}): the evidence pass reads a tensor, or a tuple or dict of tensors, "
-        "and no nested container; map batches with `marglik_batch` (MargLikCallback) or `batch_fn=`."
-    )
+    """Number of examples: the leading size of the first tensor in ``inputs`` (depth first through tuples and
+    dicts: ``forward(batch)`` of a dict is called with ``(batch,)``)."""
+    found = _first_tensor(inputs)
+    if found is None:
+        values = list(inputs.values()) if isinstance(inputs, dict) else inputs
+        raise TypeError(
+            f"Model inputs contain no tensor (got a {type(inputs).__name__} of "
+            f"{[type(v).__name__ for v in values] if isinstance(values, (list, tuple)) else values!r}): the evidence "
+            "pass reads tensors in a tensor, tuple or dict (nested too); map batches with `marglik_batch` "
+            "(MargLikCallback) or `batch_fn=`."
+        )
+    return found.shape[0]
+
+
+def _first_tensor(value: Any) -> Optional[Tensor]:
+    if isinstance(value, Tensor):
+        return value
+    values = value.values() if isinstance(value, dict) else value if isinstance(value, tuple) else ()
+    for item in values:
+        found = _first_tensor(item)
+        if found is not None:
+            return found
+    return None
 
 
 def batch_dims(inputs: Any, size: int) -> Any:

@@ -50,10 +50,14 @@ class ExactPath:
         names: Names (in ``model``) of the parameters to differentiate.
         params: The parameter tensors themselves, in ``names`` order.
         modules: The modules that own them, named in the warning.
+        fix: Where ``modules`` is empty (every parameter), the warning's other way to the fast path (``""``: none,
+            where no structure was asked, as for the predictive's Jacobians).
     """
 
-    def __init__(self, model: nn.Module, names: List[str], params: List[Tensor], modules: Sequence[str] = ()) -> None:
-        self.model, self.names, self.params, self.modules = model, names, params, list(modules)
+    def __init__(self, model: nn.Module, names: List[str], params: List[Tensor], modules: Sequence[str] = (),
+                 fix: str = "use structure='kron' or 'diag' (only modules without a hook rule then take the exact path)"
+                 ) -> None:
+        self.model, self.names, self.params, self.modules, self.fix = model, names, params, list(modules), fix
         self.refusal: Optional[str] = None  # why vmap cannot run this forward, once seen
 
     def rows(self, inputs: Inputs, factor: Tensor) -> Tensor:
@@ -117,21 +121,22 @@ class ExactPath:
         if self.modules:
             listed = ", ".join(f"'{name or '<top-level module>'}'" for name in self.modules)
             fix = "let the layer hooks take these modules (see why they take the exact path)"
-        else:  # structure="full" or the predictive: every parameter
+        else:  # structure="full", or the predictive's and the kernel bound's Jacobians, where no structure is asked
             listed = "every parameter"
-            fix = "use structure='kron' or 'diag' (only modules without a hook rule then take the exact path)"
+            fix = self.fix
         refusal = self.refusal if len(self.refusal or "") <= 200 else f"{(self.refusal or '')[:200]}..."
         warnings.warn(
             f"torch.func.vmap cannot run the forward for the exact per-example rows of {listed} ({refusal}); "
             f"computing them with plain autograd instead, one example at a time: the same numbers, but one forward "
-            f"per example and {factor.shape[2]} backward(s) per example. For the fast path, {fix}, write the "
-            "forward without Python control flow on tensor values or .item() (e.g. torch.where), or freeze these "
-            "parameters (requires_grad=False).",
+            f"per example and {factor.shape[2]} backward(s) per example. For the fast path, {fix + ', ' if fix else ''}"
+            "write the forward without Python control flow on tensor values or .item() (e.g. torch.where), or freeze "
+            "these parameters (requires_grad=False).",
             stacklevel=4,
         )
 
 
-def jacobian_rows(model: nn.Module, names: List[str], params: List[Tensor], inputs: Inputs, factor: Tensor) -> Tensor:
+def jacobian_rows(model: nn.Module, names: List[str], params: List[Tensor], inputs: Inputs, factor: Tensor,
+                  fix: str = "") -> Tensor:
     """Rows ``L_n[:, j]^T J_n`` of every example ``n`` and factor column ``j`` (one batch's :class:`ExactPath`).
 
     Args:
@@ -140,11 +145,12 @@ def jacobian_rows(model: nn.Module, names: List[str], params: List[Tensor], inpu
         params: The parameter tensors themselves, in ``names`` order.
         inputs: Input batch (tensor, tuple or dict).
         factor: Loss-Hessian factor ``(B, M, K)`` over the flattened outputs.
+        fix: A way to the fast path beside the forward's form, for the warning where ``vmap`` refuses it.
 
     Returns:
         Tensor ``(B * K, P)`` with ``P`` the total size of ``params``, flattened in order.
     """
-    return ExactPath(model, names, params).rows(inputs, factor)
+    return ExactPath(model, names, params, fix=fix).rows(inputs, factor)
 
 
 def _example(inputs: Any, dims: Any, n: int) -> Any:

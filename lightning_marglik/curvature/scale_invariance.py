@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from ..private import conv_base, norm_base
-from .batches import Inputs, call_model
+from .batches import Inputs, call_model, eager
 from .hooks import graph_uses
 
 _ConvNd, _NormBase = conv_base(), norm_base()  # torch's private base classes: lightning_marglik.private
@@ -181,7 +181,7 @@ def find_scale_invariant(
 
     handles = [m.register_forward_hook(hook(n, m)) for n, m in modules.items() if isinstance(m, LINEAR_LAYERS + NORMS)]
     try:
-        with _training_pass(model, modes), torch.enable_grad():
+        with _training_pass(model, modes), torch.enable_grad(), eager():  # a compiled module's hooks fire eagerly only
             output = call_model(model, inputs)
             found = _analyse(model, modules, calls, outputs, norm_io, output)
     finally:

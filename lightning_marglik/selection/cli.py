@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from ..callbacks import MargLikCallback
 from .config import check_config, missing_module_fix, select_from_config
@@ -103,6 +104,7 @@ def build_parser() -> Any:
 
     parser = SelectionParser(
         prog="marglik-select",
+        allow_abbrev=False,  # a prefix of an option (--callback.structur) is a misspelling, not that option
         formatter_class=_help_formatter(),
         usage="marglik-select CONFIG.yaml [--trainer.KEY=VALUE] [--callback.KEY=VALUE] [--data.KEY=VALUE] "
               "[--seed=N] [--output_dir=DIR] [--quick] [--rerun] [--threads=N]",
@@ -169,9 +171,6 @@ def run_command_line(argv: Optional[Sequence[str]] = None) -> Tuple[List[Candida
     args = list(sys.argv[1:] if argv is None else argv)
     if args and not args[0].startswith("-"):
         args = ["--config", args[0], *args[1:]]
-    if "--quick" in args:  # right after the YAML, so that the user's own overrides win
-        at = 2 if args[:1] == ["--config"] else 1 if args[:1] and args[0].startswith("--config=") else 0
-        args[at:at] = QUICK_OVERRIDES
     sys.path.insert(0, os.getcwd())  # class paths of the user's own modules, as with `python -m`
     parser = build_parser()
     if not any(a == "--config" or a.startswith("--config=") for a in args):
@@ -180,6 +179,11 @@ def run_command_line(argv: Optional[Sequence[str]] = None) -> Tuple[List[Candida
             parser.error(f"the configuration file comes first: marglik-select {stray[0]} [options] (got it after an "
                          "option).")
     cfg = parser.parse_args(args)
+    if cfg.quick:  # --quick, or `quick: true` in the YAML: its overrides right after the YAML, so the user's own win
+        at = 2 if args[:1] == ["--config"] else 1 if args[:1] and args[0].startswith("--config=") else 0
+        cfg = parser.parse_args(args[:at] + list(QUICK_OVERRIDES) + args[at:])
+    if cfg.threads < 1:
+        parser.error(f"--threads must be at least 1, got {cfg.threads}.")
     torch.set_num_threads(cfg.threads)
     config = {
         "seed": cfg.seed,
@@ -226,3 +230,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         run_command_line(argv)
     except ResultsInUse as error:  # a run's own state, not a bug: one line, as the parser's errors
         sys.exit(f"marglik-select: error: {error}")
+    except (SIGTERMException, KeyboardInterrupt) as stop:  # Lightning's SIGTERM exit would report success (0)
+        signal_name, code = ("SIGTERM", 143) if isinstance(stop, SIGTERMException) else ("interrupt", 130)
+        print(f"marglik-select: stopped by {signal_name}; the candidates finished before are kept in output_dir: the "
+              "same command again trains only the others.", file=sys.stderr)
+        sys.exit(code)

@@ -578,8 +578,9 @@ def check_trainer_arguments(trainer: Mapping[str, Any]) -> Dict[str, Any]:
         The arguments, converted where jsonargparse converts them (e.g. ``"5"`` to ``5``).
 
     Raises:
-        ValueError: Naming the keys that are not ``pl.Trainer`` arguments, or the first value
-            of the wrong type.
+        ValueError: Naming the keys that are not ``pl.Trainer`` arguments, the first value of the wrong type, a
+            setting that trains nothing (candidates would be ranked untrained), or several processes (each would
+            run the whole selection again).
     """
     from jsonargparse import ArgumentError
 
@@ -596,7 +597,26 @@ def check_trainer_arguments(trainer: Mapping[str, Any]) -> Dict[str, Any]:
                 f"`trainer.{key}` is {value!r} ({type(value).__name__}), but pl.Trainer takes {key}: {shown}; give a "
                 f"value of that type (in the YAML or as --trainer.{key}=...)."
             ) from None
+    for key in ("max_epochs", "max_steps", "limit_train_batches"):
+        if checked.get(key) == 0:
+            raise ValueError(f"`trainer.{key}` is 0: no candidate would be trained, and untrained networks would be "
+                             "ranked by their evidence; give a positive value.")
+    several = [f"{key}={checked[key]!r}" for key in ("devices", "num_nodes") if key in checked
+               and _processes(checked[key]) != 1]
+    if several:
+        raise ValueError(f"`trainer` asks for several processes ({', '.join(several)}): select_models trains the "
+                         "candidates one after another in this process, and Lightning's launcher would run the whole "
+                         "selection again in each; train each candidate on one device.")
     return checked
+
+
+def _processes(value: Any) -> int:
+    """How many processes ``pl.Trainer(devices=value)`` asks for (-1: all; ``"auto"``: one on a CPU)."""
+    if isinstance(value, (list, tuple)):
+        return len(value)
+    if isinstance(value, str):
+        return int(value) if value.lstrip("-").isdigit() else 1
+    return int(value)
 
 
 @functools.lru_cache(maxsize=None)
