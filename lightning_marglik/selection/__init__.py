@@ -49,8 +49,9 @@ the first test batch goes through them when training starts, so that a mismatch 
 
 The package, by job: :mod:`.driver` (:func:`select_models`), :mod:`.comparability` (which candidates
 their evidence does not compare), :mod:`.metrics` (the test metrics),
-:mod:`.results` (the files and their lock), :mod:`.plot` (``evidence.png``), :mod:`.config` (a
-YAML configuration checked and run) and :mod:`.cli` (``marglik-select``).
+:mod:`.results` (the files and their lock), :mod:`.plot` (``evidence.png``), :mod:`.trainer_arguments` (the
+``trainer`` arguments checked before anything is built), :mod:`.config` (a YAML configuration checked and run) and
+:mod:`.cli` (``marglik-select``).
 """
 from __future__ import annotations
 
@@ -58,12 +59,13 @@ from __future__ import annotations
 from .cli import DEFAULT_THREADS, QUICK_OVERRIDES, build_parser, main, plain_text, run_command_line  # noqa: F401
 from .config import check_config, instantiate, resolve_class, select_from_config
 from .driver import (  # noqa: F401
-    AUTO_FULL_MAX_DIRECTIONS, AUTO_FULL_MAX_MEMORY, DEFAULT_RANK_BY, PREDICTIVES, check_trainer_arguments,
-    full_ggn_refusal, quiet_lightning, rank_by_choices, resolve_auto, select_models,
+    AUTO_FULL_MAX_DIRECTIONS, AUTO_FULL_MAX_MEMORY, DEFAULT_RANK_BY, PREDICTIVES, full_ggn_refusal, quiet_lightning,
+    rank_by_choices, resolve_auto, select_models,
 )
 from .metrics import NegativeLogLikelihood, default_metrics
 from .plot import label_points
 from .results import LOCK_FILE, RESULTS_JSON, CandidateResult, ResultsInUse, load_results, save_results  # noqa: F401
+from .trainer_arguments import check_trainer_arguments
 
 __all__ = [
     "CandidateResult",

@@ -18,10 +18,10 @@ from .driver import (
     check_callback_arguments,
     check_fold_batchnorm,
     check_rank_by,
-    check_trainer_arguments,
     select_models,
 )
 from .results import CandidateResult
+from .trainer_arguments import check_trainer_arguments
 
 __all__ = ["check_config", "instantiate", "missing_module_fix", "resolve_class", "select_from_config"]
 

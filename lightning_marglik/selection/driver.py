@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import json
 import logging
@@ -30,12 +29,13 @@ from ..validators import choice, flag, keywords
 from .comparability import mixed_normalization_message, normalization_layers
 from .metrics import MetricsCheck, evaluate_metrics
 from .results import RESULTS_JSON, CandidateResult, load_results, run_lock, save_results
+from .trainer_arguments import check_trainer_arguments
 
 __all__ = [
     "AUTO_FALLBACK", "AUTO_FULL", "AUTO_FULL_MAX_DIRECTIONS", "AUTO_FULL_MAX_MEMORY", "AUTO_SAFE", "DEFAULT_RANK_BY",
     "DEFAULT_RANK_OUTPUT_LAYER", "RANK_OUTPUT_LAYER",
     "PREDICTIVES", "check_callback_arguments", "check_candidates", "check_fold_batchnorm", "check_rank_by",
-    "check_trainer_arguments", "full_ggn_refusal", "quiet_lightning", "rank_by_choices",
+    "full_ggn_refusal", "quiet_lightning", "rank_by_choices",
     "resolve_auto", "select_models",
 ]
 
@@ -561,71 +561,6 @@ def check_fold_batchnorm(fold_batchnorm: Any) -> bool:
         ValueError: If it is not a bool (e.g. the string ``"false"``, which would count as true).
     """
     return flag(fold_batchnorm, "fold_batchnorm", what="fold each candidate's BatchNorms before ranking it")
-
-
-def check_trainer_arguments(trainer: Mapping[str, Any]) -> Dict[str, Any]:
-    """Check ``trainer`` against ``pl.Trainer``'s signature (names and types), without building one.
-
-    Example:
-        >>> check_trainer_arguments({"max_epochs": "5", "enable_progress_bar": False})
-        {'max_epochs': 5, 'enable_progress_bar': False}
-        >>> check_trainer_arguments({"max_epochs": "abc"})
-        Traceback (most recent call last):
-        ...
-        ValueError: `trainer.max_epochs` is 'abc' (str), but pl.Trainer takes max_epochs: Optional[int]; give a value of that type (in the YAML or as --trainer.max_epochs=...).
-
-    Returns:
-        The arguments, converted where jsonargparse converts them (e.g. ``"5"`` to ``5``).
-
-    Raises:
-        ValueError: Naming the keys that are not ``pl.Trainer`` arguments, the first value of the wrong type, a
-            setting that trains nothing (candidates would be ranked untrained), or several processes (each would
-            run the whole selection again).
-    """
-    from jsonargparse import ArgumentError
-
-    parameters = inspect.signature(pl.Trainer).parameters
-    keywords(trainer, list(parameters), "trainer", "pl.Trainer")
-    checked = {}
-    for key, value in trainer.items():
-        try:
-            checked[key] = _trainer_parser().parse_object({key: value}, defaults=False)[key]
-        except ArgumentError:
-            annotation = parameters[key].annotation
-            shown = annotation if isinstance(annotation, str) else inspect.formatannotation(annotation)
-            raise ValueError(
-                f"`trainer.{key}` is {value!r} ({type(value).__name__}), but pl.Trainer takes {key}: {shown}; give a "
-                f"value of that type (in the YAML or as --trainer.{key}=...)."
-            ) from None
-    for key in ("max_epochs", "max_steps", "limit_train_batches"):
-        if checked.get(key) == 0:
-            raise ValueError(f"`trainer.{key}` is 0: no candidate would be trained, and untrained networks would be "
-                             "ranked by their evidence; give a positive value.")
-    several = [f"{key}={checked[key]!r}" for key in ("devices", "num_nodes") if key in checked
-               and _processes(checked[key]) != 1]
-    if several:
-        raise ValueError(f"`trainer` asks for several processes ({', '.join(several)}): select_models trains the "
-                         "candidates one after another in this process, and Lightning's launcher would run the whole "
-                         "selection again in each; train each candidate on one device.")
-    return checked
-
-
-def _processes(value: Any) -> int:
-    """How many processes ``pl.Trainer(devices=value)`` asks for (-1: all; ``"auto"``: one on a CPU)."""
-    if isinstance(value, (list, tuple)):
-        return len(value)
-    if isinstance(value, str):
-        return int(value) if value.lstrip("-").isdigit() else 1
-    return int(value)
-
-
-@functools.lru_cache(maxsize=None)
-def _trainer_parser() -> Any:
-    from jsonargparse import ArgumentParser
-
-    parser = ArgumentParser(exit_on_error=False)
-    parser.add_class_arguments(pl.Trainer)
-    return parser
 
 
 def _folded(cb: MargLikCallback, trainer: pl.Trainer, module: pl.LightningModule, name: str) -> Optional[Folded]:
