@@ -293,7 +293,7 @@ def test_a_shared_input_whose_expansion_changes_the_output_stays_on_the_exact_pa
 
 def test_a_layout_that_only_looks_batch_first_on_the_first_batch_takes_the_exact_path():
     """Sequence-first Linear calls (T, B, C): with B == T on the first batch the rows look like
-    examples; a forward of one example fewer shows they are not. The exact path, as for any other
+    examples; a forward of two examples shows they are not. The exact path, as for any other
     batching (before, only a later batch of another size showed it, refused; batches all of size T
     were silently wrong)."""
 

@@ -122,7 +122,7 @@ def test_treatments_recorded_on_the_prior_with_the_reason():
 def test_set_up_checks_the_targets_and_finds_the_output_layer_in_one_forward():
     """Set-up's analysis sends its batch through ``forward`` once for the target check and the output layer's
     search together (issue 55: one forward fewer), once for the scale-invariance check in training modes, and
-    then through the evidence pass (its first batch's layout check of one example fewer included; and, where set-up
+    then through the evidence pass (its first batch's layout check on two examples included; and, where set-up
     finds the estimate costly, the cost check's timed passes)."""
     torch.manual_seed(0)
     module = Classifier(n_data=64)

@@ -196,9 +196,10 @@ def collect_statistics(
 def _scaling_with_the_batch(model: nn.Module, inputs: Any, size: int, layouts: Dict[str, LayerLayout]
                              ) -> Dict[str, LayerLayout]:
     """``layouts`` with ``batch_first`` kept only where the layer's leading dimension follows the batch: one forward
-    without gradients of all but the first batch's last example. A leading size equal to the batch's by chance (a
-    sequence-first ``(T, B, D)`` or a position table ``(T, D)`` with ``T`` the batch size) would take its rows as
-    examples. Where that forward fails (a model that needs the batch's size), the first batch's shapes decide."""
+    without gradients of the first batch's first two examples (one, for a batch of two), a size other than the
+    batch's. A leading size equal to the batch's by chance (a sequence-first ``(T, B, D)`` or a position table
+    ``(T, D)`` with ``T`` the batch size) would take its rows as examples. Where that forward fails (a model that
+    needs the batch's size), the first batch's shapes decide."""
     if size < 2 or not any(layout.batch_first for layout in layouts.values()):
         return layouts
     modules = dict(model.named_modules())
@@ -210,17 +211,18 @@ def _scaling_with_the_batch(model: nn.Module, inputs: Any, size: int, layouts: D
                 leading[name] = args[0].shape[:1] + output.shape[:1]
         return record
 
+    probe = 2 if size > 2 else 1  # few examples: the forward is a small part of a pass, every pass makes one
     handles = [modules[name].register_forward_hook(hook(name)) for name in layouts if name in modules]
     try:
         with torch.no_grad():
-            call_model(model, slice_batch(inputs, 0, size - 1))
+            call_model(model, slice_batch(inputs, 0, probe))
     except Exception:  # noqa: BLE001 - any failure of the model on another batch size: keep the first batch's view
         return layouts
     finally:
         for handle in handles:
             handle.remove()
     # (1, 1): an input shared by the batch, which the recorder expanded to the batch on the first batch
-    return {name: layout._replace(batch_first=layout.batch_first and leading.get(name) in ((size - 1,) * 2, (1, 1)))
+    return {name: layout._replace(batch_first=layout.batch_first and leading.get(name) in ((probe, probe), (1, 1)))
             for name, layout in layouts.items()}
 
 
