@@ -25,7 +25,9 @@ from lightning_marglik import (
     select_models,
 )
 from lightning_marglik.callbacks.output_layer import OUTPUT_LAYER
-from lightning_marglik.selection import build_parser, label_points, load_results, run_command_line, select_from_config
+from lightning_marglik.selection import (
+    build_parser, check_trainer_arguments, label_points, load_results, run_command_line, select_from_config,
+)
 from lightning_marglik.selection.cli import main
 from tests.lightning_models import BlobData, Classifier, blobs
 
@@ -630,6 +632,7 @@ def test_without_an_output_dir_the_command_says_that_nothing_is_written(tmp_path
     ("--trainer.max_epochs=0", "`trainer.max_epochs` is 0: no candidate would be trained"),
     ("--trainer.limit_train_batches=0", "`trainer.limit_train_batches` is 0: no candidate would be trained"),
     ("--trainer.devices=2", "`trainer` asks for several processes (devices=2)"),
+    ("--trainer.devices=0,1", "`trainer` asks for several processes (devices='0,1')"),
 ])
 def test_overrides_that_would_mislead_are_refused_in_one_line_before_any_training(tmp_path, capsys, override, message):
     path = write_config(tmp_path)
@@ -637,6 +640,17 @@ def test_overrides_that_would_mislead_are_refused_in_one_line_before_any_trainin
         run_command_line([path, override])
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("trainer, message", [
+    ([{"max_epochs": 3}], "`trainer` must be a mapping of pl.Trainer's arguments"),
+    ({"devices": -1}, "several processes (devices=-1)"),
+    ({"num_nodes": 2}, "several processes (num_nodes=2)"),
+])
+def test_trainer_arguments_a_hurried_caller_passes_are_refused_by_name(trainer, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_trainer_arguments(trainer)
+    assert check_trainer_arguments({"devices": None, "max_epochs": -1}) == {"devices": None, "max_epochs": -1}
 
 
 def test_quick_in_the_yaml_is_the_command_lines_quick(tmp_path):

@@ -34,6 +34,9 @@ def check_trainer_arguments(trainer: Mapping[str, Any]) -> Dict[str, Any]:
     """
     from jsonargparse import ArgumentError
 
+    if not isinstance(trainer, Mapping):
+        raise ValueError(f"`trainer` must be a mapping of pl.Trainer's arguments (e.g. {{'max_epochs': 10}}), each "
+                         f"candidate gets its own Trainer; got {type(trainer).__name__}.")
     parameters = inspect.signature(pl.Trainer).parameters
     keywords(trainer, list(parameters), "trainer", "pl.Trainer")
     checked = {}
@@ -52,7 +55,7 @@ def check_trainer_arguments(trainer: Mapping[str, Any]) -> Dict[str, Any]:
             raise ValueError(f"`trainer.{key}` is 0: no candidate would be trained, and untrained networks would be "
                              "ranked by their evidence; give a positive value.")
     several = [f"{key}={checked[key]!r}" for key in ("devices", "num_nodes") if key in checked
-               and _processes(checked[key]) != 1]
+               and _processes(checked[key]) not in (0, 1)]  # 0 devices: Lightning's own error
     if several:
         raise ValueError(f"`trainer` asks for several processes ({', '.join(several)}): select_models trains the "
                          "candidates one after another in this process, and Lightning's launcher would run the whole "
@@ -61,11 +64,16 @@ def check_trainer_arguments(trainer: Mapping[str, Any]) -> Dict[str, Any]:
 
 
 def _processes(value: Any) -> int:
-    """How many processes ``pl.Trainer(devices=value)`` asks for (-1: all; ``"auto"``: one on a CPU)."""
+    """How many processes ``pl.Trainer(devices=value)`` asks for (-1: all; ``"auto"`` or ``None``: one on a CPU;
+    ``"0,1"``: a list of device ids)."""
+    if value is None:
+        return 1
     if isinstance(value, (list, tuple)):
         return len(value)
     if isinstance(value, str):
-        return int(value) if value.lstrip("-").isdigit() else 1
+        if "," in value:
+            return len([part for part in value.split(",") if part.strip()])
+        return int(value) if value.strip().lstrip("-").isdigit() else 1
     return int(value)
 
 
