@@ -48,13 +48,14 @@ def function_buffers(prior: GaussianPrior) -> List[Tensor]:
     return [b for b in prior.model.buffers() if b.is_floating_point() and id(b) not in skip]
 
 
-def _refuse_non_finite_data(dataloader: Iterable, batch_fn: Optional[BatchFn]) -> None:
+def _refuse_non_finite_data(dataloader: Iterable, batch_fn: Optional[BatchFn]) -> int:
     """Name the first batch whose inputs or targets hold NaN or inf (read again: only where the evidence is not
-    finite).
+    finite); returns the number of batches read (0: a one-pass iterable, already spent).
 
     Raises:
         ValueError: Naming the batch, the rows and the fix.
     """
+    index = -1
     for index, batch in enumerate(dataloader):
         inputs, target = split_batch(batch, batch_fn)
         for part, rows in (("inputs", non_finite_data_rows(inputs)), ("targets", non_finite_data_rows(target))):
@@ -62,6 +63,7 @@ def _refuse_non_finite_data(dataloader: Iterable, batch_fn: Optional[BatchFn]) -
                 raise ValueError(f"LaplaceEvidence.fit: batch {index}'s {part} hold NaN or inf (rows {rows}, the "
                                  "first of them), so the evidence is not finite: clean the data (drop or impute those "
                                  "rows).")
+    return index + 1
 
 
 def require_data(n_data: int, likelihood: Likelihood) -> None:
@@ -194,9 +196,13 @@ class LaplaceEvidence:
         evidence = cls(stats, likelihood, prior)
         prior.record_n_data(evidence.n_data)
         if not bool(torch.isfinite(evidence.log_marglik().detach())):
-            _refuse_non_finite_data(dataloader, batch_fn)
-            warnings.warn("LaplaceEvidence.fit: the evidence is not finite at the model's current weights, though "
-                          "the data are: NaN or inf weights, or a forward that diverges at them.", stacklevel=2)
+            if _refuse_non_finite_data(dataloader, batch_fn):
+                cause = "though the data are: NaN or inf weights, or a forward that diverges at them"
+            else:  # a generator: nothing left to read
+                cause = ("NaN or inf in the data or the weights; the data were a one-pass iterable, which could not be "
+                         "read again to tell which (pass a list or a DataLoader)")
+            warnings.warn(f"LaplaceEvidence.fit: the evidence is not finite at the model's current weights, {cause}.",
+                          stacklevel=2)
         return evidence
 
     @classmethod

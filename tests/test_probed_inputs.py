@@ -372,3 +372,12 @@ def test_predicts_fallback_warning_gives_no_structure_advice_it_cannot_take():
     with pytest.warns(UserWarning, match=r"For the fast path, write the forward without") as caught:
         predict(evidence, net, x[:3], method="probit")
     assert not any("structure=" in str(w.message) for w in caught)
+
+
+def test_non_finite_data_in_a_one_pass_iterable_are_not_called_clean():
+    net = _net()
+    x, y = torch.randn(10, 3), torch.randn(10, 2)
+    y[2, 0] = math.nan
+    with pytest.warns(UserWarning, match="a one-pass iterable, which could not be read again to tell which") as caught:
+        LaplaceEvidence.fit(net, (batch for batch in [(x, y)]), GaussianLikelihood(), GaussianPrior(net), structure="diag")
+    assert not any("though the data are" in str(w.message) for w in caught)
