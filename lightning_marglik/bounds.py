@@ -57,8 +57,9 @@ def check_bound_options(bound: str, structure: str, subset_size: Optional[int]) 
     """Refuse options the bounds do not take, naming the fix.
 
     Raises:
-        ValueError: On an unknown bound, a structure the parametric bound does not take, or a
-            ``subset_size`` for the parametric bound (its parts are the batches).
+        ValueError: On an unknown bound, a structure the parametric bound does not take, a structure other than
+            ``full`` (or the default) for the NTK bound, or a ``subset_size`` for the parametric bound (its parts
+            are the batches).
     """
     if bound not in BOUNDS:
         raise ValueError(f"`bound` must be one of {BOUNDS}, got {bound!r}.")
@@ -73,8 +74,15 @@ def check_bound_options(bound: str, structure: str, subset_size: Optional[int]) 
                 "`subset_size` splits batches for bound='ntk'; the parametric bound's parts are the batches themselves: "
                 "choose their size with the data loader's batch_size, or use bound='ntk'."
             )
-    elif subset_size is not None:
-        integer(subset_size, "subset_size", 1)
+    else:
+        if structure not in ("kron", "full"):  # "kron" is the default: left out, it is not the user's choice
+            raise ValueError(
+                f"bound='ntk' bounds each subset by its exact kernel (the `full` form), so structure={structure!r} "
+                "would be ignored; `structure` applies to bound='parametric' only: leave it out, or use "
+                "bound='parametric'."
+            )
+        if subset_size is not None:
+            integer(subset_size, "subset_size", 1)
 
 
 class EvidenceBound:

@@ -101,6 +101,7 @@ def test_every_k_beyond_an_epoch_is_refused_before_training():
     (dict(structure="ekfac"), "bound='parametric' takes structure"),
     (dict(subset_size=8), "`subset_size` splits batches for bound='ntk'"),
     (dict(bound="ntk", backend="backpack"), "applies to bound='parametric' only"),
+    (dict(bound="ntk", structure="diag"), "structure='diag' would be ignored; `structure` applies to bound='parametric'"),
     (dict(lr=-1.0), r"`lr` must be a finite number in \(0, inf\)"),
 ])
 def test_bad_arguments_are_named(kwargs, match):

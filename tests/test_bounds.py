@@ -244,6 +244,7 @@ def test_non_finite_bound_leaves_hyperparameters():
     (dict(structure="ekfac"), "bound='parametric' takes structure"),
     (dict(subset_size=4), "`subset_size` splits batches for bound='ntk'"),
     (dict(bound="ntk", subset_size=0), "`subset_size` must be an int >= 1"),
+    (dict(bound="ntk", structure="diag"), "structure='diag' would be ignored; `structure` applies to bound='parametric'"),
     (dict(lr=0.0), r"`lr` must be a finite number in \(0, inf\)"),
     (dict(approx="fisher"), "`approx` must be one of"),
     (dict(n_data=0), "`n_data` must be an int >= 1"),

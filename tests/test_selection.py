@@ -28,7 +28,7 @@ from lightning_marglik.callbacks.output_layer import OUTPUT_LAYER
 from lightning_marglik.selection import (
     build_parser, check_trainer_arguments, label_points, load_results, run_command_line, select_from_config,
 )
-from lightning_marglik.selection.cli import main
+from lightning_marglik.selection.cli import duplicate_key, main
 from tests.lightning_models import BlobData, Classifier, blobs
 
 CALLBACK = {"structure": "diag", "approx": "ggn", "steps": 50}
@@ -657,6 +657,48 @@ def test_quick_in_the_yaml_is_the_command_lines_quick(tmp_path):
     results, config = run_command_line([write_config(tmp_path, quick=True)])
     assert {r.epochs for r in results} == {1} and config["trainer"]["limit_train_batches"] == 2
     assert config["output_dir"] == str(tmp_path / "out" / "quick")
+
+
+def test_a_key_twice_in_the_yaml_is_refused_before_anything_trains(tmp_path, capsys):
+    """A candidate copied and not renamed: PyYAML would keep the second and drop the first without a word."""
+    path = tmp_path / "twice.yaml"
+    text = open(write_config(tmp_path)).read().replace("  wide:", "  narrow:")
+    path.write_text(text)
+    with pytest.raises(SystemExit):
+        run_command_line([str(path), "--trainer.max_epochs=1"])
+    assert re.search(r"twice\.yaml: 'narrow' twice in one mapping \(lines \d+ and \d+\): YAML keeps only the last",
+                     capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
+    shipped = [name for name in os.listdir("configs") if name.endswith(".yaml")]
+    assert shipped and all(duplicate_key(open(os.path.join("configs", name)).read()) is None for name in shipped)
+
+
+class EvidenceFromAList(Classifier):
+    """Names an evidence method that returns no DataLoader: only the callback's set-up can see it."""
+
+    def evidence_batches(self):
+        return [(torch.zeros(2, 2), torch.zeros(2, dtype=torch.long))]
+
+
+def test_a_misspelt_evidence_method_is_refused_before_anything_trains(tmp_path, capsys):
+    path = write_config(tmp_path, callback={**CALLBACK, "dataloader": "train_dataloadr"})
+    with pytest.raises(SystemExit):
+        main([path])
+    err = capsys.readouterr().err
+    assert ("`callback.dataloader` = 'train_dataloadr': neither BlobData nor candidate 'narrow''s Classifier defines "
+            "such a method (did you mean 'train_dataloader'?)") in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_candidates_set_up_refusal_ends_the_command_in_one_message(tmp_path, capsys):
+    path = write_config(tmp_path, callback={**CALLBACK, "dataloader": "evidence_batches"},
+                        candidates={"listed": {"class_path": "tests.test_selection.EvidenceFromAList",
+                                               "init_args": {"n_data": 60}}})
+    with pytest.raises(SystemExit) as stopped:
+        main([path])
+    message = str(stopped.value.code)
+    assert message.startswith("marglik-select: error: MargLikCallback(dataloader='evidence_batches') returned a list")
+    assert "raised while training candidate 'listed' (1 of 1)" in message and "Traceback" not in capsys.readouterr().err
 
 
 class StopsItself(Classifier):

@@ -2,6 +2,7 @@
 as LightningCLI)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -12,15 +13,15 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-from ..callbacks import MargLikCallback
+from ..callbacks import MargLikCallback, MargLikConfigurationError
 from .config import check_config, missing_module_fix, select_from_config
 from .driver import (
     AUTO_FULL_MAX_DIRECTIONS, DEFAULT_RANK_BY, DEFAULT_RANK_OUTPUT_LAYER, quiet_lightning, rank_by_choices,
 )
 from .results import CandidateResult, ResultsInUse
 
-__all__ = ["DEFAULT_THREADS", "QUICK_NOTICE", "QUICK_OVERRIDES", "build_parser", "explain_import_error", "main",
-           "plain_text", "run_command_line"]
+__all__ = ["DEFAULT_THREADS", "QUICK_NOTICE", "QUICK_OVERRIDES", "build_parser", "duplicate_key", "explain_import_error",
+           "main", "plain_text", "run_command_line"]
 
 # One thread is fastest for small models on a shared CPU (measured in docs/install.md, "Threads").
 DEFAULT_THREADS = 1
@@ -85,6 +86,44 @@ def explain_import_error(message: str, directory: Optional[str] = None) -> str:
     if fix is None:
         return message
     return f"class_path {class_path[1]!r} cannot be imported: No module named {missing[1]!r}. {fix}"
+
+
+def duplicate_key(text: str) -> Optional[str]:
+    r"""The first key that one mapping of the YAML ``text`` holds twice, with its lines; ``None`` if none (or if the
+    text is no YAML: the parser says so). PyYAML keeps the last silently: a candidate copied and not renamed would
+    replace the one above it.
+
+    Example:
+        >>> duplicate_key("candidates:\n  mlp: {}\n  cnn: {}\n  mlp: {}\n")
+        "'mlp' twice in one mapping (lines 2 and 4): YAML keeps only the last; rename or remove one"
+    """
+    import yaml
+
+    class Strict(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            lines: Dict[Any, int] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if key == "<<" or not isinstance(key, (str, int, float, bool)):  # merges and odd keys: PyYAML's own
+                    continue
+                line = key_node.start_mark.line + 1
+                if key in lines:
+                    raise _Duplicate(f"{key!r} twice in one mapping (lines {lines[key]} and {line}): YAML keeps only "
+                                     "the last; rename or remove one")
+                lines[key] = line
+            return super().construct_mapping(node, deep)
+
+    try:
+        yaml.load(text, Loader=Strict)
+    except _Duplicate as found:
+        return str(found)
+    except yaml.YAMLError:
+        return None
+    return None
+
+
+class _Duplicate(Exception):
+    """A key held twice by one YAML mapping."""
 
 
 def build_parser() -> Any:
@@ -178,6 +217,11 @@ def run_command_line(argv: Optional[Sequence[str]] = None) -> Tuple[List[Candida
         if stray:  # jsonargparse would call it an unrecognized argument
             parser.error(f"the configuration file comes first: marglik-select {stray[0]} [options] (got it after an "
                          "option).")
+    for path in _config_paths(args):
+        with contextlib.suppress(OSError, UnicodeDecodeError):  # an unreadable file: the parser's own error
+            found = duplicate_key(open(path, encoding="utf-8").read())
+            if found:
+                parser.error(f"{path}: {found}.")
     cfg = parser.parse_args(args)
     if cfg.quick:  # --quick, or `quick: true` in the YAML: its overrides right after the YAML, so the user's own win
         at = 2 if args[:1] == ["--config"] else 1 if args[:1] and args[0].startswith("--config=") else 0
@@ -224,12 +268,20 @@ def run_command_line(argv: Optional[Sequence[str]] = None) -> Tuple[List[Candida
     return results, config
 
 
+def _config_paths(args: Sequence[str]) -> List[str]:
+    """The YAML files that ``--config`` names in ``args``."""
+    return [value for option, value in zip(args, args[1:]) if option == "--config"] + [
+        a.split("=", 1)[1] for a in args if a.startswith("--config=")]
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """``marglik-select CONFIG.yaml [overrides]``: rank the configured candidates by evidence."""
     try:
         run_command_line(argv)
     except ResultsInUse as error:  # a run's own state, not a bug: one line, as the parser's errors
         sys.exit(f"marglik-select: error: {error}")
+    except MargLikConfigurationError as error:  # a candidate's set-up refused it: the message and which candidate
+        sys.exit("marglik-select: error: " + "\n".join([str(error), *getattr(error, "__notes__", [])]))
     except (SIGTERMException, KeyboardInterrupt) as stop:  # Lightning's SIGTERM exit would report success (0)
         signal_name, code = ("SIGTERM", 143) if isinstance(stop, SIGTERMException) else ("interrupt", 130)
         print(f"marglik-select: stopped by {signal_name}; the candidates finished before are kept in output_dir: the "

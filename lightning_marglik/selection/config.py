@@ -120,16 +120,28 @@ def check_config(config: Mapping[str, Any]) -> None:
             raise ValueError(f"The configuration needs a `{key}` section (see `marglik-select --help`).")
         if not config[key]:
             raise ValueError(f"The configuration's `{key}` section is empty (see `marglik-select --help`).")
-    resolve_class(_class_path(config["data"], "data"), pl.LightningDataModule)
+    data = resolve_class(_class_path(config["data"], "data"), pl.LightningDataModule)
     for name, spec in config["candidates"].items():
         cls = resolve_class(_class_path(spec, f"candidates.{name}"), pl.LightningModule)
         _check_init_args(cls, spec.get("init_args") or {}, f"candidates.{name}.init_args")
+        _check_loader_method((config.get("callback") or {}).get("dataloader"), data, cls, name)
     _check_output_dir(config.get("output_dir"))
     check_trainer_arguments(config.get("trainer") or {})
     check_callback_arguments(config.get("callback") or {})
     check_rank_by(config.get("rank_by", DEFAULT_RANK_BY))
     check_fold_batchnorm(config.get("fold_batchnorm", True))
     choice(config.get("rank_output_layer", DEFAULT_RANK_OUTPUT_LAYER), RANK_OUTPUT_LAYER, "rank_output_layer")
+
+
+def _check_loader_method(dataloader: Any, data: type, cls: type, name: str) -> None:
+    """Refuse a ``callback.dataloader`` method name that neither the data's class nor candidate ``name``'s class
+    defines: the callback would find it missing only at that candidate's set-up, after those before it trained."""
+    if not isinstance(dataloader, str) or any(callable(getattr(c, dataloader, None)) for c in (data, cls)):
+        return
+    methods = sorted({m for c in (data, cls) for m in dir(c) if m.endswith("dataloader") and not m.startswith("_")})
+    raise ValueError(f"`callback.dataloader` = {dataloader!r}: neither {data.__name__} nor candidate {name!r}'s "
+                     f"{cls.__name__} defines such a method{suggestion(dataloader, methods)}; name one that returns "
+                     f"the evidence DataLoader ({', '.join(methods)}).")
 
 
 def _check_init_args(cls: type, init_args: Any, where: str) -> None:
