@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from .curvature import CurvatureOptions, CurvatureStatistics, collect_statistics, eval_mode, locate
-from .curvature.batches import BatchFn, batch_dims, batch_size, call_model, eager, move, split_batch
+from .curvature.batches import BatchFn, batch_dims, call_model, eager, examples, move, split_batch
 from .curvature.functional import jacobian_rows
 from .curvature.statistics import BatchCurvature
 from .curvature.structures import FullStructure, structure_class, structures_with
@@ -256,7 +256,7 @@ def _kernel_statistics(
     device, dtype = params[0].device, params[0].dtype
     inputs, target = split_batch(batch, batch_fn)
     inputs, target = move(inputs, device, dtype), target.to(device)
-    n = batch_size(inputs)
+    n = examples(inputs, target)
     dims = batch_dims(inputs, n)
     size = n if subset_size is None else subset_size
     options = CurvatureOptions("full", approx, mc_samples, max_memory=sys.maxsize)

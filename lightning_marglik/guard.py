@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .curvature import eval_mode, locate
-from .curvature.batches import Inputs, batch_dims, batch_size, call_model, slice_batch
+from .curvature.batches import Inputs, batch_dims, call_model, examples, slice_batch
 from .curvature.forward_mode import output_and_change
 from .evidence import LaplaceEvidence
 from .validators import integer
@@ -66,9 +66,10 @@ def fold_pieces(batch: Batch, folds: int) -> List[Batch]:
     """
     folds = integer(folds, "folds", minimum=1)
     inputs, target = batch
-    size = batch_size(inputs)
+    size = examples(inputs, target)
     width = -(-size // folds)
-    return [(slice_batch(inputs, start, start + width), target[start:start + width]) for start in range(0, size, width)]
+    return [(slice_batch(inputs, start, start + width, size), target[start:start + width])
+            for start in range(0, size, width)]
 
 
 def approximate_cv(
@@ -200,7 +201,7 @@ class _Apart(Exception):
 def _joined(first: Batch, second: Batch) -> Optional[Batch]:
     """The two pieces as one, or ``None`` where their inputs or targets do not concatenate."""
     (a, target_a), (b, target_b) = first, second
-    size_a, size_b = batch_size(a), batch_size(b)
+    size_a, size_b = examples(a, target_a), examples(b, target_b)
 
     def join(x: object, y: object, dim_x: object, dim_y: object) -> object:
         if isinstance(x, tuple) and isinstance(y, tuple) and len(x) == len(y):

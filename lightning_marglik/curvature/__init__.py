@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from ..hyperparameters import GaussianPrior, Likelihood
-from .batches import BatchFn, batch_size, call_model, check_data, eager, move, slice_batch, split_batch
+from .batches import (BatchFn, call_model, check_data, check_examples, eager, examples, move, slice_batch,
+                      split_batch)
 from .estimator import resolved_options
 from .exchange import Exchange
 from .functional import ExactPath
@@ -148,9 +149,10 @@ def collect_statistics(
         for pass_index, index, batch in _passes(dataloader, passes, start_pass):
             inputs, target = split_batch(batch, batch_fn)
             inputs, target = move(inputs, device, dtype), target.to(device)
-            size = batch_size(inputs)
+            size = examples(inputs, target)
             # once planned, a batch taken in parts needs no forward of its own: every part runs one
-            output: Optional[torch.Tensor] = recorder.forward(inputs) if plan is None or part >= size else None
+            output: Optional[torch.Tensor] = (_forward(recorder, inputs, size, target) if plan is None or part >= size
+                                              else None)
             if plan is None:
                 assert output is not None
                 options, estimator = resolved_options(options, likelihood, output.shape)
@@ -180,8 +182,9 @@ def collect_statistics(
                 output = None  # the first batch's graph is not needed either
             for start in range(0, size, part):
                 if output is None:
-                    sub_inputs, sub_target = slice_batch(inputs, start, start + part), target[start : start + part]
-                    sub_output = recorder.forward(sub_inputs)
+                    stop = min(start + part, size)
+                    sub_inputs, sub_target = slice_batch(inputs, start, stop, size), target[start:stop]
+                    sub_output = _forward(recorder, sub_inputs, stop - start, sub_target)
                 else:
                     sub_inputs, sub_target, sub_output = inputs, target, output
                 _accumulate(stats, plan, recorder, exact_path, likelihood, options, generator, pass_index,
@@ -193,13 +196,26 @@ def collect_statistics(
     return stats
 
 
+def _forward(recorder: Recorder, inputs: Any, size: int, target: torch.Tensor) -> torch.Tensor:
+    """The recorded forward of ``size`` examples, refused before any statistic is summed where its output and
+    targets do not lead with them (:func:`.batches.check_examples`)."""
+    output = recorder.forward(inputs, size)
+    check_examples(inputs, size, output, target)
+    return output
+
+
 def _scaling_with_the_batch(model: nn.Module, inputs: Any, size: int, layouts: Dict[str, LayerLayout]
                              ) -> Dict[str, LayerLayout]:
     """``layouts`` with ``batch_first`` kept only where the layer's leading dimension follows the batch: one forward
     without gradients of the first batch's first two examples (one, for a batch of two), a size other than the
     batch's. A leading size equal to the batch's by chance (a sequence-first ``(T, B, D)`` or a position table
     ``(T, D)`` with ``T`` the batch size) would take its rows as examples. Where that forward fails (a model that
-    needs the batch's size), the first batch's shapes decide."""
+    needs the batch's size), the first batch's shapes decide.
+
+    Raises:
+        ValueError: If the output of those examples does not lead with them: an input that leads with the batch's
+            size by chance (a sequence-first ``(T, B, D)`` with ``T`` the batch size) but does not carry the batch.
+    """
     if size < 2 or not any(layout.batch_first for layout in layouts.values()):
         return layouts
     modules = dict(model.named_modules())
@@ -215,12 +231,19 @@ def _scaling_with_the_batch(model: nn.Module, inputs: Any, size: int, layouts: D
     handles = [modules[name].register_forward_hook(hook(name)) for name in layouts if name in modules]
     try:
         with torch.no_grad():
-            call_model(model, slice_batch(inputs, 0, probe))
+            output = call_model(model, slice_batch(inputs, 0, probe, size))
     except Exception:  # noqa: BLE001 - any failure of the model on another batch size: keep the first batch's view
         return layouts
     finally:
         for handle in handles:
             handle.remove()
+    if output.shape[:1] != (probe,):
+        raise ValueError(
+            f"The output of the batch's first {probe} examples has shape {tuple(output.shape)}, not leading with "
+            f"{probe}: an input leads with the batch's size {size} without carrying the batch (a sequence-first "
+            "(T, B, ...) input with T the batch size). Pass inputs batch-first: transpose it inside forward or give "
+            "its layer batch_first=True."
+        )
     # (1, 1): an input shared by the batch, which the recorder expanded to the batch on the first batch
     return {name: layout._replace(batch_first=layout.batch_first and leading.get(name) in ((probe, probe), (1, 1)))
             for name, layout in layouts.items()}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -22,7 +22,9 @@ __all__ = [
     "batch_size",
     "call_model",
     "check_data",
+    "check_examples",
     "eager",
+    "examples",
     "model_batch",
     "move",
     "non_finite_data_rows",
@@ -149,7 +151,7 @@ def not_a_tensor(output: Any) -> TypeError:
 def batch_size(inputs: Inputs) -> int:
     """Number of examples: the leading size of the first tensor in ``inputs`` (depth first through tuples and
     dicts: ``forward(batch)`` of a dict is called with ``(batch,)``)."""
-    found = _first_tensor(inputs)
+    found = next(_tensors(inputs), None)
     if found is None:
         values = list(inputs.values()) if isinstance(inputs, dict) else inputs
         raise TypeError(
@@ -161,15 +163,45 @@ def batch_size(inputs: Inputs) -> int:
     return found.shape[0]
 
 
-def _first_tensor(value: Any) -> Optional[Tensor]:
+def _tensors(value: Any) -> Iterator[Tensor]:
+    """The tensors in ``value`` (a tensor, tuples and dicts of them), depth first."""
     if isinstance(value, Tensor):
-        return value
-    values = value.values() if isinstance(value, dict) else value if isinstance(value, tuple) else ()
-    for item in values:
-        found = _first_tensor(item)
-        if found is not None:
-            return found
-    return None
+        yield value
+    elif isinstance(value, (tuple, dict)):
+        for item in value.values() if isinstance(value, dict) else value:
+            yield from _tensors(item)
+
+
+def examples(inputs: Inputs, target: Tensor) -> int:
+    """Number of examples of a batch with its targets: theirs where an input tensor leads with it too, the inputs
+    before it being shared by the batch (position indices ``(1, T)``, as :func:`batch_dims` tells them); else, as
+    without targets, :func:`batch_size` (which :func:`check_examples` then holds to the output).
+
+    Raises:
+        TypeError: If ``inputs`` contain no tensor.
+    """
+    size = batch_size(inputs)
+    if target.dim() and target.shape[0] != size and any(t.dim() and t.shape[0] == target.shape[0]
+                                                         for t in _tensors(inputs)):
+        return target.shape[0]
+    return size
+
+
+def check_examples(inputs: Inputs, size: int, output: Tensor, target: Tensor) -> None:
+    """Refuse a batch of ``size`` examples (:func:`examples`) whose output and targets lead with another size: no
+    input tensor carries their batch dimension, and examples taken along the inputs' first one would mix its rows.
+
+    Raises:
+        ValueError: Naming both sizes and the fix.
+    """
+    if output.dim() and target.dim() and output.shape[0] == target.shape[0] != size:
+        raise ValueError(
+            f"The output and the targets lead with a batch of {target.shape[0]} examples, but no model input does "
+            f"(the first input tensor {tuple(next(_tensors(inputs)).shape)} leads with {size}): the evidence takes "
+            "examples along the inputs' first dimension. Pass inputs batch-first: transpose a sequence-first "
+            "(T, B, ...) input inside forward or give its layer batch_first=True; return an output flattened to "
+            "(B * T, C) as (B, T, C)."
+        )
 
 
 def batch_dims(inputs: Any, size: int) -> Any:
@@ -184,10 +216,17 @@ def batch_dims(inputs: Any, size: int) -> Any:
     return None
 
 
-def slice_batch(inputs: Inputs, start: int, stop: int) -> Inputs:
+def slice_batch(inputs: Inputs, start: int, stop: int, size: Optional[int] = None) -> Inputs:
     """Examples ``start:stop`` of ``inputs``: every tensor leading with the batch dimension is sliced,
-    values shared by the batch (as :func:`batch_dims` tells them) are passed on as they are."""
-    size = batch_size(inputs)
+    values shared by the batch (as :func:`batch_dims` tells them) are passed on as they are.
+
+    Args:
+        inputs: The batch's model inputs.
+        start: The first example taken.
+        stop: The example after the last one taken.
+        size: The batch's number of examples (:func:`examples`); default: :func:`batch_size`.
+    """
+    size = batch_size(inputs) if size is None else size
 
     def take(value: Any, dims: Any) -> Any:
         if isinstance(value, tuple):
@@ -218,13 +257,17 @@ class ModelBatch:
     kwarg_dims: Dict[str, Any]
 
 
-def model_batch(inputs: Inputs) -> ModelBatch:
+def model_batch(inputs: Inputs, size: Optional[int] = None) -> ModelBatch:
     """``inputs`` (tensor, tuple or dict, as :func:`call_model` takes them) as one :class:`ModelBatch`.
 
+    Args:
+        inputs: The batch's model inputs.
+        size: Its number of examples (e.g. the loss-Hessian factor's rows); default: :func:`batch_size`.
+
     Raises:
-        TypeError: If ``inputs`` contain no tensor.
+        TypeError: If ``size`` is not given and ``inputs`` contain no tensor.
     """
-    size = batch_size(inputs)
+    size = batch_size(inputs) if size is None else size
     if isinstance(inputs, dict):
         args, kwargs = (), dict(inputs)
     elif isinstance(inputs, tuple):

@@ -73,10 +73,11 @@ class ExactPath:
         Raises:
             TypeError: If ``forward`` does not return a tensor.
             ValueError: If a BatchNorm without running statistics sees one example without spatial positions,
-                which has no statistics to normalize by.
+                which has no statistics to normalize by, or one example's output does not hold the values of
+                ``factor``'s rows (inputs that do not lead with the batch).
         """
         try:
-            return self._rows(model_batch(inputs), factor)
+            return self._rows(model_batch(inputs, factor.shape[0]), factor)
         except ValueError as error:
             if "Expected more than 1 value per channel" not in str(error):
                 raise
@@ -106,7 +107,7 @@ class ExactPath:
 
         def single_output(theta: tuple, args: tuple, kwargs: dict) -> Tensor:
             args, kwargs = _unsqueeze(args, batch.arg_dims), _unsqueeze(kwargs, batch.kwarg_dims)
-            return _tensor(functional_call(self.model, dict(zip(self.names, theta)), args, kwargs)).reshape(-1)
+            return _example_output(functional_call(self.model, dict(zip(self.names, theta)), args, kwargs), factor)
 
         def single_rows(theta: tuple, args: tuple, kwargs: dict, li: Tensor) -> tuple:
             _, pullback = vjp(lambda t: single_output(t, args, kwargs), theta)
@@ -164,11 +165,24 @@ def _example(inputs: Any, dims: Any, n: int) -> Any:
     return inputs
 
 
-def _tensor(output: Any) -> Tensor:
-    """``output`` if it is a tensor (the network output), else the clear error."""
+def _example_output(output: Any, factor: Tensor) -> Tensor:
+    """One example's network ``output``, flattened, checked to hold as many values as ``factor`` has rows per
+    example (an example's output from inputs that do not carry the batch has the batch's values or more).
+
+    Raises:
+        TypeError: If ``output`` is not a tensor.
+        ValueError: If it holds another number of values, naming both and the fix.
+    """
     if not isinstance(output, Tensor):
         raise not_a_tensor(output)
-    return output
+    if output.numel() != factor.shape[1]:
+        raise ValueError(
+            f"One example's output has {output.numel()} values, the batch's output {factor.shape[1]} per example: the "
+            "output does not follow the inputs' first dimension, which the evidence takes as the batch's (a "
+            "sequence-first (T, B, ...) input?). Pass inputs batch-first: transpose it inside forward or give its "
+            "layer batch_first=True."
+        )
+    return output.reshape(-1)
 
 
 def _rows_by_autograd(model: nn.Module, params: List[Tensor], batch: ModelBatch, factor: Tensor) -> Tensor:
@@ -181,7 +195,7 @@ def _rows_by_autograd(model: nn.Module, params: List[Tensor], batch: ModelBatch,
     with torch.enable_grad():
         for n in range(factor.shape[0]):
             args, kwargs = _example(batch.args, batch.arg_dims, n), _example(batch.kwargs, batch.kwarg_dims, n)
-            output = _tensor(model(*args, **kwargs)).reshape(-1)
+            output = _example_output(model(*args, **kwargs), factor)
             for j in range(factor.shape[2]):
                 grads = torch.autograd.grad(
                     output, params, grad_outputs=factor[n, :, j], retain_graph=j < factor.shape[2] - 1, allow_unused=True

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from ..private import tensor_version
-from .batches import Inputs, batch_size, call_model
+from .batches import Inputs, call_model
 from .layers import check_rule, layer_rule
 
 __all__ = ["Recorder", "graph_uses"]
@@ -119,13 +119,17 @@ class Recorder:
 
         return hook
 
-    def forward(self, inputs: Inputs) -> Tensor:
+    def forward(self, inputs: Inputs, size: int) -> Tensor:
         """One forward pass of the model with counting and recording on.
+
+        Args:
+            inputs: The batch's model inputs.
+            size: Its number of examples (:func:`.batches.examples`), to which shared inputs are expanded.
 
         Raises:
             ValueError: After the first batch, if expanding a layer's shared input changes the output.
         """
-        self._batch = batch_size(inputs)
+        self._batch = size
         try:
             output: Optional[Tensor] = self._record(inputs)
         except Exception:
