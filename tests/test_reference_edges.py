@@ -1,7 +1,7 @@
 """Edges of the evidence pass against the dense brute-force reference (tests/reference.py).
 
-Model inputs that do not lead with the batch: a shared ``(1, T)`` first input works, sequence-first inputs are
-refused by name.
+Model inputs that do not lead with the batch (a shared ``(1, T)`` first input works, sequence-first inputs are
+refused by name) and embeddings with ``scale_grad_by_freq`` (the same function, so the same evidence and Jacobians).
 """
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_marglik import LaplaceEvidence
-from tests.reference import graph_problem, hyper, reference_env, rel_err  # noqa: F401 (autouse)
+from lightning_marglik import GaussianPrior, LaplaceEvidence
+from lightning_marglik.linearized import linearized_evidence
+from lightning_marglik.predictive import output_jacobians
+from tests.reference import graph_jacobians, graph_problem, hyper, reference_env, rel_err  # noqa: F401 (autouse)
 
 TOL = 1e-8
 
@@ -88,3 +90,62 @@ def test_sequence_first_inputs_refused_and_the_fix_matches_dense_reference(struc
         fitted(model, in_batches(x, y, 6), "regression", structure, batch_fn=lambda b: (b[0].transpose(0, 1), b[1]))
     ev, prior, lik = fitted(twin, in_batches(x, y, 6), "regression", structure)
     assert rel_err(ev.log_marglik(), reference_marglik(twin, x, y, "regression", structure, prior, lik)) <= TOL
+
+
+# --- 2. embeddings with scale_grad_by_freq ---------------------------------------------------------------------------
+
+
+class Tokens(nn.Module):
+    def __init__(self, bag=False, freq=False):
+        super().__init__()
+        self.bag = bag
+        self.emb = (nn.EmbeddingBag(6, 3, mode="sum", scale_grad_by_freq=freq) if bag
+                    else nn.Embedding(6, 3, scale_grad_by_freq=freq))
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, ids):
+        hidden = self.emb(ids) if self.bag else self.emb(ids).mean(1)
+        return self.head(torch.tanh(hidden))
+
+
+def token_twins(bag):
+    """A network with the flag, the same one without it (the same function) and ids repeated within examples."""
+    model, twin = Tokens(bag, freq=True), Tokens(bag)
+    twin.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 6, (16, 4))
+    ids[:, 1] = ids[:, 0]
+    return model, twin, ids
+
+
+@pytest.mark.parametrize("structure,bag", [("full", False), ("diag", False), ("kron", False), ("full", True),
+                                           ("diag", True)])  # the reference has no kron of an EmbeddingBag
+def test_scale_grad_by_freq_matches_dense_reference(structure, bag):
+    """The flag scales the backward, not the function: the reference is taken of the network without it (jacrev
+    through the flag's backward would scale it too)."""
+    model, twin, ids = token_twins(bag)
+    y = torch.randn(16, 2)
+    ev, prior, lik = fitted(model, in_batches(ids, y, 4), "regression", structure)
+    assert rel_err(ev.log_marglik(), reference_marglik(twin, ids, y, "regression", structure, prior, lik)) <= TOL
+    assert model.emb.scale_grad_by_freq  # restored
+
+
+@pytest.mark.parametrize("bag", [False, True], ids=["Embedding", "EmbeddingBag"])
+def test_scale_grad_by_freq_predictive_jacobians_match_dense_reference(bag):
+    model, twin, ids = token_twins(bag)
+    _, jacobians = output_jacobians(GaussianPrior(model), model, ids)
+    _, expected = graph_jacobians(twin, [n for n, _ in twin.named_parameters()], ids)
+    assert rel_err(jacobians.reshape(expected.shape), expected) <= TOL
+    assert model.emb.scale_grad_by_freq
+
+
+def test_scale_grad_by_freq_linearized_evidence():
+    """An EmbeddingBag has no forward-mode derivative in torch: the Embedding alone."""
+    model, twin, ids = token_twins(bag=False)
+    y = torch.randn(16, 2)
+    objectives = []
+    for net in (model, twin):  # the linear model's L-BFGS steps follow its gradient, a backward through the layer
+        prior, lik = hyper(net, "regression")
+        fit = linearized_evidence(net, in_batches(ids, y, 8), lik, prior, structure="diag", steps=3, precondition=False)
+        objectives.append(torch.tensor(fit.objective[1]))
+    assert rel_err(*objectives) <= TOL
+    assert model.emb.scale_grad_by_freq

@@ -46,20 +46,29 @@ __all__ = [
 
 @contextmanager
 def eval_mode(model: nn.Module) -> Iterator[None]:
-    """Put every submodule in eval mode and restore each one's own flag afterwards.
+    """Put every submodule in eval mode, with embeddings' gradients unscaled, and restore each one's own flags
+    afterwards.
 
     Sets each submodule's ``training`` flag itself: ``model.eval()`` is never called, because a
     module's own ``train(mode)`` may do more than set flags (freeze a backbone's parameters, merge
-    adapter weights) that restoring the flags would not undo.
+    adapter weights) that restoring the flags would not undo. ``scale_grad_by_freq`` of an ``nn.Embedding`` or
+    ``nn.EmbeddingBag`` is cleared: it divides a row's gradient by its index's count in the batch (a training
+    heuristic) where the function, and so its Jacobian, is the same without it; every Jacobian, vector-Jacobian
+    product and gradient of the library's passes runs under this context.
     """
     flags = [(m, m.training) for m in model.modules()]
+    scaled = [m for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.scale_grad_by_freq]
     for module, _ in flags:
         module.training = False
+    for module in scaled:
+        module.scale_grad_by_freq = False
     try:
         yield
     finally:
         for module, flag in flags:
             module.training = flag
+        for module in scaled:
+            module.scale_grad_by_freq = True
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -565,8 +565,9 @@ class _EmbeddingRule(LayerRule):
     shared_input = True
 
     def reason(self, module: nn.Module) -> Optional[str]:
-        if module.max_norm is not None or module.scale_grad_by_freq:
-            return "Embedding with max_norm or scale_grad_by_freq"
+        # scale_grad_by_freq is not: it scales the weight's gradient in backward, which the rule never runs
+        if module.max_norm is not None:
+            return "Embedding with max_norm"
         return None
 
     @staticmethod
