@@ -1,7 +1,8 @@
 """Edges of the evidence pass against the dense brute-force reference (tests/reference.py).
 
 Model inputs that do not lead with the batch (a shared ``(1, T)`` first input works, sequence-first inputs are
-refused by name) and embeddings with ``scale_grad_by_freq`` (the same function, so the same evidence and Jacobians).
+refused by name), embeddings with ``scale_grad_by_freq`` (the same function, so the same evidence and Jacobians) and
+hooked layers called with their input as a keyword.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_marglik import GaussianPrior, LaplaceEvidence
+from lightning_marglik import GaussianPrior, LaplaceEvidence, LayerRule, register_layer_rule
 from lightning_marglik.linearized import linearized_evidence
 from lightning_marglik.predictive import output_jacobians
 from tests.reference import graph_jacobians, graph_problem, hyper, reference_env, rel_err  # noqa: F401 (autouse)
@@ -149,3 +150,69 @@ def test_scale_grad_by_freq_linearized_evidence():
         objectives.append(torch.tensor(fit.objective[1]))
     assert rel_err(*objectives) <= TOL
     assert model.emb.scale_grad_by_freq
+
+
+# --- 3. hooked layers called with their input as a keyword -----------------------------------------------------------
+
+
+class Keywords(nn.Module):
+    """Token and position embeddings and Linears, called with ``input=`` (``keyword``) or positionally."""
+
+    def __init__(self, keyword=True):
+        super().__init__()
+        self.keyword = keyword
+        self.emb, self.pos, self.a, self.b = nn.Embedding(6, 3), nn.Embedding(4, 3), nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, ids):
+        positions = torch.arange(ids.shape[1])[None]  # shared by the batch: expanded by the recorder's pre-hook
+        if self.keyword:
+            hidden = torch.tanh(self.a(input=self.emb(input=ids) + self.pos(input=positions)))
+            return self.b(input=hidden.mean(1))
+        return self.b(torch.tanh(self.a(self.emb(ids) + self.pos(positions))).mean(1))
+
+
+@pytest.mark.parametrize("structure", ["diag", "kron"])
+def test_keyword_calls_match_dense_reference(structure):
+    """The reference records layer inputs positionally: it is taken of the same network called so."""
+    model, twin = Keywords(), Keywords(keyword=False)
+    twin.load_state_dict(model.state_dict())
+    ids, y = torch.randint(0, 6, (12, 4)), torch.randint(0, 2, (12,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every layer takes the hook path: no exact-path notice
+        prior, lik = hyper(model, "classification")
+        ev = LaplaceEvidence.fit(model, in_batches(ids, y, 6), lik, prior, structure=structure, mc_samples=0)
+    assert rel_err(ev.log_marglik(), reference_marglik(twin, ids, y, "classification", structure, prior, lik)) <= TOL
+
+
+class KeywordsOnly(nn.Module):
+    """``y = weight * x``, its input only among keyword arguments: the rule cannot find it."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, 3))
+
+    def forward(self, **inputs):
+        return self.weight * inputs["x"]
+
+
+class ScaleRule(LayerRule):
+    def diagonal(self, module, a, g):
+        return {"weight": (g * a).pow(2).sum((0, 1))}
+
+
+class Unread(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.scale, self.b = nn.Linear(3, 3), KeywordsOnly(), nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.scale(x=self.a(x))))
+
+
+def test_layer_input_not_found_takes_the_exact_path_by_name():
+    register_layer_rule(KeywordsOnly, ScaleRule())
+    model, x, y = Unread(), torch.randn(12, 3), torch.randn(12, 2)
+    prior, lik = hyper(model, "regression")
+    with pytest.warns(UserWarning, match="'scale': its input, which its layer rule reads, is neither"):
+        ev = LaplaceEvidence.fit(model, in_batches(x, y, 6), lik, prior, structure="diag", mc_samples=0)
+    assert rel_err(ev.log_marglik(), reference_marglik(model, x, y, "regression", "diag", prior, lik)) <= TOL

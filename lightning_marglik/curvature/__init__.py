@@ -19,7 +19,7 @@ from .batches import (BatchFn, call_model, check_data, check_examples, eager, ex
 from .estimator import resolved_options
 from .exchange import Exchange
 from .functional import ExactPath
-from .hooks import Recorder, graph_uses
+from .hooks import Recorder, graph_uses, layer_input
 from .options import APPROXIMATIONS, BACKENDS, STRUCTURES, CurvatureOptions
 from .plan import LayerLayout, Plan, candidates, check_model, check_trainable, locate, make_plan
 from .statistics import BatchCurvature, CurvatureStatistics, LayerPlan, Structure, with_notes
@@ -172,6 +172,7 @@ def collect_statistics(
                     name: LayerLayout(out.requires_grad, recorder.inputs[name].shape[:1] == out.shape[:1] == leading)
                     for name, out in recorder.outputs.items()
                 }
+                layouts.update({name: LayerLayout(True, False, input_read=False) for name in recorder.unread})
                 layouts = _scaling_with_the_batch(model, inputs, size, layouts)
                 plan = make_plan(prior, owners, options, dict(recorder.counts), graph_uses(output, params), layouts,
                                  exchange)
@@ -231,13 +232,14 @@ def _scaling_with_the_batch(model: nn.Module, inputs: Any, size: int, layouts: D
     leading: Dict[str, Tuple[int, ...]] = {}
 
     def hook(name: str) -> Callable[..., None]:
-        def record(module: nn.Module, args: Tuple[Any, ...], output: Any) -> None:
-            if args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor):
-                leading[name] = args[0].shape[:1] + output.shape[:1]
+        def record(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
+            first = layer_input(module, args, kwargs)
+            if first is not None and isinstance(output, torch.Tensor):
+                leading[name] = first.shape[:1] + output.shape[:1]
         return record
 
     probe = 2 if size > 2 else 1  # few examples: the forward is a small part of a pass, every pass makes one
-    handles = [modules[name].register_forward_hook(hook(name)) for name in layouts if name in modules]
+    handles = [modules[name].register_forward_hook(hook(name), with_kwargs=True) for name in layouts if name in modules]
     try:
         with torch.no_grad():
             output = call_model(model, slice_batch(inputs, 0, probe, size))

@@ -24,6 +24,8 @@ copy per such layer and one more forward when it is first seen.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from collections import Counter
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -34,7 +36,7 @@ from ..private import tensor_version
 from .batches import Inputs, call_model
 from .layers import check_rule, layer_rule
 
-__all__ = ["Recorder", "graph_uses"]
+__all__ = ["Recorder", "graph_uses", "layer_input"]
 
 _CHUNK = 1 << 20  # outputs compared at a time where a shared input was expanded (4 MiB of float32)
 
@@ -51,6 +53,7 @@ class Recorder:
         self.counts: Counter = Counter()
         self.inputs: Dict[str, Tensor] = {}
         self.outputs: Dict[str, Tensor] = {}
+        self.unread: Set[str] = set()  # kept layers called without a tensor where layer_input looks for their input
         self.strict = False  # after the first batch: a kept layer must be called exactly once
         self._active = False
         self._handles: list = []
@@ -64,10 +67,10 @@ class Recorder:
 
     def __enter__(self) -> "Recorder":
         for name, module in self.model.named_modules():
-            self._handles.append(module.register_forward_hook(self._hook(name)))
+            self._handles.append(module.register_forward_hook(self._hook(name), with_kwargs=True))
             rule = layer_rule(module)
             if rule is not None and rule.shared_input:
-                self._handles.append(module.register_forward_pre_hook(self._expand_shared(name)))
+                self._handles.append(module.register_forward_pre_hook(self._expand_shared(name), with_kwargs=True))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -76,19 +79,24 @@ class Recorder:
         self._handles.clear()
 
     def _expand_shared(self, name: str):
-        def pre_hook(module: nn.Module, inputs: Tuple[Any, ...]) -> Optional[Tuple[Any, ...]]:
+        def pre_hook(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]
+                     ) -> Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]:
             if not self._active or name not in self.keep or name in self._unshared or self._batch <= 1:
                 return None
-            first = inputs[0] if inputs else None
-            if not isinstance(first, Tensor) or first.dim() < 2 or first.shape[0] != 1:
+            first = layer_input(module, args, kwargs)
+            if first is None or first.dim() < 2 or first.shape[0] != 1:
                 return None
             self._expanded.add(name)
-            return (first.expand(self._batch, *first.shape[1:]),) + tuple(inputs[1:])
+            expanded = first.expand(self._batch, *first.shape[1:])
+            if args:
+                return (expanded,) + tuple(args[1:]), kwargs
+            return args, {**kwargs, _input_keyword(type(module)): expanded}
 
         return pre_hook
 
     def _hook(self, name: str):
-        def hook(module: nn.Module, inputs: Tuple[Tensor, ...], output: Tensor) -> Optional[Tensor]:
+        def hook(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Tensor
+                 ) -> Optional[Tensor]:
             if not self._active:
                 return
             self.counts[name] += 1
@@ -100,21 +108,31 @@ class Recorder:
                         f"Module '{name}' was called once per forward pass on the first batch and more often "
                         "now (data-dependent control flow); the layer-wise curvature needs a fixed call pattern."
                     )
+                first = layer_input(module, args, kwargs)
+                if first is None:
+                    if self.strict:
+                        raise ValueError(
+                            f"Module '{name}' was called without a tensor as its first positional argument or as the "
+                            f"keyword {_input_keyword(type(module))!r}, where its input was on the first batch; call "
+                            "it the same way on every batch."
+                        )
+                    self.unread.add(name)  # the plan sends it to the exact path
+                    return None
                 leading = (self._batch,)
-                if self.strict and not inputs[0].shape[:1] == getattr(output, "shape", leading)[:1] == leading:
+                if self.strict and not first.shape[:1] == getattr(output, "shape", leading)[:1] == leading:
                     raise ValueError(
-                        f"Module '{name}' was called with input {tuple(inputs[0].shape)} and output "
+                        f"Module '{name}' was called with input {tuple(first.shape)} and output "
                         f"{tuple(output.shape)} on a batch of {self._batch} examples: on the first batch its input and "
                         "output led with the batch dimension. Use the same layout for every batch (a first batch of "
                         "one example cannot show a shared or sequence-first layout: drop_last or a larger batch)."
                     )
                 if name in self._copied:
-                    self.inputs[name] = inputs[0].detach().clone()
+                    self.inputs[name] = first.detach().clone()
                     self.outputs[name] = output
                     return output.clone()
-                self.inputs[name] = inputs[0].detach()
+                self.inputs[name] = first.detach()
                 self.outputs[name] = output
-                self._versions[name] = (tensor_version(inputs[0]), tensor_version(output))
+                self._versions[name] = (tensor_version(first), tensor_version(output))
             return None
 
         return hook
@@ -167,6 +185,7 @@ class Recorder:
         self.counts.clear()
         self.inputs.clear()
         self.outputs.clear()
+        self.unread.clear()
         self._versions.clear()
         self._expanded = set()
         self._active = True
@@ -234,6 +253,24 @@ class Recorder:
                 check_rule(name, self.keep[name], self.inputs[name], grads[name])
             self._rules_checked = True
         return grads
+
+
+def layer_input(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Tensor]:
+    """The input of a layer's call that its rule reads: the first positional argument, or without one the keyword of
+    ``forward``'s first parameter (``input`` of torch's layers: ``self.lin(input=x)``); ``None`` if it is no tensor."""
+    first = args[0] if args else kwargs.get(_input_keyword(type(module)))
+    return first if isinstance(first, Tensor) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _input_keyword(module_type: type) -> Optional[str]:
+    """The name of ``forward``'s first parameter after ``self``, ``None`` where it cannot be passed by keyword."""
+    try:
+        parameters = list(inspect.signature(module_type.forward).parameters.values())[1:2]
+    except (TypeError, ValueError):  # a forward without a signature Python can read (a builtin)
+        return None
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return parameters[0].name if parameters and parameters[0].kind in keyword else None
 
 
 def graph_uses(output: Tensor, params: Sequence[Tensor]) -> List[int]:

@@ -123,7 +123,8 @@ class LayerRule:
     """How the hook path takes one layer type: its exact diagonal, Kronecker sums, and when it cannot.
 
     A rule sees the layer's recorded input ``a`` (the first positional argument of its forward
-    call, leading with the batch) and the gradients ``g`` ``(K, *output.shape)`` of the ``K``
+    call, or the keyword of ``forward``'s first parameter: ``input=`` of torch's layers; leading
+    with the batch) and the gradients ``g`` ``(K, *output.shape)`` of the ``K``
     loss-Hessian factor columns w.r.t. its output. Subclass it for a layer of your own and
     register it with :func:`register_layer_rule`; a rule with only :meth:`diagonal` gives exact
     diagonal blocks under ``kron``, one that also sets ``kron = True`` and implements

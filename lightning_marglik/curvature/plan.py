@@ -40,10 +40,12 @@ class LayerLayout(NamedTuple):
         batch_first: Its input and output lead with the batch dimension (else its rows cannot be
             told apart by example: a positional embedding of ``arange(T)`` broadcast over the batch,
             a sequence-first layout).
+        input_read: Its input was found where its rule reads it (:func:`.hooks.layer_input`).
     """
 
     in_graph: bool
     batch_first: bool
+    input_read: bool = True
 
 
 @dataclass
@@ -177,6 +179,11 @@ def make_plan(
                 else f"called {count} times per forward pass (shared weights)"
             )
         layout = layouts.get(name, LayerLayout(True, True))
+        if reason is None and not layout.input_read:
+            reason = (
+                "its input, which its layer rule reads, is neither its call's first positional argument nor the "
+                "keyword of its forward's first parameter"
+            )
         if reason is None and not layout.in_graph:
             raise ValueError(
                 f"The output of module '{name}' is not in the autograd graph of the forward pass: its curvature "
