@@ -47,8 +47,12 @@ class RegressionPrediction(NamedTuple):
         return self.model_variance + self.noise_variance
 
 
+# a prediction, not a graph: the Jacobians of a kron layer's bias hold its weight as a constant that requires grad,
+# which would hand the caller tensors that require grad (``.numpy()`` refuses them) and whose ``backward`` writes
+# ``.grad`` into the network's weights; without the graph the pass is cheaper as well
+@torch.no_grad()
 def linearized_outputs(evidence: LaplaceEvidence, model: nn.Module, x: Tensor) -> "tuple[Tensor, Tensor]":
-    """Mean ``f(x)`` ``(B, C)`` and covariance ``J H^-1 J^T`` ``(B, C, C)`` of the linearized network.
+    """Mean ``f(x)`` ``(B, C)`` and covariance ``J H^-1 J^T`` ``(B, C, C)`` of the linearized network, detached.
 
     Args:
         evidence: A fitted evidence (its structure and hyperparameters define ``H``).
@@ -379,16 +383,13 @@ def predict(
     if evidence not in _described:
         _described.add(evidence)
         log.info(describe(source, method if classification else "closed form"))
-    # a prediction, not a graph: an evidence fitted directly keeps its hyperparameters differentiable, and its
-    # covariance would hand the caller tensors that require grad (``.numpy()`` refuses them)
-    with torch.no_grad():
-        if not classification:
-            return predict_regression(evidence, module, x)
-        if method == "auto":
-            method = _auto(evidence)
-            if method is None:
-                return _outputs(prior, module, x)[0].softmax(1)
-        mean, probs = _classification(evidence, module, x, method, samples, generator)
+    if not classification:
+        return predict_regression(evidence, module, x)
+    if method == "auto":
+        method = _auto(evidence)
+        if method is None:
+            return _outputs(prior, module, x)[0].softmax(1)
+    mean, probs = _classification(evidence, module, x, method, samples, generator)
     if evidence not in _checked:  # the first batch an evidence predicts
         _checked.add(evidence)
         message = _near_uniform_message(mean.softmax(1), probs)
