@@ -279,20 +279,39 @@ def class_probabilities(mean: Tensor, cov: Tensor, method: str = "probit", sampl
         >>> round(float(mean.softmax(1)[0, 0]), 2), round(float(plain[0, 0]), 2)
         (0.88, 0.61)
     """
+    if method == "mc":
+        noise = torch.randn(samples, *mean.shape, dtype=mean.dtype, generator=generator).to(mean.device)
+        draws = mean + torch.einsum("bcd,sbd->sbc", covariance_root(cov.to(mean.device), mean.dtype), noise)
+        return torch.softmax(draws, dim=2).mean(0)
     cov = cov.to(mean)
     if method == "tempered":
         row_means = cov.mean(2)  # the centred logits' variances: diag(cov) - 2 row means + the grand mean
         centred = torch.diagonal(cov, dim1=1, dim2=2) - 2 * row_means + row_means.mean(1, keepdim=True)
         return torch.softmax(mean / torch.sqrt(1 + math.pi / 8 * centred.mean(1, keepdim=True).clamp(min=0)), dim=1)
-    if method == "probit":
-        variance = torch.diagonal(cov, dim1=1, dim2=2)
-        return torch.softmax(mean / torch.sqrt(1 + math.pi / 8 * variance), dim=1)
-    # a small jitter keeps the Cholesky factor of a rank-deficient covariance defined
-    jitter = 1e-10 * torch.eye(cov.shape[1], dtype=cov.dtype, device=cov.device)
-    chol = torch.linalg.cholesky(cov + jitter)
-    noise = torch.randn(samples, *mean.shape, dtype=mean.dtype, generator=generator).to(mean.device)
-    draws = mean + torch.einsum("bcd,sbd->sbc", chol, noise)
-    return torch.softmax(draws, dim=2).mean(0)
+    variance = torch.diagonal(cov, dim1=1, dim2=2)
+    return torch.softmax(mean / torch.sqrt(1 + math.pi / 8 * variance), dim=1)
+
+
+def covariance_root(cov: Tensor, dtype: torch.dtype) -> Tensor:
+    """A factor ``L`` ``(B, C, C)`` in ``dtype`` with ``L L^T = cov`` for positive semi-definite ``cov`` ``(B, C, C)``,
+    singular ones included: the Cholesky factor of ``cov + 1e-10 I`` in ``dtype``, or, for a covariance where that
+    fails (round-off makes a rank-deficient one indefinite, e.g. the logits of a frozen head in float32),
+    ``V sqrt(max(lambda, 0))`` of its float64 eigendecomposition.
+
+    Example:
+        >>> singular = torch.ones(1, 2, 2)  # two logits that move together: rank one
+        >>> root = covariance_root(singular, torch.float32)
+        >>> torch.allclose(root @ root.mT, singular)
+        True
+    """
+    # Cholesky where it succeeds: cheaper than eigh, and seeded draws keep the values they had with it alone
+    eye = torch.eye(cov.shape[1], dtype=dtype, device=cov.device)
+    chol, info = torch.linalg.cholesky_ex(cov.to(dtype) + 1e-10 * eye)
+    failed = info != 0
+    if failed.any():
+        values, vectors = torch.linalg.eigh(cov[failed].to(torch.float64))
+        chol[failed] = (vectors * values.clamp(min=0).sqrt().unsqueeze(1)).to(chol)
+    return chol
 
 
 Source = Any  # a MargLikCallback (its last estimate) or a LaplaceEvidence

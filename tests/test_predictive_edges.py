@@ -48,3 +48,44 @@ def test_class_probabilities_are_detached(method):
     evidence = LaplaceEvidence.fit(net, [(x, y)], CategoricalLikelihood(), GaussianPrior(net))
     probs = predict_classification(evidence, net, x[:3], method, samples=8)
     assert not probs.requires_grad
+
+
+# --- Monte-Carlo draws of a singular covariance -----------------------------------------------------------------
+
+
+def _frozen_head_evidence():
+    """A float32 10-class head frozen behind 6 trained parameters: a logit covariance of rank at most 6."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 10)).float()
+    net[2].requires_grad_(False)
+    x, y = torch.randn(200, 2, dtype=torch.float32), torch.randint(0, 10, (200,))
+    return net, LaplaceEvidence.fit(net, [(x, y)], CategoricalLikelihood(), GaussianPrior(net))
+
+
+def test_mc_draws_a_singular_float32_covariance_with_a_root_exact_to_float32_rounding():
+    from lightning_marglik.predictive import covariance_root
+
+    net, evidence = _frozen_head_evidence()
+    x = torch.randn(20, 2, dtype=torch.float32)
+    mean, cov = linearized_outputs(evidence, net, x)
+    assert mean.dtype == torch.float32 and cov.dtype == torch.float64
+    assert int(torch.linalg.matrix_rank(cov).max()) <= 6
+    assert torch.linalg.cholesky_ex(cov.float() + 1e-10 * torch.eye(10, dtype=torch.float32)).info.any()
+    root = covariance_root(cov, torch.float32).double()
+    assert rel_err(root @ root.mT, cov) <= 1e-6  # the float64 covariance itself, singular as it is
+    draw = [predict_classification(evidence, net, x, "mc", samples=64, generator=torch.Generator().manual_seed(1))
+            for _ in range(2)]
+    assert torch.equal(draw[0], draw[1])
+    assert torch.allclose(draw[0].sum(1), torch.ones(20, dtype=torch.float32))
+
+
+def test_mc_keeps_the_draws_of_a_covariance_cholesky_factors():
+    net = _mlp(3, torch.float32)
+    x, y = torch.randn(40, 2, dtype=torch.float32), torch.randint(0, 3, (40,))
+    evidence = LaplaceEvidence.fit(net, [(x, y)], CategoricalLikelihood(), GaussianPrior(net))
+    mean, cov = linearized_outputs(evidence, net, x[:5])
+    chol = torch.linalg.cholesky(cov.to(mean) + 1e-10 * torch.eye(3, dtype=mean.dtype))
+    noise = torch.randn(50, 5, 3, dtype=mean.dtype, generator=torch.Generator().manual_seed(2))
+    expected = torch.softmax(mean + torch.einsum("bcd,sbd->sbc", chol, noise), dim=2).mean(0)
+    got = predict_classification(evidence, net, x[:5], "mc", samples=50, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(got, expected)
