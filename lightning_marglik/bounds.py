@@ -44,7 +44,9 @@ from .curvature.functional import jacobian_rows
 from .curvature.statistics import BatchCurvature
 from .curvature.structures import FullStructure, structure_class, structures_with
 from .evidence import LaplaceEvidence
-from .hyperparameters import GaussianPrior, Likelihood, assign_hyperparameters, learnable_values
+from .hyperparameters import (
+    GaussianPrior, Likelihood, assign_hyperparameters, check_likelihood_and_prior, learnable_values,
+)
 from .validators import integer, number
 
 __all__ = ["BOUNDS", "BoundOptimizer", "EvidenceBound"]
@@ -174,7 +176,9 @@ class EvidenceBound:
 
         Raises:
             ValueError: On bad options (named), or batches without a datum.
+            TypeError: If ``likelihood`` or ``prior`` is not one (e.g. the two passed in the other order).
         """
+        check_likelihood_and_prior(likelihood, prior, "EvidenceBound.fit(model, batches, likelihood, prior)")
         check_bound_options(bound, structure, subset_size)
         parts: List[LaplaceEvidence] = []
         for batch in batches:
@@ -324,6 +328,7 @@ class BoundOptimizer:
 
     Raises:
         ValueError: On bad options (named).
+        TypeError: If ``likelihood`` or ``prior`` is not one (e.g. the two passed in the other order).
 
     Example:
         >>> from lightning_marglik import GaussianLikelihood, GaussianPrior, map_loss
@@ -355,6 +360,7 @@ class BoundOptimizer:
         batch_fn: Optional[BatchFn] = None,
         backend: str = "hooks",
     ) -> None:
+        check_likelihood_and_prior(likelihood, prior, "BoundOptimizer(likelihood, prior)")
         check_bound_options(bound, structure, subset_size)
         CurvatureOptions(structure if bound == "parametric" else "full", approx, mc_samples, backend=backend)
         lr = number(lr, "lr")

@@ -20,7 +20,9 @@ from .curvature import CurvatureOptions, CurvatureStatistics, collect_statistics
 from .curvature.batches import BatchFn, non_finite_data_rows, split_batch
 from .curvature.statistics import Jacobian
 from .denormals import DenormalFlush
-from .hyperparameters import GaussianPrior, Likelihood, assign_hyperparameters, learnable_values
+from .hyperparameters import (
+    GaussianPrior, Likelihood, assign_hyperparameters, check_likelihood_and_prior, learnable_values,
+)
 from .validators import choice, flag, number, optional
 
 __all__ = ["LaplaceEvidence", "SOLVERS", "require_data"]
@@ -186,8 +188,10 @@ class LaplaceEvidence:
             ValueError: On bad options, a model the structure cannot handle, bad targets, data
                 without a datum (every label ``ignore_index``), or data holding NaN or inf that make the
                 evidence not finite (named by batch and rows).
-            TypeError: On batches that are not ``(inputs, targets)`` pairs.
+            TypeError: On batches that are not ``(inputs, targets)`` pairs, or a ``likelihood`` or ``prior`` that is
+                not one (e.g. the two passed in the other order).
         """
+        check_likelihood_and_prior(likelihood, prior, "LaplaceEvidence.fit(model, dataloader, likelihood, prior)")
         options = CurvatureOptions(structure, approx, mc_samples, max_memory, backend, max_output_factor)
         with DenormalFlush(flag(flush_denormals, "flush_denormals")):
             stats = collect_statistics(

@@ -18,7 +18,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import warnings
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -41,6 +41,7 @@ __all__ = [
     "CategoricalLikelihood",
     "Likelihood",
     "assign_hyperparameters",
+    "check_likelihood_and_prior",
     "learnable_values",
     "map_loss",
 ]
@@ -479,6 +480,22 @@ def no_decay_names(prior: GaussianPrior) -> List[str]:
     return [n for n, p in zip(prior.param_names, prior.params) if p.ndim <= 1 or n.endswith(".bias")]
 
 
+def check_likelihood_and_prior(likelihood: Any, prior: Any, call: str) -> None:
+    """Refuse a ``likelihood`` or ``prior`` that is not one (most often the two passed in the other order).
+
+    Args:
+        likelihood: What ``call`` got as its likelihood.
+        prior: What ``call`` got as its prior.
+        call: The call's signature, as the message shows it, e.g. ``"map_loss(output, target, likelihood, prior)"``.
+
+    Raises:
+        TypeError: If ``likelihood`` is not a :class:`Likelihood` or ``prior`` not a :class:`GaussianPrior`.
+    """
+    if not isinstance(likelihood, Likelihood) or not isinstance(prior, GaussianPrior):
+        raise TypeError(f"{call} got a {type(likelihood).__name__} as `likelihood` and a {type(prior).__name__} as "
+                        "`prior`: pass a Likelihood, then a GaussianPrior.")
+
+
 def map_loss(
     output: Tensor, target: Tensor, likelihood: Likelihood, prior: GaussianPrior, n_data: Optional[int] = None
 ) -> Tensor:
@@ -509,11 +526,7 @@ def map_loss(
             not given while ``N`` is not counted yet (a training loop without ``MargLikCallback`` before
             ``LaplaceEvidence.fit``).
     """
-    if not isinstance(likelihood, Likelihood) or not isinstance(prior, GaussianPrior):
-        raise TypeError(
-            f"map_loss(output, target, likelihood, prior) got a {type(likelihood).__name__} as `likelihood` and a "
-            f"{type(prior).__name__} as `prior`: pass a Likelihood, then a GaussianPrior."
-        )
+    check_likelihood_and_prior(likelihood, prior, "map_loss(output, target, likelihood, prior)")
     counted = prior._n_data
     nll = likelihood.nll(output, target)
     if n_data is None:

@@ -44,7 +44,7 @@ from .curvature.batches import BatchFn, move, split_batch
 from .curvature.forward_mode import output_and_change
 from .curvature.statistics import Structure
 from .evidence import LaplaceEvidence
-from .hyperparameters import GaussianPrior, Likelihood
+from .hyperparameters import GaussianPrior, Likelihood, check_likelihood_and_prior
 from .private import strong_wolfe
 from .validators import flag, integer, number, optional
 
@@ -140,7 +140,9 @@ def linearized_evidence(
         ValueError: On a negative ``steps``, a ``tol`` that is not a number in (0, 1), a ``history``
             below 1, a ``precondition`` that is not a bool, bad curvature options, or data without a
             datum.
+        TypeError: If ``likelihood`` or ``prior`` is not one (e.g. the two passed in the other order).
     """
+    check_likelihood_and_prior(likelihood, prior, "linearized_evidence(model, dataloader, likelihood, prior)")
     steps = integer(steps, "steps", 0, what="L-BFGS iterations")
     tol = optional(number, tol, "tol", 0.0, 1.0, high_open=True, what="relative gradient tolerance")
     history = integer(history, "history", 1, what="L-BFGS memory in steps")

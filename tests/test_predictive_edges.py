@@ -89,3 +89,26 @@ def test_mc_keeps_the_draws_of_a_covariance_cholesky_factors():
     expected = torch.softmax(mean + torch.einsum("bcd,sbd->sbc", chol, noise), dim=2).mean(0)
     got = predict_classification(evidence, net, x[:5], "mc", samples=50, generator=torch.Generator().manual_seed(2))
     assert torch.equal(got, expected)
+
+
+# --- the likelihood and the prior swapped -------------------------------------------------------------------------
+
+
+SWAPPABLE = {
+    "LaplaceEvidence.fit": lambda net, data, lik, prior: LaplaceEvidence.fit(net, data, lik, prior),
+    "collect_statistics": lambda net, data, lik, prior: collect_statistics(net, data, lik, prior),
+    "EvidenceBound.fit": lambda net, data, lik, prior: EvidenceBound.fit(net, data, lik, prior),
+    "BoundOptimizer": lambda net, data, lik, prior: BoundOptimizer(lik, prior, n_data=8),
+    "linearized_evidence": lambda net, data, lik, prior: linearized_evidence(net, data, lik, prior),
+    "map_loss": lambda net, data, lik, prior: map_loss(net(data[0][0]), data[0][1], lik, prior, 8),
+}
+
+
+@pytest.mark.parametrize("name", list(SWAPPABLE))
+def test_the_likelihood_and_the_prior_swapped_are_named_at_every_entry_point(name):
+    net = _mlp(3)
+    data = [(torch.randn(8, 2), torch.randint(0, 3, (8,)))]
+    prior, lik = GaussianPrior(net), CategoricalLikelihood()
+    message = r"\(.*likelihood, prior\) got a GaussianPrior as `likelihood` and a CategoricalLikelihood as `prior`: "
+    with pytest.raises(TypeError, match=re.escape(name) + message + r"pass a Likelihood, then a GaussianPrior\.$"):
+        SWAPPABLE[name](net, data, prior, lik)

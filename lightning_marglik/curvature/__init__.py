@@ -13,8 +13,8 @@ from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, Opti
 import torch
 from torch import nn
 
-from ..hyperparameters import GaussianPrior, Likelihood
-from .batches import (BatchFn, call_model, check_data, check_examples, eager, examples, move, slice_batch,
+from ..hyperparameters import GaussianPrior, Likelihood, check_likelihood_and_prior
+from .batches import (BatchFn, batch_size, call_model, check_data, check_examples, eager, examples, move, slice_batch,
                       split_batch)
 from .estimator import resolved_options
 from .exchange import Exchange
@@ -123,9 +123,10 @@ def collect_statistics(
         ValueError: On bad options, parameters the prior does not cover, an empty loader, or
             targets that do not fit the likelihood.
         TypeError: On data that are not batches (a ``Dataset``, one ``(x, y)`` pair), batches that are not
-            ``(inputs, targets)`` pairs, a forward that does not return a tensor, or an ``exchange`` that is not
-            an :class:`Exchange`.
+            ``(inputs, targets)`` pairs, a forward that does not return a tensor, an ``exchange`` that is not
+            an :class:`Exchange`, or a ``likelihood`` or ``prior`` that is not one (e.g. the two in the other order).
     """
+    check_likelihood_and_prior(likelihood, prior, "collect_statistics(model, dataloader, likelihood, prior)")
     options = options or CurvatureOptions(structure, approx, mc_samples)
     if exchange is not None and not isinstance(exchange, Exchange):
         raise TypeError(f"`exchange` must be an Exchange (the collectives of a sharded pass) or None, got {exchange!r}.")
