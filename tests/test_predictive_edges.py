@@ -91,6 +91,29 @@ def test_mc_keeps_the_draws_of_a_covariance_cholesky_factors():
     assert torch.equal(got, expected)
 
 
+# --- an empty batch -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("empty", [0, 1, 2], ids=["first", "middle", "last"])
+def test_an_empty_batch_is_skipped_wherever_it_comes(empty):
+    net = _mlp(1)
+    x, y = torch.randn(30, 2), torch.randn(30, 1)
+    batches = [(x[:15], y[:15]), (x[15:], y[15:])]
+    expected = LaplaceEvidence.fit(net, batches, GaussianLikelihood(), GaussianPrior(net)).log_marglik()
+    batches.insert(empty, (x[:0], y[:0]))
+    seen = []
+    stats = collect_statistics(net, batches, GaussianLikelihood(), GaussianPrior(net), on_batch=seen.append)
+    assert stats.n_data == 30 and seen == [0, 1, 2]  # the progress counts the empty batch too
+    got = LaplaceEvidence.fit(net, batches, GaussianLikelihood(), GaussianPrior(net)).log_marglik()
+    assert rel_err(got, expected) <= 1e-12
+
+
+def test_only_empty_batches_are_refused_as_no_example():
+    net = _mlp(1)
+    with pytest.raises(ValueError, match=r"yielded no example \(no batch, or only empty ones\)"):
+        LaplaceEvidence.fit(net, [(torch.randn(0, 2), torch.randn(0, 1))] * 2, GaussianLikelihood(), GaussianPrior(net))
+
+
 # --- the likelihood and the prior swapped -------------------------------------------------------------------------
 
 

@@ -120,8 +120,8 @@ def collect_statistics(
         The sum-reduced statistics (float64, counts as integers).
 
     Raises:
-        ValueError: On bad options, parameters the prior does not cover, an empty loader, or
-            targets that do not fit the likelihood.
+        ValueError: On bad options, parameters the prior does not cover, a loader with no example (no batch, or
+            only empty ones), or targets that do not fit the likelihood.
         TypeError: On data that are not batches (a ``Dataset``, one ``(x, y)`` pair), batches that are not
             ``(inputs, targets)`` pairs, a forward that does not return a tensor, an ``exchange`` that is not
             an :class:`Exchange`, or a ``likelihood`` or ``prior`` that is not one (e.g. the two in the other order).
@@ -156,10 +156,12 @@ def collect_statistics(
                 if index < structure_.passes:
                     structure_.start_pass(index)
 
-        for pass_index, index, batch in _passes(dataloader, passes, start_pass):
+        for pass_index, batch in _passes(dataloader, passes, start_pass, on_batch):
             inputs, target = split_batch(batch, batch_fn)
             inputs, target = move(inputs, device, dtype), target.to(device)
             size = examples(inputs, target)
+            if size == 0:  # nothing to add, and no example to plan the pass on: the plan waits for a batch with one
+                continue
             # once planned, a batch taken in parts needs no forward of its own: every part runs one
             output: Optional[torch.Tensor] = (_forward(recorder, inputs, size, target) if plan is None or part >= size
                                               else None)
@@ -200,10 +202,8 @@ def collect_statistics(
                     sub_inputs, sub_target, sub_output = inputs, target, output
                 _accumulate(stats, plan, recorder, exact_path, likelihood, options, generator, pass_index,
                             sub_inputs, sub_target, sub_output, compute)
-            if on_batch is not None and pass_index == 0:
-                on_batch(index)
     if stats is None:
-        raise ValueError("The data loader yielded no batches.")
+        raise ValueError("The data loader yielded no example (no batch, or only empty ones).")
     return stats
 
 
@@ -307,11 +307,12 @@ def _part_size(
 
 
 def _passes(
-    dataloader: Iterable, count: Callable[[], int], start: Callable[[int], None]
-) -> Iterator[Tuple[int, int, Any]]:
-    """``(pass, batch index, batch)`` over ``count()`` passes of ``dataloader`` (``count`` is read
-    after each pass: the plan, made on the first batch, decides it); ``start(pass)`` runs before
-    every pass after the first.
+    dataloader: Iterable, count: Callable[[], int], start: Callable[[int], None],
+    on_batch: Optional[Callable[[int], None]],
+) -> Iterator[Tuple[int, Any]]:
+    """``(pass, batch)`` over ``count()`` passes of ``dataloader`` (``count`` is read after each pass: the plan,
+    made on the first batch with an example, decides it); ``start(pass)`` runs before every pass after the first,
+    ``on_batch(batch index)`` once the pass has taken each batch of the first, an empty one too.
 
     Raises:
         ValueError: If a later pass yields no batch (an iterator, not a re-iterable loader).
@@ -323,7 +324,9 @@ def _passes(
         seen = False
         for index, batch in enumerate(dataloader):
             seen = True
-            yield done, index, batch
+            yield done, batch
+            if on_batch is not None and not done:
+                on_batch(index)
         if done and not seen:
             raise ValueError(
                 f"The curvature structure reads the data {count()} times (structure='ekfac': the Kronecker factors, "
