@@ -342,6 +342,34 @@ def _binary(output: Tensor) -> str:
     return " For binary classification return 2 logits (e.g. nn.Linear(width, 2)) and integer labels 0 and 1."
 
 
+def _label_mistake(output: Tensor, target: Tensor) -> str:
+    """The likely mistake behind targets that are not integer labels of the logits' shape without the classes, and
+    its fix, or ``""``.
+
+    Example:
+        >>> logits = torch.zeros(2, 3)
+        >>> "y.argmax(-1)" in _label_mistake(logits, torch.eye(3)[[0, 2]])  # one-hot rows
+        True
+        >>> "GaussianLikelihood" in _label_mistake(logits, torch.randn(2, 3) + 5)  # rows of no distribution
+        True
+    """
+    classes = output.shape[-1]
+    # rows that are distributions over the classes: one-hot or soft labels, as cross_entropy also takes them
+    if target.shape == output.shape and classes > 1 and (not target.is_floating_point() or bool(
+            (target >= 0).all() and ((target.sum(-1) - 1).abs() <= 1e-3).all())):
+        return (" Targets of the logits' shape are one-hot or soft labels, which are not supported: pass the class "
+                "indices, y.argmax(-1).")
+    # logits (B, C, ...) as F.cross_entropy takes them, whose labels (B, ...) are the rest of their shape
+    if output.dim() > 2 and target.shape == output.shape[:1] + output.shape[2:]:
+        return (f" The logits look laid out (batch, classes, ...) with {output.shape[1]} classes, as F.cross_entropy "
+                "takes them: the classes must be on the last dimension, pass logits.movedim(1, -1).")
+    # other floating-point targets are most often regression targets given to the classifier's likelihood
+    if target.is_floating_point():
+        return (" Floating-point targets are regression targets: for regression use GaussianLikelihood (for "
+                "classification pass the labels as integers, y.long()).")
+    return ""
+
+
 class CategoricalLikelihood(Likelihood):
     """Categorical likelihood ``softmax(f)`` over class logits for classification.
 
@@ -377,14 +405,9 @@ class CategoricalLikelihood(Likelihood):
         if output.dim() < 2:
             raise ValueError(f"CategoricalLikelihood expects logits of shape (batch, ..., classes), got {tuple(output.shape)}.")
         if target.shape != output.shape[:-1] or target.dtype.is_floating_point or target.dtype == torch.bool:
-            # floating-point targets are most often regression targets given to the classifier's likelihood
-            regression = (
-                " Floating-point targets are regression targets: for regression use GaussianLikelihood (for "
-                "classification pass the labels as integers, y.long())." if target.dtype.is_floating_point else ""
-            )
             raise ValueError(
                 f"CategoricalLikelihood expects integer class labels of shape {tuple(output.shape[:-1])}, got "
-                f"{tuple(target.shape)} of {target.dtype}.{regression}{_binary(output)}"
+                f"{tuple(target.shape)} of {target.dtype}.{_label_mistake(output, target)}{_binary(output)}"
             )
         if output.shape[-1] < 2:  # a softmax over one logit is 1 whatever the weights: nothing would be learned
             raise ValueError(

@@ -135,3 +135,33 @@ def test_the_likelihood_and_the_prior_swapped_are_named_at_every_entry_point(nam
     message = r"\(.*likelihood, prior\) got a GaussianPrior as `likelihood` and a CategoricalLikelihood as `prior`: "
     with pytest.raises(TypeError, match=re.escape(name) + message + r"pass a Likelihood, then a GaussianPrior\.$"):
         SWAPPABLE[name](net, data, prior, lik)
+
+
+# --- targets a categorical likelihood does not take ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", [
+    lambda y: F.one_hot(y, 4).double(),
+    lambda y: F.one_hot(y, 4),
+    lambda y: torch.softmax(torch.randn(8, 4), 1),
+], ids=["one-hot float", "one-hot int", "soft labels"])
+def test_one_hot_and_soft_labels_are_refused_with_argmax(target):
+    logits, y = torch.randn(8, 4), torch.randint(0, 4, (8,))
+    with pytest.raises(ValueError, match=r"got \(8, 4\) of .*one-hot or soft labels, which are not supported: pass the "
+                       r"class indices, y\.argmax\(-1\)\.$"):
+        CategoricalLikelihood().check_target(logits, target(y))
+
+
+def test_regression_targets_of_the_logits_shape_still_name_gaussian_likelihood():
+    with pytest.raises(ValueError, match=r"regression targets: for regression use GaussianLikelihood"):
+        CategoricalLikelihood().check_target(torch.randn(8, 4), torch.randn(8, 4) + 3)
+
+
+@pytest.mark.parametrize("logits_shape, labels_shape", [((2, 4, 5), (2, 5)), ((2, 4, 3, 5), (2, 3, 5))])
+def test_logits_with_the_classes_second_name_movedim(logits_shape, labels_shape):
+    logits, labels = torch.randn(logits_shape), torch.randint(0, 4, labels_shape)
+    with pytest.raises(ValueError, match=r"laid out \(batch, classes, \.\.\.\) with 4 classes, as F\.cross_entropy "
+                       r"takes them: the classes must be on the last dimension, pass logits\.movedim\(1, -1\)\.$"):
+        CategoricalLikelihood().check_target(logits, labels)
+    likelihood = CategoricalLikelihood()
+    assert torch.allclose(likelihood.nll(logits.movedim(1, -1), labels).mean(), F.cross_entropy(logits, labels))
