@@ -165,3 +165,41 @@ def test_logits_with_the_classes_second_name_movedim(logits_shape, labels_shape)
         CategoricalLikelihood().check_target(logits, labels)
     likelihood = CategoricalLikelihood()
     assert torch.allclose(likelihood.nll(logits.movedim(1, -1), labels).mean(), F.cross_entropy(logits, labels))
+
+
+# --- the NegativeLogLikelihood metric -----------------------------------------------------------------------------
+
+
+def _nll(probs, target):
+    metric = NegativeLogLikelihood()
+    metric.update(probs, target)
+    return metric.compute()
+
+
+def test_nll_metric_gathers_classes_on_the_last_dimension_of_sequences():
+    torch.manual_seed(3)
+    probs, labels = torch.softmax(torch.randn(2, 4, 4), -1), torch.randint(0, 4, (2, 4))
+    expected = F.nll_loss(probs.log().reshape(-1, 4), labels.reshape(-1))
+    assert rel_err(_nll(probs, labels), expected) <= 1e-12
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int32, torch.int64])
+def test_nll_metric_takes_any_integer_labels(dtype):
+    probs, labels = torch.softmax(torch.randn(6, 3), 1), torch.randint(0, 3, (6,))
+    assert rel_err(_nll(probs, labels.to(dtype)), F.nll_loss(probs.log(), labels)) <= 1e-12
+
+
+@pytest.mark.parametrize("probs, labels, message", [
+    (torch.full((6, 3), 1 / 3), torch.zeros(6, 1, dtype=torch.long),
+     r"integer labels of shape \(6,\) \(the probabilities' \(6, 3\) without the classes\), got \(6, 1\)"),
+    (torch.full((6, 3), 1 / 3), torch.zeros(6, dtype=torch.float64), r"got \(6,\) of torch.float64: pass integer"),
+    (torch.full((6, 3), 1 / 3), torch.tensor([-100, 0, 1, 2, 0, 1]),
+     r"labels in \[0, 3\), got values in \[-100, 2\]: leave out the ignored positions"),
+    (torch.full((6, 3), 1 / 3), torch.tensor([3, 0, 1, 2, 0, 1]), r"labels in \[0, 3\), got values in \[0, 3\]"),
+    (torch.tensor([[2.0, -1.0, 0.5]]).repeat(6, 1), torch.zeros(6, dtype=torch.long), r"got an entry -1 \(logits\?\): "
+     r"pass probabilities, logits\.softmax\(-1\)\.$"),
+    (torch.full((6, 3), 0.5), torch.zeros(6, dtype=torch.long), r"got a row summing to 1\.5 \(logits\?\)"),
+], ids=["(N, 1) labels", "float labels", "ignore_index", "label C", "logits", "rows summing to 1.5"])
+def test_nll_metric_refuses_what_it_cannot_score_naming_the_fix(probs, labels, message):
+    with pytest.raises(ValueError, match=r"NegativeLogLikelihood takes .*" + message):
+        NegativeLogLikelihood().update(probs, labels)

@@ -26,6 +26,9 @@ __all__ = ["MetricsCheck", "NegativeLogLikelihood", "default_metrics", "evaluate
 class NegativeLogLikelihood(torchmetrics.Metric):
     """Mean negative log-likelihood of integer labels under predicted class probabilities.
 
+    Probabilities ``(B, ..., C)``, classes last, with labels ``(B, ...)`` in ``[0, C)``: the selection's test
+    batches reach it with the positions labelled ``ignore_index`` already left out.
+
     Example:
         >>> metric = NegativeLogLikelihood()
         >>> metric.update(torch.tensor([[0.5, 0.5], [0.25, 0.75]]), torch.tensor([0, 1]))
@@ -42,7 +45,29 @@ class NegativeLogLikelihood(torchmetrics.Metric):
         self.add_state("count", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
 
     def update(self, probs: Tensor, target: Tensor) -> None:
-        picked = probs.gather(1, target.unsqueeze(1)).squeeze(1).clamp_min(1e-12)
+        """Add a batch of probabilities ``(B, ..., C)`` and their integer labels ``(B, ...)``.
+
+        Raises:
+            ValueError: On labels that are not integers of the probabilities' shape without the classes, or outside
+                ``[0, C)``; on probabilities with a negative entry or rows that do not sum to 1 (logits).
+        """
+        classes = probs.shape[-1]
+        if target.shape != probs.shape[:-1] or target.is_floating_point() or target.dtype == torch.bool:
+            raise ValueError(f"NegativeLogLikelihood takes integer labels of shape {tuple(probs.shape[:-1])} (the "
+                             f"probabilities' {tuple(probs.shape)} without the classes), got {tuple(target.shape)} of "
+                             f"{target.dtype}: pass integer labels of that shape.")
+        if target.numel() and (target.min() < 0 or target.max() >= classes):
+            raise ValueError(f"NegativeLogLikelihood takes labels in [0, {classes}), got values in "
+                             f"[{int(target.min())}, {int(target.max())}]: leave out the ignored positions (e.g. "
+                             "ignore_index=-100) and check the number of classes.")
+        sums, negative = probs.sum(-1), (probs < 0).any()
+        off = (sums - 1).abs()
+        if negative or (off > 1e-3).any():
+            got = (f"an entry {float(probs.min()):.4g}" if negative
+                   else f"a row summing to {float(sums.flatten()[off.argmax()]):.4g}")
+            raise ValueError(f"NegativeLogLikelihood takes class probabilities, got {got} (logits?): pass "
+                             "probabilities, logits.softmax(-1).")
+        picked = probs.reshape(-1, classes).gather(1, target.reshape(-1, 1).long()).clamp_min(1e-12)
         self.total += -picked.log().sum().double()
         self.count += target.numel()
 
