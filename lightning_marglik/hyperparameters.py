@@ -27,7 +27,7 @@ from .hyperpriors import GammaHyperprior, Hyperprior, LogNormalHyperprior
 from .likelihoods import CategoricalLikelihood, GaussianLikelihood, Likelihood, log_buffer
 from .private import WRAPPER_PREFIXES, strip_wrapper_prefixes, unknown_wrappers
 from .structure_options import PRIOR_STRUCTURES, curvature_elsewhere
-from .validators import choice, integer
+from .validators import choice, flag, integer
 
 __all__ = [
     "BIAS_NORMALIZATION",
@@ -79,8 +79,8 @@ class GaussianPrior(nn.Module):
 
     Raises:
         TypeError: If ``model`` is not an ``nn.Module`` (e.g. its ``parameters()``).
-        ValueError: On an unknown structure, a precision that is not one positive finite number, a model
-            without trainable parameters, a ``fixed`` pattern that matches no parameter or meets a scalar
+        ValueError: On an unknown structure, a precision that is not one positive finite number, a ``learn``
+            that is not a bool, a model without trainable parameters, a ``fixed`` pattern that matches no parameter or meets a scalar
             prior, or a ``hyperprior`` that is not a :class:`Hyperprior`.
 
     Example:
@@ -122,7 +122,7 @@ class GaussianPrior(nn.Module):
             raise ValueError("GaussianPrior: the model has no parameters that require grad.")
         object.__setattr__(self, "model", model)  # a plain reference: not a submodule
         self.structure = structure
-        self.learn = bool(learn)
+        self.learn = flag(learn, "learn", what="whether the evidence learns the precisions")
         self.param_names: List[str] = [n for n, _ in named]
         self.param_sizes: List[int] = [p.numel() for _, p in named]
         n_groups = {"scalar": 1, "layerwise": len(named), "diagonal": sum(self.param_sizes)}[structure]

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from .validators import number
+from .validators import flag, number
 
 
 __all__ = [
@@ -106,7 +106,7 @@ class Likelihood(nn.Module):
     def __init__(self, temperature: float = 1.0, learn_temperature: bool = False) -> None:
         super().__init__()
         self.register_buffer("log_temperature", log_buffer(temperature, "temperature"))
-        self.learn_temperature = bool(learn_temperature)
+        self.learn_temperature = flag(learn_temperature, "learn_temperature")
         if self.learn_temperature:
             warnings.warn(
                 "learn_temperature=True: p(y|f)^(1/T) is not normalized in y, so the evidence can grow towards "
@@ -245,7 +245,8 @@ class GaussianLikelihood(Likelihood):
             evidence may have no finite optimum in ``T``; see the README).
 
     Raises:
-        ValueError: On a non-positive or non-finite ``sigma`` or ``temperature``.
+        ValueError: On a non-positive or non-finite ``sigma`` or ``temperature``, or a ``learn_sigma`` or
+            ``learn_temperature`` that is not a bool.
 
     Example:
         >>> lik = GaussianLikelihood(sigma=0.5)
@@ -260,7 +261,7 @@ class GaussianLikelihood(Likelihood):
     ) -> None:
         super().__init__(temperature, learn_temperature)
         self.register_buffer("log_sigma", log_buffer(sigma, "sigma"))
-        self.learn_sigma = bool(learn_sigma)
+        self.learn_sigma = flag(learn_sigma, "learn_sigma")
 
     @property
     def sigma(self) -> Tensor:
@@ -384,7 +385,7 @@ class CategoricalLikelihood(Likelihood):
         ignore_index: Label of positions that are not data (padding), as in ``F.cross_entropy``.
 
     Raises:
-        ValueError: On a non-positive or non-finite ``temperature``.
+        ValueError: On a non-positive or non-finite ``temperature``, or a ``learn_temperature`` that is not a bool.
 
     Example:
         >>> lik = CategoricalLikelihood()
