@@ -6,8 +6,10 @@ import re
 
 import pytest
 
-from lightning_marglik import CategoricalLikelihood, GaussianLikelihood, GaussianPrior
-from tests.lightning_models import Regressor
+from lightning_marglik import (
+    CategoricalLikelihood, GaussianLikelihood, GaussianPrior, MargLikCallback, MargLikCheckpoint, MargLikEarlyStopping,
+)
+from tests.lightning_models import Regressor, loader, regression_data, trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*does not have many workers.*", "ignore:.*LeafSpec.*")
 
@@ -25,3 +27,37 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*does not have many workers.*",
 def test_a_hyperparameters_learn_flag_that_is_not_a_bool_is_refused(make, name, value):
     with pytest.raises(ValueError, match=rf"`{name}` must be True or False.*got {re.escape(repr(value))}\."):
         make(value)
+
+
+# --- the followers' options, which Lightning reads only at the first save or check --------------------------------
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: MargLikCheckpoint(save_top_k=1.5), r"`save_top_k` must be an int >= -1 \(.*-1: all, 0: none\), got 1.5\."),
+    (lambda: MargLikCheckpoint(save_top_k="1"), r"`save_top_k` must be an int >= -1 .*got '1'\."),
+    (lambda: MargLikCheckpoint(save_top_k=None), r"`save_top_k` must be an int >= -1 .*got None\."),
+    (lambda: MargLikCheckpoint(save_top_k=True), r"`save_top_k` must be an int >= -1 .*got True\."),
+    (lambda: MargLikCheckpoint(save_top_k=-2), r"`save_top_k` must be an int >= -1 .*got -2\."),
+    (lambda: MargLikCheckpoint(filename=3), r"`filename` must be a str pattern .* or None for 'marglik-\{epoch\}-\{step\}', "
+                                            r"got 3\."),
+    (lambda: MargLikCheckpoint(dirpath=3), r"`dirpath` must be a directory \(a str or path\), or None .*got 3\."),
+    (lambda: MargLikCheckpoint(verbose="yes"), r"`verbose` must be True or False \(log a line per save\), got 'yes'\."),
+    (lambda: MargLikEarlyStopping(verbose="no"), r"`verbose` must be True or False \(also log every check\), got 'no'\."),
+    (lambda: MargLikEarlyStopping(patience=1.0), r"`patience` must be an int >= 1, got 1.0\."),
+    (lambda: MargLikEarlyStopping(min_delta="0"), r"`min_delta` must be a finite number in \[0, inf\), got '0'\."),
+])
+def test_a_followers_bad_option_is_refused_at_construction_naming_it(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+@pytest.mark.parametrize("save_top_k, filename, files", [
+    (0, None, 0),
+    (-1, None, 3),
+    (1, "", 1),  # an empty pattern: the default names, not a validation ModelCheckpoint's "epoch=0-step=4.ckpt"
+])
+def test_the_checkpoints_save_top_k_and_filename_edges_train_and_keep_their_files(tmp_path, save_top_k, filename, files):
+    checkpoint = MargLikCheckpoint(dirpath=tmp_path, filename=filename, save_top_k=save_top_k)
+    trainer([MargLikCallback(frequency=1, guard=False), checkpoint], 3).fit(Regressor(), loader(regression_data()))
+    names = [p.name for p in tmp_path.glob("*.ckpt")]
+    assert len(names) == files and all(name.startswith("marglik-epoch=") for name in names)

@@ -276,13 +276,14 @@ class MargLikCheckpoint(CheckpointCore, ModelCheckpoint):
         filename: File name pattern, e.g. ``"{epoch}-{marglik:.3f}"``; default ``"marglik-{epoch}-{step}"``
             (``marglik-epoch=29-step=660.ckpt``: told apart from a validation ``ModelCheckpoint``'s
             ``epoch=29-step=660.ckpt`` in the same folder).
-        save_top_k: How many of the best-evidence models to keep.
+        save_top_k: How many of the best-evidence models to keep (-1: all, 0: none).
         save_last: Also write ``last.ckpt`` after every training epoch with finite weights (``True``
             or ``False``; not Lightning's ``"link"``, which would point to the latest best file).
         verbose: Print a line per save.
 
     Raises:
-        ValueError: If ``save_last`` is not ``None``, ``True`` or ``False``.
+        ValueError: If ``dirpath`` is not a str, path or ``None``, ``filename`` not a str or ``None``,
+            ``save_top_k`` not an int ``>= -1``, ``verbose`` not a bool, or ``save_last`` not ``None`` or a bool.
 
     Example:
         >>> checkpoint = MargLikCheckpoint(save_top_k=1, save_last=True)
@@ -304,6 +305,10 @@ class MargLikEarlyStopping(EarlyStoppingCore, EarlyStopping):
         patience: Estimations without an improvement of more than ``min_delta`` before stopping.
         min_delta: Smallest increase of ``marglik`` (log evidence per datum) that counts.
         verbose: Also log every check (improvements), as Lightning's ``EarlyStopping`` does.
+
+    Raises:
+        ValueError: If ``patience`` is not an int ``>= 1``, ``min_delta`` not a finite number ``>= 0``, or
+            ``verbose`` not a bool.
 
     Example:
         >>> stopper = MargLikEarlyStopping(patience=3, min_delta=1e-3)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import os
 import uuid
 from typing import ClassVar, Optional, Tuple
 
@@ -63,16 +64,24 @@ class CheckpointCore(_FollowsEstimates):
         save_last: Optional[bool] = None,
         verbose: bool = False,
     ) -> None:
+        # Lightning reads a filename first at the first save after burn-in (a bad one fails the fit late), and its
+        # TypeError for a dirpath names no option
+        if dirpath is not None and not isinstance(dirpath, (str, os.PathLike)):
+            raise ValueError(f"`dirpath` must be a directory (a str or path), or None for the logger's, got "
+                             f"{dirpath!r}.")
+        if filename is not None and not isinstance(filename, str):
+            raise ValueError(f"`filename` must be a str pattern such as '{{epoch}}-{{marglik:.3f}}', or None for "
+                             f"{FILENAME!r}, got {filename!r}.")
         # not Lightning's save_last="link": last.ckpt must hold the epoch now ending, not the latest best file
         save_last = optional(flag, save_last, "save_last", what="write last.ckpt after every epoch with finite weights")
         super().__init__(  # type: ignore[call-arg]
             dirpath=dirpath,
-            filename=FILENAME if filename is None else filename,
+            filename=filename or FILENAME,  # Lightning's for "" would be a validation ModelCheckpoint's names
             monitor=MONITOR,
             mode="max",
-            save_top_k=save_top_k,
+            save_top_k=integer(save_top_k, "save_top_k", -1, what="the best-evidence models kept; -1: all, 0: none"),
             save_last=save_last,
-            verbose=verbose,
+            verbose=flag(verbose, "verbose", what="log a line per save"),
             save_on_train_epoch_end=True,
         )
 
@@ -146,7 +155,7 @@ class EarlyStoppingCore(_FollowsEstimates):
             monitor=MONITOR,
             mode="max",
             check_finite=True,
-            verbose=verbose,
+            verbose=flag(verbose, "verbose", what="also log every check"),
             log_rank_zero_only=True,  # the evidence is identical on every rank
         )
         self._epoch = 0
