@@ -108,16 +108,18 @@ def keywords(given: Mapping[str, Any], accepted: Sequence[str], name: str, what:
         raise ValueError(f"`{name}` has keys that are not {what} arguments: {named}.")
 
 
-def integer(value: Any, name: str, minimum: int = 0, what: str = "") -> int:
-    """``value`` as an int ``>= minimum``: any integral number (NumPy's too); ``bool`` and integral floats are
-    refused (``True`` is not 1 epoch).
+def integer(value: Any, name: str, minimum: int = 0, what: str = "", maximum: Optional[int] = None) -> int:
+    """``value`` as an int ``>= minimum`` (and ``<= maximum``, if given): any integral number (NumPy's too); ``bool``
+    and integral floats are refused (``True`` is not 1 epoch).
 
     Raises:
         ValueError: Naming the option and the bad value.
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+    ok = not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= minimum
+    if not ok or (maximum is not None and value > maximum):
         extra = f" ({what})" if what else ""
-        raise ValueError(f"`{name}` must be an int >= {minimum}{extra}, got {value!r}.")
+        bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"`{name}` must be an int {bounds}{extra}, got {value!r}.")
     return int(value)
 
 

@@ -2,12 +2,14 @@
 with one line that names the value and the fix, or taken right."""
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
 
 from lightning_marglik import (
-    CategoricalLikelihood, GaussianLikelihood, GaussianPrior, MargLikCallback, MargLikCheckpoint, MargLikEarlyStopping,
+    CategoricalLikelihood, GaussianLikelihood, GaussianPrior, MargLikBoundCallback, MargLikCallback, MargLikCheckpoint,
+    MargLikEarlyStopping,
 )
 from tests.lightning_models import Regressor, loader, regression_data, trainer
 
@@ -61,3 +63,24 @@ def test_the_checkpoints_save_top_k_and_filename_edges_train_and_keep_their_file
     trainer([MargLikCallback(frequency=1, guard=False), checkpoint], 3).fit(Regressor(), loader(regression_data()))
     names = [p.name for p in tmp_path.glob("*.ckpt")]
     assert len(names) == files and all(name.startswith("marglik-epoch=") for name in names)
+
+
+# --- a seed near torch.Generator.manual_seed's limit ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [MargLikCallback, MargLikBoundCallback])
+@pytest.mark.parametrize("seed", [2**64, 2**70, -1])
+def test_a_seed_manual_seed_cannot_take_is_refused_at_construction_naming_it(make, seed):
+    with pytest.raises(ValueError, match=rf"`seed` must be an int in \[0, {2**64 - 1}\] \(torch.Generator.manual_seed's "
+                                         rf"range\), got {seed}\."):
+        make(seed=seed)
+
+
+@pytest.mark.parametrize("make", [
+    lambda seed: MargLikCallback(frequency=1, mc_samples=1, seed=seed, guard=False),
+    lambda seed: MargLikBoundCallback(every_k_batches=2, mc_samples=1, seed=seed),
+])
+def test_the_largest_seeds_draw_every_estimate(make):
+    callback = make(2**64 - 2)  # (seed + epoch) * world_size + rank overflowed manual_seed at the first estimate
+    trainer([callback], 2).fit(Regressor(), loader(regression_data()))
+    assert len(callback.history) == 2 and all(math.isfinite(h["marglik"]) for h in callback.history)

@@ -114,7 +114,7 @@ class MargLikCallback(MargLikCallbackCore, Callback):
         dataloader: Data for the evidence pass (e.g. the training set without augmentation): a
             ``DataLoader``, or the name of a method of the LightningModule or DataModule that
             returns one (usable from YAML). Default: the trainer's training data.
-        seed: Seed of the Monte-Carlo samples (the estimate of epoch ``e`` uses ``seed + e``).
+        seed: Seed of the Monte-Carlo samples (the estimate of epoch ``e`` uses ``seed + e``), 0 to ``2**64 - 1``.
         solver: Hyperparameter steps per estimate: ``"newton"`` (Newton with a line search until
             converged, at most ``steps`` evaluations; see :mod:`lightning_marglik.solvers`) or
             ``"adam"`` (``steps`` Adam steps at ``lr``, the paper's Algorithm 1; its moments carry
@@ -237,7 +237,7 @@ class MargLikBoundCallback(MargLikBoundCallbackCore, Callback):
         lr: Adam learning rate on the log hyperparameters.
         subset_size: ``"ntk"``: examples per kernel (default: the whole batch).
         mc_samples: Monte-Carlo samples per example for the GGN (0: exact).
-        seed: Seed of the Monte-Carlo samples.
+        seed: Seed of the Monte-Carlo samples, 0 to ``2**64 - 1``.
         backend: ``"hooks"`` or ``"backpack"`` (``"parametric"`` only).
         scale_invariant: As for :class:`MargLikCallback`.
         flush_denormals: As for :class:`MargLikCallback`.

@@ -110,15 +110,13 @@ class MargLikBoundCallbackCore(EstimatorCore):
             return
         assert self._optimizer is not None
         strategy = trainer.strategy
-        rank, world = trainer.global_rank, trainer.world_size
-        # distinct Monte-Carlo draws on every rank, reproducible for a given (seed, step, rank)
-        generator = torch.Generator().manual_seed((self.seed + trainer.global_step) * world + rank) if self.mc_samples else None
+        generator = self._seeded(trainer, trainer.global_step) if self.mc_samples else None
 
         def all_reduce(flat: torch.Tensor) -> torch.Tensor:
             return strategy.reduce(flat.to(strategy.root_device), reduce_op="sum")
 
         with whole_parameters(trainer):  # under FSDP: the step's forward needs whole weights, on every rank
-            value = self._optimizer.step(pl_module, batch, generator, all_reduce if world > 1 else None)
+            value = self._optimizer.step(pl_module, batch, generator, all_reduce if trainer.world_size > 1 else None)
         self._optimizer_signature = self._learnable_signature()
         self._epoch_values.append(value)
 

@@ -211,11 +211,10 @@ class MargLikCallbackCore(TrainedModuleQueries, EstimatorCore):
         return self._record_estimate(trainer, epoch, marglik, **extra)
 
     def _generator(self, trainer: Trainer, epoch: int) -> Optional[torch.Generator]:
-        """The Monte-Carlo draws of the estimate after ``epoch``: distinct on every rank, reproducible for a given
-        (seed, epoch, rank); ``None`` for an exact curvature."""
+        """The Monte-Carlo draws of the estimate after ``epoch`` (:meth:`_seeded`); ``None`` for an exact curvature."""
         if not self.options.mc_samples:
             return None
-        return torch.Generator().manual_seed((self.seed + epoch) * trainer.world_size + trainer.global_rank)
+        return self._seeded(trainer, epoch)
 
     def _evidence(
         self, trainer: Trainer, pl_module: LightningModule, options: CurvatureOptions,

@@ -87,7 +87,7 @@ class EstimatorCore(KnownKeywords):
         if dataloader is not None and not isinstance(dataloader, (DataLoader, str)):
             raise ValueError(f"`dataloader` must be a DataLoader or a method name, got {type(dataloader).__name__}.")
         self.dataloader = dataloader
-        self.seed = integer(seed, "seed", 0)
+        self.seed = integer(seed, "seed", 0, maximum=2**64 - 1, what="torch.Generator.manual_seed's range")
         self.scale_invariant = choice(scale_invariant, SCALE_INVARIANT_TREATMENTS, "scale_invariant")
         self.flush_denormals = flag(flush_denormals, "flush_denormals")
         self._flush = DenormalFlush(self.flush_denormals)
@@ -133,6 +133,12 @@ class EstimatorCore(KnownKeywords):
     def is_fresh(self, trainer: Trainer) -> bool:
         """Whether ``marglik`` was estimated in the epoch now ending."""
         return self.schedule.is_fresh(trainer)
+
+    def _seeded(self, trainer: Trainer, draw: int) -> torch.Generator:
+        """The Monte-Carlo draws numbered ``draw`` (an epoch, a step): distinct on every rank, reproducible for a given
+        (seed, draw, rank). Taken modulo 2**63, which leaves every seed below it as it is: a seed near
+        ``manual_seed``'s limit would overflow it."""
+        return torch.Generator().manual_seed(((self.seed + draw) * trainer.world_size + trainer.global_rank) % 2**63)
 
     # --- set-up ------------------------------------------------------------------------------
 
