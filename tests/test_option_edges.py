@@ -11,6 +11,7 @@ from lightning_marglik import (
     CategoricalLikelihood, GaussianLikelihood, GaussianPrior, MargLikBoundCallback, MargLikCallback, MargLikCheckpoint,
     MargLikEarlyStopping,
 )
+from lightning_marglik.callbacks.package import MargLikConfigurationError
 from tests.lightning_models import Regressor, loader, regression_data, trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*does not have many workers.*", "ignore:.*LeafSpec.*")
@@ -84,3 +85,21 @@ def test_the_largest_seeds_draw_every_estimate(make):
     callback = make(2**64 - 2)  # (seed + epoch) * world_size + rank overflowed manual_seed at the first estimate
     trainer([callback], 2).fit(Regressor(), loader(regression_data()))
     assert len(callback.history) == 2 and all(math.isfinite(h["marglik"]) for h in callback.history)
+
+
+# --- two priors or two likelihoods on one module ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attribute, make, message", [
+    ("head_prior", lambda module: GaussianPrior(module.net[2]),
+     r"exactly one GaussianPrior on the LightningModule, found 2 \(prior, head_prior\): keep one prior over the "
+     r"whole network, e\.g\. `self\.prior = GaussianPrior\(self\.net\)`"),
+    ("aux_likelihood", lambda module: GaussianLikelihood(),
+     r"exactly one Likelihood on the LightningModule, found 2 \(likelihood, aux_likelihood\): keep one likelihood"),
+])
+def test_two_priors_or_likelihoods_are_refused_naming_them_and_saying_to_keep_one(attribute, make, message):
+    module = Regressor()
+    setattr(module, attribute, make(module))
+    module.training_step = lambda batch, batch_idx: pytest.fail("training must not start")
+    with pytest.raises(MargLikConfigurationError, match=message):
+        trainer([MargLikCallback(frequency=1)], 1).fit(module, loader(regression_data()))

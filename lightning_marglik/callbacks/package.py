@@ -97,14 +97,25 @@ def find_hyperparameters(pl_module: nn.Module) -> "tuple[GaussianPrior, Likeliho
     """The one ``GaussianPrior`` and one ``Likelihood`` registered on ``pl_module``.
 
     Raises:
-        MargLikConfigurationError: If there is not exactly one of each, saying what to add.
+        MargLikConfigurationError: If there is not exactly one of each: where one is missing, saying what to
+            add; where there are several, naming their attributes and saying to keep one.
     """
-    priors = [m for m in pl_module.modules() if isinstance(m, GaussianPrior)]
-    likelihoods = [m for m in pl_module.modules() if isinstance(m, Likelihood)]
-    if len(priors) != 1 or len(likelihoods) != 1:
+    priors = [(name, m) for name, m in pl_module.named_modules() if isinstance(m, GaussianPrior)]
+    likelihoods = [(name, m) for name, m in pl_module.named_modules() if isinstance(m, Likelihood)]
+    for found, kind, fix in (
+        (priors, "GaussianPrior", "keep one prior over the whole network, e.g. `self.prior = GaussianPrior(self.net)` "
+                                  "(its `structure` and `fixed` set precisions per group)"),
+        (likelihoods, "Likelihood", "keep one likelihood of the network's outputs"),
+    ):
+        if len(found) > 1:
+            raise MargLikConfigurationError(
+                f"MargLikCallback needs exactly one {kind} on the LightningModule, found {len(found)} "
+                f"({', '.join(name for name, _ in found)}): {fix}."
+            )
+    if not priors or not likelihoods:
         raise MargLikConfigurationError(
             f"MargLikCallback needs exactly one GaussianPrior and one Likelihood on the LightningModule, found "
             f"{len(priors)} and {len(likelihoods)}: add e.g. `self.prior = GaussianPrior(self.net)` and "
             "`self.likelihood = CategoricalLikelihood()` in __init__ and use map_loss in training_step."
         )
-    return priors[0], likelihoods[0]
+    return priors[0][1], likelihoods[0][1]
