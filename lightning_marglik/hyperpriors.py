@@ -54,11 +54,12 @@ class LogNormalHyperprior(Hyperprior):
     ``loc`` instead of running to ``e^20``.
 
     Args:
-        scale: Standard deviation ``s > 0`` of ``log delta``.
+        scale: Standard deviation ``s > 0`` of ``log delta`` (``1e-150`` to ``1e150``).
         loc: Mean of ``log delta``; ``None``: the log of the prior's initial ``precision``.
 
     Raises:
-        ValueError: On a ``scale`` that is not positive and finite, or a ``loc`` that is not finite.
+        ValueError: On a ``scale`` outside ``[1e-150, 1e150]`` (where ``1/scale**2`` is a finite positive float),
+            or a ``loc`` that is not finite.
 
     Example:
         >>> hyper = LogNormalHyperprior(scale=2.0)
@@ -67,7 +68,10 @@ class LogNormalHyperprior(Hyperprior):
     """
 
     def __init__(self, scale: float = 2.0, loc: Optional[float] = None) -> None:
-        self.scale = number(scale, "scale", what="the standard deviation of log delta, e.g. 2")
+        # the pull's curvature 1/scale**2 must be a finite positive float: it underflows to 0 (ZeroDivisionError)
+        # below about 1e-154 and overflows above about 1e154
+        self.scale = number(scale, "scale", low=1e-150, high=1e150, low_open=False,
+                            what="the standard deviation of log delta, e.g. 2, where 1/scale**2 is a finite float")
         self.loc = optional(number, loc, "loc", low=-math.inf, what="the mean of log delta, or None")
 
     def _centred(self, log_precision: Tensor, initial_log_precision: float) -> Tensor:

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from lightning_marglik import (
-    CategoricalLikelihood, GaussianLikelihood, GaussianPrior, MargLikBoundCallback, MargLikCallback, MargLikCheckpoint,
+    CategoricalLikelihood, GaussianLikelihood, GaussianPrior, LogNormalHyperprior, MargLikBoundCallback, MargLikCallback, MargLikCheckpoint,
     MargLikEarlyStopping,
 )
 from lightning_marglik.callbacks.package import MargLikConfigurationError
@@ -103,3 +103,22 @@ def test_two_priors_or_likelihoods_are_refused_naming_them_and_saying_to_keep_on
     module.training_step = lambda batch, batch_idx: pytest.fail("training must not start")
     with pytest.raises(MargLikConfigurationError, match=message):
         trainer([MargLikCallback(frequency=1)], 1).fit(module, loader(regression_data()))
+
+
+# --- a log-normal hyperprior whose 1/scale**2 is no float ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale", [1e-200, 1e-155, 1e155, 1e300])
+def test_a_log_normal_scale_whose_inverse_square_is_no_finite_float_is_refused_at_construction(scale):
+    with pytest.raises(ValueError, match=rf"`scale` must be a finite number in \[1e-150, 1e\+150\] \(.*1/scale\*\*2 is a "
+                                         rf"finite float\), got {re.escape(repr(scale))}\."):
+        LogNormalHyperprior(scale=scale)
+
+
+@pytest.mark.parametrize("scale", [1e-150, 1e150])
+def test_the_extreme_log_normal_scales_estimate(scale):
+    module = Regressor()
+    module.prior = GaussianPrior(module.net, hyperprior=LogNormalHyperprior(scale=scale))
+    callback = MargLikCallback(frequency=1, guard=False)
+    trainer([callback], 1).fit(module, loader(regression_data()))
+    assert math.isfinite(callback.history[0]["marglik"])

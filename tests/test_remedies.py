@@ -166,7 +166,7 @@ def test_hyperprior_is_checked_and_shown():
     net = nn.Linear(2, 1)
     with pytest.raises(ValueError, match="`hyperprior` must be None or a Hyperprior.*got 2.0"):
         GaussianPrior(net, hyperprior=2.0)
-    with pytest.raises(ValueError, match="`scale` must be a finite number in \\(0, inf\\).*got 0"):
+    with pytest.raises(ValueError, match="`scale` must be a finite number in \\[1e-150, 1e\\+150\\].*got 0"):
         LogNormalHyperprior(scale=0)
     with pytest.raises(ValueError, match="`loc`.*got nan"):
         LogNormalHyperprior(loc=float("nan"))
