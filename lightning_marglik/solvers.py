@@ -75,6 +75,10 @@ TRUST_RADIUS = 4.0
 ARMIJO = 1e-4
 # Adam reports divergence when its last iterate lost more than this share of the gain it had made.
 OSCILLATION_SHARE = 0.1
+# The largest learning rate a divergence warning suggests. Adam moves every log hyperparameter by about lr per
+# step, whatever the gradient's size: at 0.5 (a precision's factor e^0.5 ~ 1.6 per step) 100 steps still span
+# e^50, while lr / 10 of an lr of 100 or more takes steps that diverge again.
+SAFE_LR = 0.5
 
 
 @dataclass
@@ -277,7 +281,7 @@ def adam(
         what = "reached a non-finite objective" if not finite else f"ended {lost:.4g} below its best value"
         warnings.warn(
             f"Adam (lr={lr:g}) {what} after {len(trace) - 1} of {steps} steps; kept the best point "
-            f"(step {best_step}). The learning rate is too large for this objective: try lr={lr / 10:g} or smaller, "
+            f"(step {best_step}). The learning rate is too large for this objective: try lr={min(lr / 10, SAFE_LR):g} or smaller, "
             "or solver='newton'."
         )
     stalled = len(trace) >= 2 and abs(trace[-1] - trace[-2]) <= max(1e-8 * abs(trace[-1]), _noise(best))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 
 import pytest
 
@@ -122,3 +123,21 @@ def test_the_extreme_log_normal_scales_estimate(scale):
     callback = MargLikCallback(frequency=1, guard=False)
     trainer([callback], 1).fit(module, loader(regression_data()))
     assert math.isfinite(callback.history[0]["marglik"])
+
+
+# --- the learning rate Adam's divergence warning suggests -----------------------------------------------------------
+
+
+def _adam_warnings(lr):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer([MargLikCallback(frequency=1, solver="adam", lr=lr, guard=False)], 1).fit(
+            Regressor(), loader(regression_data()))
+    return [str(w.message) for w in caught if str(w.message).startswith("Adam")]
+
+
+@pytest.mark.parametrize("lr", [1e6, 100.0])
+def test_adams_divergence_warning_suggests_a_learning_rate_that_does_not_diverge(lr):
+    (message,) = _adam_warnings(lr)
+    assert f"Adam (lr={lr:g})" in message and "try lr=0.5 or smaller" in message  # lr / 10 diverged again
+    assert _adam_warnings(0.5) == []
