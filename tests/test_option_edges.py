@@ -141,3 +141,33 @@ def test_adams_divergence_warning_suggests_a_learning_rate_that_does_not_diverge
     (message,) = _adam_warnings(lr)
     assert f"Adam (lr={lr:g})" in message and "try lr=0.5 or smaller" in message  # lr / 10 diverged again
     assert _adam_warnings(0.5) == []
+
+
+# --- dataloader= naming a method that needs arguments, or a near miss ------------------------------------------------
+
+
+class _WithEvidenceData(Regressor):
+    def evidence_data(self):
+        return loader(regression_data())
+
+
+@pytest.mark.parametrize("name, message", [
+    ("forward", r"dataloader='forward'\): _WithEvidenceData\.forward\(x: 'torch\.Tensor'\) -> 'torch\.Tensor' cannot be "
+                r"called without arguments; pass the name of a method that returns a DataLoader when called without"),
+    ("training_step", r"_WithEvidenceData\.training_step\(batch, batch_idx\) cannot be called without arguments"),
+    ("EVIDENCE_DATA", r"neither the DataModule nor the LightningModule has such a method \(did you mean "
+                      r"'evidence_data'\?\); pass the name"),
+    ("evidence_dat", r"has such a method \(did you mean 'evidence_data'\?\)"),
+    ("missing", r"has such a method; pass the name"),
+])
+def test_a_dataloader_method_that_needs_arguments_or_is_misspelt_is_refused_before_training(name, message):
+    module = _WithEvidenceData()
+    module.training_step = lambda batch, batch_idx: pytest.fail("training must not start")
+    with pytest.raises(MargLikConfigurationError, match=message):
+        trainer([MargLikCallback(frequency=1, dataloader=name)], 1).fit(module, loader(regression_data()))
+
+
+def test_a_dataloader_method_without_arguments_is_taken():
+    callback = MargLikCallback(frequency=1, dataloader="evidence_data")
+    trainer([callback], 1).fit(_WithEvidenceData(), loader(regression_data()))
+    assert len(callback.history) == 1

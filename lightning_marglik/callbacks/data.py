@@ -1,8 +1,9 @@
 """The evidence data: where they come from (``dataloader=`` or the training data), checked before use."""
 from __future__ import annotations
 
+import inspect
 import math
-from typing import Any, Callable, Iterable, Optional, Tuple, Union
+from typing import Any, Callable, Iterable, List, Optional, Tuple, Union
 
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn  # one rank state for both packages
@@ -12,6 +13,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Se
 from ..curvature.batches import split_batch
 from ..distributed import evidence_loader
 from ..hyperparameters import Likelihood
+from ..validators import suggestion
 from .package import LightningModule, MargLikConfigurationError, Trainer
 
 __all__ = ["count_data", "dropped_examples", "evidence_batches", "named_loader_method"]
@@ -24,22 +26,42 @@ def named_loader_method(name: str, trainer: Trainer, pl_module: LightningModule)
     """The DataModule's or LightningModule's method named by ``dataloader``.
 
     Raises:
-        MargLikConfigurationError: If neither has such a method.
+        MargLikConfigurationError: If neither has such a method (with a "did you mean" for a near miss of their own
+            methods' names), or it names a value, or a method that cannot be called without arguments.
     """
-    owner: Any = next((o for o in (trainer.datamodule, pl_module) if o is not None and hasattr(o, name)), None)
+    owners = [o for o in (trainer.datamodule, pl_module) if o is not None]
+    owner: Any = next((o for o in owners if hasattr(o, name)), None)
+    fix = "pass the name of a method that returns a DataLoader when called without arguments, or a DataLoader"
     if owner is None:
         raise MargLikConfigurationError(
             f"MargLikCallback(dataloader={name!r}): neither the DataModule nor the LightningModule has such a "
-            "method; pass the name of a method that returns a DataLoader, or a DataLoader."
+            f"method{suggestion(name, _own_methods(owners))}; {fix}."
         )
     method = getattr(owner, name)
     if not callable(method):
         raise MargLikConfigurationError(
             f"MargLikCallback(dataloader={name!r}): {type(owner).__name__}.{name} is a value of type "
-            f"{type(method).__name__}, not a method; pass the name of a method that returns a DataLoader, "
-            "or a DataLoader."
+            f"{type(method).__name__}, not a method; {fix}."
         )
+    signature = inspect.signature(method)
+    try:
+        signature.bind()
+    except TypeError:
+        raise MargLikConfigurationError(
+            f"MargLikCallback(dataloader={name!r}): {type(owner).__name__}.{name}{signature} cannot be called "
+            f"without arguments; {fix}."
+        ) from None
     return method
+
+
+def _own_methods(owners: Iterable[Any]) -> List[str]:
+    """The public methods the user's own classes define on ``owners``: Lightning's and torch's hundreds would make
+    a near miss of any name."""
+    return sorted({
+        name for owner in owners for cls in type(owner).__mro__
+        if cls.__module__.split(".")[0] not in ("builtins", "lightning", "lightning_fabric", "pytorch_lightning", "torch")
+        for name, value in vars(cls).items() if callable(value) and not name.startswith("_")
+    })
 
 
 def _source_loader(dataloader: Source, trainer: Trainer, pl_module: LightningModule) -> DataLoader:
