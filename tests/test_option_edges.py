@@ -171,3 +171,31 @@ def test_a_dataloader_method_without_arguments_is_taken():
     callback = MargLikCallback(frequency=1, dataloader="evidence_data")
     trainer([callback], 1).fit(_WithEvidenceData(), loader(regression_data()))
     assert len(callback.history) == 1
+
+
+# --- settle=1 and a burn-in as long as the fit ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("settle", [1, 1.0])
+def test_a_settle_of_one_that_a_falling_positive_loss_never_meets_is_refused(settle):
+    with pytest.raises(ValueError, match=rf"`settle` must be a finite number in \(0, 1\) .*got {settle}\."):
+        MargLikCallback(settle=settle)
+
+
+@pytest.mark.parametrize("burnin", [2, 5])
+def test_a_burnin_as_long_as_the_fit_warns_once_that_only_the_last_epoch_estimates(burnin):
+    callback = MargLikCallback(frequency=1, burnin=burnin, guard=False)
+    with pytest.warns(UserWarning, match=rf"MargLikCallback\(burnin={burnin}\), but the fit trains 2 epochs "
+                                         r"\(max_epochs\): the only estimate is the one after the last epoch") as caught:
+        trainer([callback], 2).fit(Regressor(), loader(regression_data()))
+    assert sum("the only estimate" in str(w.message) for w in caught) == 1
+    assert [row["epoch"] for row in callback.history] == [2]
+
+
+def test_a_burnin_that_leaves_an_epoch_before_the_last_does_not_warn():
+    callback = MargLikCallback(frequency=1, burnin=1, guard=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer([callback], 2).fit(Regressor(), loader(regression_data()))
+    assert not [w for w in caught if "the only estimate" in str(w.message)]
+    assert [row["epoch"] for row in callback.history] == [2]

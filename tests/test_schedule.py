@@ -93,7 +93,7 @@ def test_the_callbacks_settle_rule_follows_the_epochs_mean_training_loss():
     moving = MargLikCallback(frequency=1, steps=5, settle=1e-6)  # never settles: the last epoch only
     make_trainer([moving], 4).fit(Regressor(lr=0.05), DataLoader(regression_data(), batch_size=16))
     assert [row["epoch"] for row in moving.history] == [4]
-    with pytest.raises(ValueError, match="`settle` must be a finite number in \\(0, 1\\]"):
+    with pytest.raises(ValueError, match="`settle` must be a finite number in \\(0, 1\\)"):
         MargLikCallback(settle=0.0)
     assert torch.isfinite(torch.tensor(callback.last_marglik))
 

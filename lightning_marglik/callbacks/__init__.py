@@ -107,7 +107,8 @@ class MargLikCallback(MargLikCallbackCore, Callback):
             large problems: with the exact Kronecker GGN, whose pass costs 3-9 training epochs, a run then
             costs at most about twice a run without the callback
             (``benchmarks/results/vs_cross_validation.md``); 1 learns from every epoch at that cost per epoch.
-        burnin: Epochs before the first estimate (``B``).
+        burnin: Epochs before the first estimate (``B``); the last epoch estimates in any case, so a ``burnin`` of
+            ``max_epochs`` or more leaves only that estimate (warned when training starts).
         steps: Adam steps per estimate (``K``), or the Newton solver's evaluation budget.
         lr: Adam learning rate on the log hyperparameters (``gamma``; ``solver="adam"`` only).
         mc_samples: Monte-Carlo samples per example for the GGN (0: exact).
@@ -157,7 +158,7 @@ class MargLikCallback(MargLikCallbackCore, Callback):
             learning recipes that the remedies study measured (``benchmarks/results/remedies.md``).
             ``GaussianPrior(fixed=...)`` wins for the tensors it names. A hyperprior on the learned
             precisions is the prior's own (``GaussianPrior(hyperprior=...)``).
-        settle: Estimate only once training has settled: not before the epochs' mean training loss,
+        settle: A number in (0, 1): estimate only once training has settled: not before the epochs' mean training loss,
             having fallen (relatively) more than ``settle`` below its first epoch's, changed by at most
             ``settle`` over two epochs (:func:`~lightning_marglik.schedule_rules.loss_has_settled`), then
             every ``frequency``-th epoch (:class:`~lightning_marglik.callbacks.schedule.SettledSchedule`);

@@ -129,6 +129,13 @@ class MargLikCallbackCore(TrainedModuleQueries, EstimatorCore):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
+        epochs = trainer.max_epochs
+        if epochs is not None and 0 < epochs <= self.burnin:  # not refused as the bound callback's: the last estimates
+            rank_zero_warn(
+                f"MargLikCallback(burnin={self.burnin}), but the fit trains {epochs} epochs (max_epochs): the only "
+                "estimate is the one after the last epoch, and training runs at the prior's declared precision "
+                f"throughout; choose burnin < {epochs} to learn it during training."
+            )
         if self._training is not None:
             _, likelihood = self._hyperparameters()
             self._training.start(

@@ -120,17 +120,19 @@ class SettledSchedule(EpochSchedule):
         frequency: Estimate every ``frequency`` epochs (``F``) once settled.
         burnin: Epochs before the first estimate in any case (``B``).
         settle: Largest relative change of the mean training loss over ``window`` epochs that counts
-            as settled (e.g. 0.05).
+            as settled, in (0, 1) (e.g. 0.05).
         window: Epochs the change is taken over.
 
     Raises:
-        ValueError: On a bad ``frequency``, ``burnin``, ``settle`` (a number in (0, 1]) or ``window``.
+        ValueError: On a bad ``frequency``, ``burnin``, ``settle`` (a number in (0, 1)) or ``window``.
     """
 
     needs_loss = True
 
     def __init__(self, frequency: int, burnin: int, settle: float, window: int = 2) -> None:
-        self.settle = number(settle, "settle", 0, 1, what="the largest relative change of the training loss, e.g. 0.05")
+        # at 1 a loss that starts positive must fall to 0 or below to count as fallen: it never settles
+        self.settle = number(settle, "settle", 0, 1, high_open=True,
+                             what="the largest relative change of the training loss, e.g. 0.05")
         self.window = integer(window, "window", 1)
         super().__init__(frequency, burnin)
 
