@@ -199,3 +199,29 @@ def test_a_burnin_that_leaves_an_epoch_before_the_last_does_not_warn():
         trainer([callback], 2).fit(Regressor(), loader(regression_data()))
     assert not [w for w in caught if "the only estimate" in str(w.message)]
     assert [row["epoch"] for row in callback.history] == [2]
+
+
+# --- output_layer given a module's name ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["net.2", "head", "classifier.out_proj"])
+def test_an_output_layer_given_as_a_module_name_says_the_layer_is_found_and_how_to_hold_one(name):
+    with pytest.raises(ValueError, match=rf"`output_layer` must be one of .*got '{name}'\. It says how to treat the output "
+                                         r"layer, which is found from the network's output when training starts; to hold "
+                                         rf"a layer you choose .*GaussianPrior\(fixed=\['{name}\.\*'\]\)"):
+        MargLikCallback(output_layer=name)
+
+
+@pytest.mark.parametrize("value, message", [("fixd", r"got 'fixd' \(did you mean 'fixed'\?\)\.$"), (3, r"got 3\.$")])
+def test_an_output_layer_near_miss_or_non_string_gets_no_layer_advice(value, message):
+    with pytest.raises(ValueError, match=message):
+        MargLikCallback(output_layer=value)
+
+
+def test_the_fixed_pattern_the_advice_names_holds_that_layer():
+    module = Regressor()
+    module.prior = GaussianPrior(module, fixed=["net.0.*"])  # a prior over the module itself: its names start "net."
+    callback = MargLikCallback(frequency=1, output_layer="learn", guard=False)
+    trainer([callback], 1).fit(module, loader(regression_data()))
+    assert module.prior.fixed == ["net.0.weight", "net.0.bias"]
+    assert module.prior.precision[:2].tolist() == [1.0, 1.0] and module.prior.precision[2:].ne(1.0).all()

@@ -181,8 +181,8 @@ class MargLikCallback(MargLikCallbackCore, Callback):
             at the prior's declared ``precision``), ``"decoupled"`` or ``"learn"`` (learned like every other
             layer: the plain evidence). What set-up
             decided, and why, is in ``output_decision`` and on the prior (``prior.treatments["output layer"]``);
-            a scalar prior learns its one precision. ``GaussianPrior(fixed=...)`` wins for the tensors it names.
-            See ``benchmarks/results/never_worse_default.md``.
+            a scalar prior learns its one precision. ``GaussianPrior(fixed=...)`` wins for the tensors it names
+            (it also holds a layer of your choice). See ``benchmarks/results/never_worse_default.md``.
         guard: After each estimate within training (not after the last epoch), score the learned weight decay
             against the declared ``precision`` by the training data's approximate 5-fold cross-validated log
             likelihood (:mod:`lightning_marglik.guard`: one Newton step per fold from the current weights, the

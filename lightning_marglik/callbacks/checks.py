@@ -6,6 +6,7 @@ them at construction, in ``setup`` and in ``on_train_start``, before the first t
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
@@ -15,9 +16,9 @@ from ..curvature import CurvatureOptions, eval_mode
 from ..curvature.batches import call_model, move, non_finite_data_rows, split_batch
 from ..curvature.scale_invariance import NORMS, find_scale_invariant
 from ..curvature.structures import structure_class, structures_with
-from ..hyperparameters import BIAS_NORMALIZATION, GaussianPrior, Likelihood, no_decay_names
+from ..hyperparameters import BIAS_NORMALIZATION, TREATMENTS, GaussianPrior, Likelihood, no_decay_names
 from ..private import checkpoint_saves_at_epoch_end, early_stopping_checks_at_epoch_end
-from ..validators import choice, number
+from ..validators import choice, number, suggestion
 from .data import BatchFn
 from .output_layer import OutputLayer, forward_finding_output_layer
 from .package import MONITOR, LightningModule, LightningPackage, MargLikConfigurationError, Trainer
@@ -28,6 +29,7 @@ __all__ = [
     "check_forward",
     "check_fraction",
     "check_model_forward",
+    "check_output_layer",
     "check_processes",
     "check_statistics",
     "check_stock_monitors",
@@ -125,6 +127,21 @@ def check_fraction(fraction: Any, statistics: str) -> float:
             f"got statistics={statistics!r}."
         )
     return fraction
+
+
+def check_output_layer(treatment: Any) -> str:
+    """Validate ``output_layer``: a treatment; a value that reads as a module's name (``"net.2"``) is also told that
+    the layer is found, and how to hold one of the user's choice.
+
+    Raises:
+        ValueError: Naming the value and the treatments.
+    """
+    named = isinstance(treatment, str) and re.fullmatch(r"\w+(\.\w+)*", treatment)
+    named = named and not suggestion(treatment, TREATMENTS)
+    return choice(treatment, TREATMENTS, "output_layer", what=(
+        "It says how to treat the output layer, which is found from the network's output when training starts; to "
+        f"hold a layer you choose at the declared precision, use GaussianPrior(fixed=['{treatment}.*']) (fnmatch "
+        "patterns of prior.param_names, named within the module the prior covers)." if named else ""))
 
 
 def check_training_statistics(trainer: Trainer, pl_module: LightningModule) -> None:

@@ -88,7 +88,7 @@ class MargLikCallbackCore(TrainedModuleQueries, EstimatorCore):
         self.solver = choice(solver, SOLVERS, "solver")
         self.max_step = optional(number, max_step, "max_step", what="the largest change of log delta per estimate, or None")
         self.biases = optional(choice, biases, TREATMENTS, "biases")
-        self.output_layer = choice(output_layer, TREATMENTS, "output_layer")
+        self.output_layer = checks.check_output_layer(output_layer)
         # statistics='training': the sums of the training passes in estimation epochs
         self._training = TrainingStatistics(schedule, self.statistics_fraction) if self.statistics == "training" else None
         self._averaging = WeightAveragingFollower()  # keeps the hyperparameters out of Lightning's weight averages
