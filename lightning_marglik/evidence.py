@@ -23,6 +23,7 @@ from .denormals import DenormalFlush
 from .hyperparameters import (
     GaussianPrior, Likelihood, assign_hyperparameters, check_likelihood_and_prior, learnable_values,
 )
+from .likelihoods import log_limit
 from .validators import choice, flag, number, optional
 
 __all__ = ["LaplaceEvidence", "SOLVERS", "require_data"]
@@ -81,6 +82,23 @@ def require_data(n_data: int, likelihood: Likelihood) -> None:
             f"The evidence data hold no datum (n_data = 0){every}; the evidence needs at least one. Check the "
             "labels (e.g. a collator that masks them all, or the wrong ignore_index)."
         )
+
+
+def _unbounded_message(names: Tuple[str, ...], limits: Dict[str, float], buffers: Dict[str, Tensor]) -> str:
+    """Why the evidence ran ``names`` to the edge of their buffers' range, and the fix."""
+    said = []
+    for name in names:
+        edge = f"the edge of what {buffers[name].dtype} holds (|log| = {limits[name]:.1f})"
+        if name == "log_sigma":
+            said.append(f"sigma ran to {edge}, the evidence still rising: the network fits its training data exactly "
+                        "(residuals ~0), where the evidence has no optimum in sigma; hold sigma at the noise you "
+                        "expect: GaussianLikelihood(sigma=..., learn_sigma=False)")
+        elif name == "log_precision":
+            said.append(f"prior precisions ran to {edge}, the evidence still rising (their weights are ~0); hold "
+                        "them: GaussianPrior(fixed=[...]) with those tensors' names")
+        else:
+            said.append(f"{name} ran to {edge}, the evidence still rising: it has no finite optimum; hold it fixed")
+    return "LaplaceEvidence.optimize: " + "; ".join(said) + "."
 
 
 class LaplaceEvidence:
@@ -452,7 +470,12 @@ class LaplaceEvidence:
         ``max_step`` bounds the move of this one solve: every learned ``log delta_g`` stays within
         ``max_step`` of its start (a box; Newton solves the box-constrained problem by projection,
         Adam clips each iterate into it), as the paper's ``K`` Adam steps bound each estimate's
-        move implicitly. The likelihood's hyperparameters (``sigma``, ``T``) are not bounded.
+        move implicitly. The likelihood's hyperparameters (``sigma``, ``T``) are not bounded by it.
+
+        Every value stays within what its buffer holds (:func:`.likelihoods.log_limit`: ``|log h| <= 42.67``
+        in float32), so that :meth:`set_hyperparameters` takes any solution. Where the evidence still rises at
+        that edge (within a factor ``e``) it has no finite optimum (e.g. ``sigma -> 0`` where the network fits
+        its data exactly): a warning names the cause and ``Solution.unbounded`` the tensors.
 
         Args:
             steps: Adam steps ``K`` (``solver="adam"``).
@@ -467,7 +490,7 @@ class LaplaceEvidence:
 
         Returns:
             The solution: ``values`` (all learnable log hyperparameters, float64), ``value``
-            (total log marglik there), ``state``, ``trace``.
+            (total log marglik there), ``state``, ``trace``, ``unbounded``.
 
         Raises:
             ValueError: On an unknown solver or bad solver options, a ``max_step`` that is not
@@ -478,10 +501,12 @@ class LaplaceEvidence:
         max_step = optional(number, max_step, "max_step", what="the largest change of log delta per solve, or None")
         current = self._current()
         learnable = self._learnable_values()
-        box = None
+        limits = {name: log_limit(self.hyperparameters()[name].dtype) for name in learnable}
+        # every value the buffers can hold, so that set_hyperparameters takes any solution
+        box = {name: (start.clamp(max=-limits[name]), start.clamp(min=limits[name])) for name, start in learnable.items()}
         if max_step is not None and "log_precision" in learnable:
-            start = learnable["log_precision"]
-            box = {"log_precision": (start - max_step, start + max_step)}
+            start, (lower, upper) = learnable["log_precision"], box["log_precision"]
+            box["log_precision"] = (torch.maximum(start - max_step, lower), torch.minimum(start + max_step, upper))
 
         def objective(values: Dict[str, Tensor]) -> Tensor:
             return self.log_marglik_at(self._with_fixed(current, values))
@@ -495,7 +520,11 @@ class LaplaceEvidence:
                 derivatives=lambda values: self._second_order(current, learned, values), box=box,
             )
         full = self._with_fixed(current, solution.values)
-        return dataclasses.replace(solution, values={n: full[n].detach() for n in solution.values})
+        # within a factor e of the edge: in float64 the curvature's scale overflows just before it
+        unbounded = tuple(n for n, v in solution.values.items() if bool((v.abs() >= limits[n] - 1).any()))
+        if unbounded:
+            warnings.warn(_unbounded_message(unbounded, limits, self.hyperparameters()), stacklevel=2)
+        return dataclasses.replace(solution, values={n: full[n].detach() for n in solution.values}, unbounded=unbounded)
 
     def gradient(self) -> Dict[str, Tensor]:
         """Gradient of the log marglik w.r.t. each learnable log hyperparameter (for diagnostics;

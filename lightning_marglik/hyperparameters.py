@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from .hyperpriors import GammaHyperprior, Hyperprior, LogNormalHyperprior
-from .likelihoods import CategoricalLikelihood, GaussianLikelihood, Likelihood, log_buffer
+from .likelihoods import CategoricalLikelihood, GaussianLikelihood, Likelihood, log_buffer, log_limit
 from .private import WRAPPER_PREFIXES, strip_wrapper_prefixes, unknown_wrappers
 from .structure_options import PRIOR_STRUCTURES, curvature_elsewhere
 from .validators import choice, flag, integer
@@ -182,7 +182,9 @@ class GaussianPrior(nn.Module):
 
     def treated(self, treatment: str) -> List[str]:
         """The tensors whose strongest declared treatment (:meth:`treat`) is ``treatment``, in
-        ``param_names`` order (those of ``fixed`` excluded)."""
+        ``param_names`` order (those of ``fixed`` excluded; none learned or decoupled where ``learn=False``)."""
+        if not self.learn and treatment != "fixed":  # no precision is learned: nothing to feed back or keep apart
+            return []
         rank = {"learn": 0, "decoupled": 1, "fixed": 2}
         strongest: Dict[str, str] = {}
         for names, declared in self.treatments.values():
@@ -578,7 +580,7 @@ def assign_hyperparameters(prior: GaussianPrior, likelihood: Likelihood, values:
 
     Raises:
         ValueError: On an unknown name, a value that is not a tensor, a shape mismatch, or a value that is not
-            finite in the buffer's dtype (nothing is written then).
+            finite or lies beyond :func:`.likelihoods.log_limit` in the buffer's dtype (nothing is written then).
     """
     buffers = {"log_precision": prior.log_precision, **likelihood.hyperparameters()}
     converted = {}
@@ -592,8 +594,12 @@ def assign_hyperparameters(prior: GaussianPrior, likelihood: Likelihood, values:
         if value.shape != buffer.shape:
             raise ValueError(f"Hyperparameter {name!r} has shape {tuple(buffer.shape)}, got {tuple(value.shape)}.")
         cast = value.detach().to(buffer.device, buffer.dtype)
-        if not torch.isfinite(cast).all() or not torch.isfinite(cast.exp()).all():
+        if not torch.isfinite(cast).all():
             raise ValueError(f"Refusing to write a non-finite {name!r} (in {buffer.dtype}); the buffers are unchanged.")
+        limit = log_limit(buffer.dtype)
+        if bool((cast.abs() > limit).any()):  # e.g. sigma = e^-76: sigma^2 is 0 in float32, the loss NaN
+            raise ValueError(f"Refusing to write {name!r} = {cast.tolist()}: beyond +-{limit:.1f}, where its square or "
+                             f"inverse square leaves {buffer.dtype}; the buffers are unchanged.")
         converted[name] = cast
     with torch.no_grad():
         for name, cast in converted.items():

@@ -19,20 +19,35 @@ from .validators import flag, number
 
 __all__ = [
     "CategoricalLikelihood", "GaussianLikelihood", "Likelihood", "categorical_rows", "categorical_traces", "log_buffer",
+    "log_limit",
 ]
+
+
+def log_limit(dtype: torch.dtype) -> float:
+    """The largest ``|log h|`` a hyperparameter ``h`` held in ``dtype`` may take: ``h^2`` and ``1 / h^2`` (a
+    variance ``sigma^2`` and a precision, which the likelihoods and solvers form) stay finite and normal in it,
+    with a factor ``e^2`` to spare.
+
+    Example:
+        >>> round(log_limit(torch.float32), 2), round(log_limit(torch.float64), 2)
+        (42.67, 353.2)
+    """
+    info = torch.finfo(dtype)
+    return min(math.log(info.max), -math.log(info.tiny)) / 2 - 1
 
 
 def log_buffer(value: float, name: str) -> Tensor:
     """``log value`` as a 0-dim tensor, for a hyperparameter given as a positive finite number (or a one-element
-    tensor of one); a list, a string or a tensor of several values is refused with the option's name."""
+    tensor of one) within :func:`log_limit`'s range; a list, a string or a tensor of several values is refused
+    with the option's name."""
     if isinstance(value, Tensor) and value.numel() == 1:
         value = value.item()
     log_value = torch.tensor(math.log(number(value, name)))
-    held = log_value.exp()
-    if not bool(torch.isfinite(held)) or not bool(held > 0):
-        info = torch.finfo(log_value.dtype)
-        raise ValueError(f"`{name}` must lie within {log_value.dtype}'s range ({info.tiny:.3g} to {info.max:.3g}), the "
-                         f"dtype it is held in, got {value!r}, which it holds as {held.item()}.")
+    limit = log_limit(log_value.dtype)
+    if not abs(float(log_value)) <= limit:
+        raise ValueError(f"`{name}` must lie within e^-{limit:.1f} to e^{limit:.1f} ({math.exp(-limit):.3g} to "
+                         f"{math.exp(limit):.3g}: its square and inverse square stay within {log_value.dtype}, the "
+                         f"dtype it is held in), got {value!r}.")
     return log_value
 
 

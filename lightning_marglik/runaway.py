@@ -33,21 +33,23 @@ RUNAWAY_LOG_RISE = 8.0
 
 
 def runaway_precisions(prior: GaussianPrior, threshold: float = RUNAWAY_LOG_RISE) -> Dict[str, float]:
-    """The learned tensors whose log precision is more than ``threshold`` above the declared one.
+    """The learned tensors whose log precision is more than ``threshold`` above the declared one, or above 1
+    where the declared one is smaller (a weak declared prior, e.g. ``precision=1e-4``, makes an ordinary learned
+    precision no runaway).
 
     Args:
         prior: The prior; its declared precision (``GaussianPrior(precision=...)``) is the start.
         threshold: Largest rise of ``log delta`` that is not reported.
 
     Returns:
-        Tensor name (``"every parameter"`` for a scalar prior) -> its rise of ``log delta`` (the
+        Tensor name (``"every parameter"`` for a scalar prior) -> its rise of ``log delta`` over that start (the
         largest over its entries for a diagonal prior), in ``param_names`` order.
 
     Raises:
         ValueError: On a ``threshold`` that is not a positive finite number.
     """
     threshold = number(threshold, "threshold", what="the largest rise of log delta not reported, e.g. 8.0")
-    rise = (prior.log_precision.detach().double() - math.log(prior.initial_precision)).cpu()
+    rise = (prior.log_precision.detach().double() - max(math.log(prior.initial_precision), 0.0)).cpu()
     if prior.structure == "scalar":
         value = float(rise[0])
         return {"every parameter": value} if prior.learn and value > threshold else {}

@@ -99,6 +99,8 @@ class Solution:
         diverged: Adam: a step went non-finite, or the last iterate lost more than 10% of the gain
             over the start (any loss when nothing was gained). Newton: the start or the derivatives
             at an accepted point were non-finite (its line search never accepts a decrease).
+        unbounded: The tensors whose best point lies at the edge of the range their buffers hold, the
+            objective still rising toward it (set by :meth:`.LaplaceEvidence.optimize`; ``()`` otherwise).
     """
 
     values: Dict[str, Tensor]
@@ -109,6 +111,7 @@ class Solution:
     trace: List[float]
     converged: bool
     diverged: bool
+    unbounded: Tuple[str, ...] = ()
 
 
 def _evaluate(objective: Objective, point: Dict[str, Tensor]) -> Optional[Tensor]:

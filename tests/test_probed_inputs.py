@@ -20,6 +20,7 @@ from lightning_marglik import (
     CategoricalLikelihood, GaussianLikelihood, GaussianPrior, LaplaceEvidence, MargLikBoundCallback, MargLikCallback,
     map_loss, predict, select_models,
 )
+from lightning_marglik.likelihoods import log_limit
 from lightning_marglik.callbacks.package import MargLikConfigurationError
 from lightning_marglik.callbacks.prior_guard import guard_words
 from tests.lightning_models import BlobData, Classifier, Regressor, loader, regression_data, trainer
@@ -126,10 +127,11 @@ def test_drop_last_in_order_is_said_to_leave_examples_out_of_training(shuffle):
     (lambda: GaussianLikelihood(sigma=1e39), "sigma"),
     (lambda: GaussianLikelihood(sigma=1e-46), "sigma"),
     (lambda: CategoricalLikelihood(temperature=1e-50), "temperature"),
+    (lambda: GaussianLikelihood(sigma=1e-20), "sigma"),  # 1 / sigma^2 overflows float32: the set-up blamed the data
 ])
 def test_a_hyperparameter_its_float32_buffer_cannot_hold_is_refused_at_construction(make, name):
     torch.set_default_dtype(torch.float32)  # the buffers' dtype outside the suite (conftest restores float64)
-    with pytest.raises(ValueError, match=rf"`{name}` must lie within torch.float32's range"):
+    with pytest.raises(ValueError, match=rf"`{name}` must lie within e\^-42.7 to e\^42.7 .*within torch.float32"):
         make()
 
 
@@ -141,6 +143,78 @@ def test_set_hyperparameters_names_a_value_that_is_not_a_tensor():
     with pytest.raises(ValueError, match=r"'log_precision' must be a tensor of shape \(4,\).*got list"):
         evidence.set_hyperparameters({"log_precision": [0.0, 0.0, 0.0, 0.0]})
     assert torch.equal(prior.log_precision, before)
+
+
+def _fitted_exactly():
+    """A linear network whose targets are its own outputs: residuals exactly 0, no optimum in sigma."""
+    torch.manual_seed(0)
+    net, x = nn.Linear(1, 1), torch.randn(50, 1)
+    with torch.no_grad():
+        y = net(x)
+    return net, x, y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_sigma_without_an_optimum_stays_within_its_buffer_and_is_named(dtype):
+    """It ran to e^-76 (sigma^2 = 0 in float32, the loss NaN), a lower value at every estimate, without a word."""
+    torch.set_default_dtype(dtype)
+    net, x, y = _fitted_exactly()
+    likelihood, prior = GaussianLikelihood(), GaussianPrior(net)
+    for _ in range(8):  # a solve moves log sigma by about 70: float64's edge takes five
+        evidence = LaplaceEvidence.fit(net, [(x, y)], likelihood, prior)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            solution = evidence.optimize()
+        evidence.set_hyperparameters(solution.values)  # every solution is writable
+        if solution.unbounded:
+            break
+    assert solution.unbounded == ("log_sigma",) and re.search(
+        r"sigma ran to the edge of what torch.float\d\d holds .*the network fits its training data exactly.*"
+        r"learn_sigma=False", str(caught[-1].message))
+    assert -log_limit(dtype) - 1e-5 <= likelihood.log_sigma.item() <= 1 - log_limit(dtype)  # float32's rounding
+    assert likelihood.sigma.pow(2).item() > 0
+    assert torch.isfinite(map_loss(net(x), y, likelihood, prior))
+    with pytest.raises(ValueError, match=r"Refusing to write 'log_sigma' = -400.0: beyond \+-\d+.\d, where its square"):
+        evidence.set_hyperparameters({"log_sigma": torch.tensor(-400.0)})
+
+
+class HeldAtAnExactFit(pl.LightningModule):
+    """Weights that fit the data exactly and do not move (lr 0): every estimate meets residuals of 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.net, self.x, self.y = _fitted_exactly()
+        self.prior, self.likelihood = GaussianPrior(self.net), GaussianLikelihood()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        return map_loss(self(batch[0]), batch[1], self.likelihood, self.prior)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.net.parameters(), lr=0.0)
+
+
+def test_the_callback_keeps_its_hyperparameters_where_sigma_has_no_optimum(float32):
+    module = HeldAtAnExactFit()
+    callback = MargLikCallback(frequency=1)
+    with pytest.warns(UserWarning, match="where the evidence has no finite optimum in log_sigma, the estimate leaves"):
+        trainer([callback], 3).fit(module, loader(TensorDataset(module.x, module.y), 50))
+    assert module.likelihood.log_sigma.item() == 0.0 and math.isfinite(callback.final_marglik)
+    assert all(math.isfinite(record["marglik"]) for record in callback.history)
+
+
+def test_a_prior_that_learns_nothing_runs_no_guard_and_keeps_no_bias_apart():
+    """learn=False: the guard scored two identical candidates at every estimate (2-3 epochs each), and the set-up
+    line called the biases' precision learned."""
+    module = Regressor()
+    module.prior = GaussianPrior(module.net, learn=False)
+    callback = MargLikCallback(frequency=1)
+    trainer([callback], 3).fit(module, loader(regression_data()))
+    assert callback.guard_off == "off: the evidence sets no tensor's weight decay" and callback.guard_decisions == []
+    assert module.prior.treated("decoupled") == [] and callback.summary["decoupled"] == []
+    assert torch.equal(module.prior.applied_precision, module.prior.precision)
 
 
 # --- NaN in the engine's data ---------------------------------------------------------------------------------

@@ -16,8 +16,8 @@ def _net() -> nn.Module:
 
 
 def test_rises_are_measured_from_the_declared_precision_over_learned_tensors_only():
-    prior = GaussianPrior(_net(), precision=0.1, fixed=["2.bias"])
-    start = math.log(0.1)
+    prior = GaussianPrior(_net(), precision=10.0, fixed=["2.bias"])
+    start = math.log(10.0)
     prior.log_precision[:] = start + torch.tensor([1.0, RUNAWAY_LOG_RISE + 0.5, RUNAWAY_LOG_RISE, 20.0])
     # 0.bias is above the threshold, 2.weight exactly at it (not above), 2.bias fixed (not learned)
     assert runaway_precisions(prior) == pytest.approx({"0.bias": RUNAWAY_LOG_RISE + 0.5})
@@ -27,6 +27,14 @@ def test_rises_are_measured_from_the_declared_precision_over_learned_tensors_onl
     assert runaway_precisions(prior, threshold=0.5) == pytest.approx(
         {"0.weight": 1.0, "0.bias": RUNAWAY_LOG_RISE + 0.5, "2.weight": RUNAWAY_LOG_RISE}
     )
+
+
+def test_below_a_declared_precision_of_1_rises_are_measured_from_1():
+    """A weak declared prior (1e-4) made an ordinary learned precision (0.55) a runaway of +8.6, with advice to hold
+    the tensor."""
+    prior = GaussianPrior(_net(), precision=1e-4)
+    prior.log_precision[:] = torch.tensor([math.log(0.547), 0.0, RUNAWAY_LOG_RISE + 0.5, -3.0])
+    assert runaway_precisions(prior) == pytest.approx({"2.weight": RUNAWAY_LOG_RISE + 0.5})
 
 
 def test_scalar_and_diagonal_priors():

@@ -201,11 +201,17 @@ class MargLikCallbackCore(TrainedModuleQueries, EstimatorCore):
                 self.steps, self.lr, state=self._optimizer_state, solver=self.solver, max_evaluations=max(self.steps, 1),
                 max_step=self.max_step,
             )
-            self._optimizer_state = solution.state
-            self._optimizer_signature = self._learnable_signature()
-            # rank 0's values everywhere: bit-identical hyperparameters on every rank
-            evidence.set_hyperparameters(strategy.broadcast(solution.values, src=0))
-            marglik = solution.value.item() / evidence.n_data
+            # rank 0's solution everywhere: bit-identical hyperparameters, and one decision, on every rank
+            values, unbounded = strategy.broadcast((solution.values, solution.unbounded), src=0)
+            if unbounded:  # no optimum to learn (the engine's warning says why): training keeps sane values
+                rank_zero_warn(f"MargLikCallback: where the evidence has no finite optimum in {', '.join(unbounded)}, the "
+                               "estimate leaves the hyperparameters unchanged; its marglik is theirs.")
+                marglik = evidence.log_marglik().item() / evidence.n_data
+            else:
+                self._optimizer_state = solution.state
+                self._optimizer_signature = self._learnable_signature()
+                evidence.set_hyperparameters(values)
+                marglik = solution.value.item() / evidence.n_data
         extra = {}
         ratio = ef_ratio_of(evidence) if self.options.approx == "ef" else None  # from the pass's own sums
         if ratio is not None:
