@@ -95,11 +95,15 @@ def test_non_finite_curvature_gives_nan_not_an_error(structure):
 @pytest.mark.parametrize("n", [10, 80])  # fewer rows than parameters (determinant lemma), and more (Gram)
 @pytest.mark.parametrize("prior_structure", ["scalar", "layerwise", "diagonal"])
 def test_failed_factorisation_at_extreme_hyperparameters_is_nan(prior_structure, n):
-    """full: precisions of 1e-300 and a curvature scale of 1e300 break the factorisation: NaN, not a raise."""
+    """full: precisions of 1e-300 and a curvature scale of 1e300 break the factorisation: NaN, not a raise (values
+    beyond what the constructors and set_hyperparameters take, written into the buffers)."""
     net = regression_net()
     x, y = torch.randn(n, 4), torch.randn(n, 2)
-    prior = GaussianPrior(net, precision=1e-300, structure=prior_structure)
-    ev = LaplaceEvidence.fit(net, loader(x, y, 8), GaussianLikelihood(sigma=1e-150), prior, structure="full")
+    prior, likelihood = GaussianPrior(net, structure=prior_structure), GaussianLikelihood()
+    with torch.no_grad():
+        prior.log_precision.fill_(math.log(1e-300))
+        likelihood.log_sigma.fill_(math.log(1e-150))
+    ev = LaplaceEvidence.fit(net, loader(x, y, 8), likelihood, prior, structure="full")
     assert (ev.structures[0].gram is None) == (2 * n < prior.n_params)
     value = ev.log_marglik().item()  # never an exception
     if prior_structure == "scalar" and ev.structures[0].gram is not None:
