@@ -24,7 +24,9 @@ import torch
 from torch import Tensor, nn
 
 from .hyperpriors import GammaHyperprior, Hyperprior, LogNormalHyperprior
-from .likelihoods import CategoricalLikelihood, GaussianLikelihood, Likelihood, log_buffer, log_limit
+from .likelihoods import (
+    CategoricalLikelihood, GaussianLikelihood, HyperparameterModule, Likelihood, log_buffer, log_limit,
+)
 from .private import WRAPPER_PREFIXES, strip_wrapper_prefixes, unknown_wrappers
 from .structure_options import PRIOR_STRUCTURES, curvature_elsewhere
 from .validators import choice, flag, integer
@@ -52,7 +54,7 @@ SCALE_INVARIANT_TREATMENTS = TREATMENTS
 SCALE_INVARIANT = "scale-invariant"
 BIAS_NORMALIZATION = "bias/normalization"
 
-class GaussianPrior(nn.Module):
+class GaussianPrior(HyperparameterModule):
     """Isotropic Gaussian prior ``N(0, 1/delta_g I)`` over groups of a network's parameters.
 
     The prior covers every parameter of ``model`` that requires grad at construction. It keeps a

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -19,7 +19,7 @@ from .validators import flag, number
 
 __all__ = [
     "CategoricalLikelihood", "GaussianLikelihood", "Likelihood", "categorical_rows", "categorical_traces", "log_buffer",
-    "log_limit",
+    "HyperparameterModule", "log_limit",
 ]
 
 
@@ -106,7 +106,29 @@ def _row_by_row(mask: Tensor) -> bool:
     return int(mask.sum()) * 5 >= 4 * mask.numel()
 
 
-class Likelihood(nn.Module):
+def _at_least_float32(tensor: Tensor) -> Tensor:
+    """``tensor`` in float32 where it is half precision (fp16 cannot hold ``sigma^2`` outside about [0.004, 255],
+    nor a batch's sum of squares), else itself."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
+class HyperparameterModule(nn.Module):
+    """A module whose floating buffers are log hyperparameters: ``.half()``, ``.bfloat16()`` and Lightning's
+    ``"16-true"``/``"bf16-true"`` convert the network, but these stay float32. A half-precision ``log h`` moves in
+    steps of about 0.016 near 3, which round an estimate's update away (the prior stopped learning under
+    ``bf16-true``), and fp16 cannot hold ``sigma^2`` or ``1 / sigma^2`` outside about [0.004, 255]."""
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "HyperparameterModule":
+        before = {name: b for name, b in self._buffers.items() if b is not None and b.is_floating_point()}
+        module = super()._apply(fn, recurse)
+        for name, held in before.items():
+            after = self._buffers[name]
+            if after is not None and after.dtype in (torch.float16, torch.bfloat16):
+                self._buffers[name] = held.to(device=after.device, dtype=torch.float32)
+        return module
+
+
+class Likelihood(HyperparameterModule):
     """Base class of the likelihoods: a tempered ``p(y|f)^(1/T)`` with a learnable temperature.
 
     Outputs are ``(B, ..., C)``: every position ``(b, ...)`` is one *term* (datum) of the
@@ -317,11 +339,13 @@ class GaussianLikelihood(Likelihood):
         return flat, target.reshape(-1, d), torch.ones(flat.shape[0], dtype=torch.bool, device=output.device)
 
     def term_nll(self, output: Tensor, target: Tensor) -> Tensor:
-        sigma2 = self.sigma.detach().to(output.dtype) ** 2
-        return 0.5 * ((target - output) ** 2).sum(1) / sigma2 + 0.5 * output.shape[1] * torch.log(2 * math.pi * sigma2)
+        residual = _at_least_float32(target - output)
+        sigma2 = self.sigma.detach().to(residual.dtype) ** 2
+        return 0.5 * (residual ** 2).sum(1) / sigma2 + 0.5 * output.shape[1] * torch.log(2 * math.pi * sigma2)
 
     def term_statistics(self, output: Tensor, target: Tensor, mask: Tensor) -> Dict[str, Tensor]:
-        return {"sse": ((target - output) ** 2)[mask].sum(), "n_outputs": torch.tensor(int(mask.sum()) * target.shape[1])}
+        squares = _at_least_float32(target - output) ** 2
+        return {"sse": squares[mask].sum(), "n_outputs": torch.tensor(int(mask.sum()) * target.shape[1])}
 
     def log_likelihood(self, stats: Dict[str, Tensor], values: Dict[str, Tensor]) -> Tensor:
         log_sigma = values["log_sigma"]

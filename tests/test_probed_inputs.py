@@ -217,6 +217,26 @@ def test_a_prior_that_learns_nothing_runs_no_guard_and_keeps_no_bias_apart():
     assert torch.equal(module.prior.applied_precision, module.prior.precision)
 
 
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
+def test_half_precision_networks_keep_their_hyperparameters_in_float32(half):
+    """bf16-true rounded every estimate's update of log delta (steps of ~0.016 near 3) away: the prior stopped
+    learning without a word; fp16 turned sigma = 300 into an infinite sigma^2, blamed on the data."""
+    module = Regressor()
+    module.prior = GaussianPrior(module.net, precision=20.0)
+    module.likelihood = GaussianLikelihood(sigma=300.0)
+    module.to(half)
+    assert module.net[0].weight.dtype == half
+    assert module.prior.log_precision.dtype == module.likelihood.log_sigma.dtype == torch.float32
+    assert module.prior.precision[0].item() == pytest.approx(20.0, rel=1e-6)
+    step = {"log_precision": module.prior.log_precision + 0.005}  # below bf16's spacing there
+    LaplaceEvidence.fit(module.net, [(torch.randn(4, 1, dtype=half), torch.randn(4, 1, dtype=half))],
+                        module.likelihood, module.prior).set_hyperparameters(step)
+    assert torch.equal(module.prior.log_precision, step["log_precision"])
+    x, y = torch.randn(8, 1, dtype=half), torch.randn(8, 1, dtype=half)
+    assert torch.isfinite(map_loss(module(x), y, module.likelihood, module.prior, n_data=8))
+    assert module.double().prior.log_precision.dtype == torch.float64  # wider is kept wider
+
+
 # --- NaN in the engine's data ---------------------------------------------------------------------------------
 
 
