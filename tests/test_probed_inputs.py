@@ -237,6 +237,14 @@ def test_half_precision_networks_keep_their_hyperparameters_in_float32(half):
     assert module.double().prior.log_precision.dtype == torch.float64  # wider is kept wider
 
 
+@pytest.mark.parametrize("flag, said", [(dict(fast_dev_run=True), "fast_dev_run=True"),
+                                        (dict(overfit_batches=2), "overfit_batches=2")])
+def test_a_limited_epoch_is_said_with_the_flag_the_user_set(flag, said):
+    """fast_dev_run and overfit_batches set limit_train_batches themselves: the warning named that instead."""
+    with pytest.warns(UserWarning, match=rf"Trainer\({said}\) trains on \d of 4 batches per epoch"):
+        trainer([MargLikCallback(frequency=1)], 1, **flag).fit(Regressor(), loader(regression_data()))
+
+
 # --- NaN in the engine's data ---------------------------------------------------------------------------------
 
 

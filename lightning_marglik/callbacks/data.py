@@ -16,7 +16,7 @@ from ..hyperparameters import Likelihood
 from ..validators import suggestion
 from .package import LightningModule, MargLikConfigurationError, Trainer
 
-__all__ = ["count_data", "dropped_examples", "evidence_batches", "named_loader_method"]
+__all__ = ["count_data", "dropped_examples", "evidence_batches", "limiting_flag", "named_loader_method"]
 
 Source = Union[DataLoader, str, None]
 BatchFn = Optional[Callable[[Any], Any]]
@@ -130,7 +130,7 @@ def evidence_batches(dataloader: Source, trainer: Trainer, pl_module: LightningM
         limit = trainer.num_training_batches
         max_batches = int(limit) if math.isfinite(limit) else None
         if warn and max_batches is not None and not isinstance(source.dataset, IterableDataset):
-            _warn_if_limited(source, max_batches, trainer.limit_train_batches)
+            _warn_if_limited(source, max_batches, limiting_flag(trainer))
         if warn:
             _warn_if_dropped(source)
     try:
@@ -139,9 +139,21 @@ def evidence_batches(dataloader: Source, trainer: Trainer, pl_module: LightningM
         raise MargLikConfigurationError(str(err)) from err
 
 
-def _warn_if_limited(loader: DataLoader, max_batches: int, limit: Union[int, float], read: int = 0) -> None:
-    """Say how the evidence data relate to a training epoch limited by ``limit_train_batches``; ``read``:
-    the batches a stream (an IterableDataset) yielded, which may end before the limit."""
+def limiting_flag(trainer: Trainer) -> str:
+    """The ``Trainer`` argument that limits a training epoch's batches, as the user set it: ``fast_dev_run`` and
+    ``overfit_batches`` set ``limit_train_batches`` themselves, and a message naming that would name a flag the
+    user never set."""
+    if trainer.fast_dev_run:
+        return f"fast_dev_run={trainer.fast_dev_run}"
+    if trainer.overfit_batches:
+        return f"overfit_batches={trainer.overfit_batches}"
+    return f"limit_train_batches={trainer.limit_train_batches}"
+
+
+def _warn_if_limited(loader: DataLoader, max_batches: int, limit: str, read: int = 0) -> None:
+    """Say how the evidence data relate to a training epoch limited by the Trainer argument ``limit``
+    (:func:`limiting_flag`); ``read``: the batches a stream (an IterableDataset) yielded, which may end before
+    the limit."""
     try:
         length: Optional[int] = len(loader)
     except TypeError:  # a stream without length
@@ -153,12 +165,12 @@ def _warn_if_limited(loader: DataLoader, max_batches: int, limit: Union[int, flo
                  f"{read} batches (the stream ended before the limit of {max_batches})")
         rank_zero_warn(
             f"MargLikCallback: the evidence covers the {which} of the training IterableDataset, "
-            f"those one training epoch uses (Trainer(limit_train_batches={limit})); pass `dataloader=` for other "
+            f"those one training epoch uses (Trainer({limit})); pass `dataloader=` for other "
             "evidence data."
         )
     else:
         rank_zero_warn(
-            f"MargLikCallback: Trainer(limit_train_batches={limit}) trains on {max_batches} of {length} batches per "
+            f"MargLikCallback: Trainer({limit}) trains on {max_batches} of {length} batches per "
             "epoch, but the evidence covers every example of the training sampler; pass `dataloader=` for other "
             "evidence data."
         )
@@ -184,5 +196,5 @@ def count_data(
     source = trainer.train_dataloader
     limit = trainer.num_training_batches
     if dataloader is None and isinstance(source.dataset, IterableDataset) and math.isfinite(limit):
-        _warn_if_limited(source, int(limit), trainer.limit_train_batches, read)  # a stream's count is known now
+        _warn_if_limited(source, int(limit), limiting_flag(trainer), read)  # a stream's count is known now
     return count

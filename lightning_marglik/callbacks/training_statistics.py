@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 from ..curvature.training_pass import TrainingPassStatistics, mismatch
 from ..distributed import run_on_all_ranks
 from ..hyperparameters import Likelihood
-from .data import BatchFn, dropped_examples
+from .data import BatchFn, dropped_examples, limiting_flag
 from .package import LightningModule, MargLikConfigurationError, Trainer
 from .schedule import Schedule
 from .sharding import whole_parameters
@@ -52,7 +52,7 @@ def check_coverage(trainer: Trainer, dataloader: Any) -> None:
     if math.isfinite(batches) and int(batches) < length:
         raise MargLikConfigurationError(
             f"MargLikCallback(statistics='training'): a training epoch runs {int(batches)} of the loader's {length} "
-            f"batches (Trainer(limit_train_batches={trainer.limit_train_batches})), but the evidence covers every "
+            f"batches (Trainer({limiting_flag(trainer)})), but the evidence covers every "
             f"example; train on every batch or {fix}."
         )
     dropped = dropped_examples(loader)
