@@ -402,13 +402,15 @@ def predict(
     if evidence not in _described:
         _described.add(evidence)
         log.info(describe(source, method if classification else "closed form"))
-    if not classification:
-        return predict_regression(evidence, module, x)
-    if method == "auto":
-        method = _auto(evidence)
-        if method is None:
-            return _outputs(prior, module, x)[0].softmax(1)
-    mean, probs = _classification(evidence, module, x, method, samples, generator)
+    # Lightning's mixed precision runs predict_step under autocast: the predictive would come back in bfloat16
+    with torch.autocast(next(module.parameters()).device.type, enabled=False):
+        if not classification:
+            return predict_regression(evidence, module, x)
+        if method == "auto":
+            method = _auto(evidence)
+            if method is None:
+                return _outputs(prior, module, x)[0].softmax(1)
+        mean, probs = _classification(evidence, module, x, method, samples, generator)
     if evidence not in _checked:  # the first batch an evidence predicts
         _checked.add(evidence)
         message = _near_uniform_message(mean.softmax(1), probs)

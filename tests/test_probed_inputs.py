@@ -245,6 +245,18 @@ def test_a_limited_epoch_is_said_with_the_flag_the_user_set(flag, said):
         trainer([MargLikCallback(frequency=1)], 1, **flag).fit(Regressor(), loader(regression_data()))
 
 
+def test_predict_under_mixed_precisions_autocast_returns_what_it_returns_without(float32):
+    """Inside predict_step under Trainer(precision="bf16-mixed") the predictive came back in bfloat16."""
+    net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1))
+    x, y = torch.randn(32, 1), torch.randn(32, 1)
+    evidence = LaplaceEvidence.fit(net, [(x, y)], GaussianLikelihood(), GaussianPrior(net))
+    plain = predict(evidence, net, x[:4])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = predict(evidence, net, x[:4])
+    assert mixed.mean.dtype == torch.float32 and torch.equal(mixed.mean, plain.mean)
+    assert torch.equal(mixed.variance, plain.variance)
+
+
 # --- NaN in the engine's data ---------------------------------------------------------------------------------
 
 
