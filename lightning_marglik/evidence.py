@@ -23,7 +23,7 @@ from .denormals import DenormalFlush
 from .hyperparameters import (
     GaussianPrior, Likelihood, assign_hyperparameters, check_likelihood_and_prior, learnable_values,
 )
-from .likelihoods import log_limit
+from .likelihoods import LOG_LIMIT
 from .validators import choice, flag, number, optional
 
 __all__ = ["LaplaceEvidence", "SOLVERS", "require_data"]
@@ -472,7 +472,7 @@ class LaplaceEvidence:
         Adam clips each iterate into it), as the paper's ``K`` Adam steps bound each estimate's
         move implicitly. The likelihood's hyperparameters (``sigma``, ``T``) are not bounded by it.
 
-        Every value stays within what its buffer holds (:func:`.likelihoods.log_limit`: ``|log h| <= 42.67``
+        Every value stays within what its buffer holds (:data:`.likelihoods.LOG_LIMIT`: ``|log h| <= 42.67``
         in float32), so that :meth:`set_hyperparameters` takes any solution. Where the evidence still rises at
         that edge (within a factor ``e``) it has no finite optimum (e.g. ``sigma -> 0`` where the network fits
         its data exactly): a warning names the cause and ``Solution.unbounded`` the tensors.
@@ -501,7 +501,7 @@ class LaplaceEvidence:
         max_step = optional(number, max_step, "max_step", what="the largest change of log delta per solve, or None")
         current = self._current()
         learnable = self._learnable_values()
-        limits = {name: log_limit(self.hyperparameters()[name].dtype) for name in learnable}
+        limits = {name: LOG_LIMIT[self.hyperparameters()[name].dtype] for name in learnable}
         # every value the buffers can hold, so that set_hyperparameters takes any solution
         box = {name: (start.clamp(max=-limits[name]), start.clamp(min=limits[name])) for name, start in learnable.items()}
         if max_step is not None and "log_precision" in learnable:

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from .hyperpriors import GammaHyperprior, Hyperprior, LogNormalHyperprior
 from .likelihoods import (
-    CategoricalLikelihood, GaussianLikelihood, HyperparameterModule, Likelihood, log_buffer, log_limit,
+    LOG_LIMIT, CategoricalLikelihood, GaussianLikelihood, HyperparameterModule, Likelihood, log_buffer,
 )
 from .private import WRAPPER_PREFIXES, strip_wrapper_prefixes, unknown_wrappers
 from .structure_options import PRIOR_STRUCTURES, curvature_elsewhere
@@ -582,7 +582,7 @@ def assign_hyperparameters(prior: GaussianPrior, likelihood: Likelihood, values:
 
     Raises:
         ValueError: On an unknown name, a value that is not a tensor, a shape mismatch, or a value that is not
-            finite or lies beyond :func:`.likelihoods.log_limit` in the buffer's dtype (nothing is written then).
+            finite or lies beyond :data:`.likelihoods.LOG_LIMIT` in the buffer's dtype (nothing is written then).
     """
     buffers = {"log_precision": prior.log_precision, **likelihood.hyperparameters()}
     converted = {}
@@ -598,7 +598,7 @@ def assign_hyperparameters(prior: GaussianPrior, likelihood: Likelihood, values:
         cast = value.detach().to(buffer.device, buffer.dtype)
         if not torch.isfinite(cast).all():
             raise ValueError(f"Refusing to write a non-finite {name!r} (in {buffer.dtype}); the buffers are unchanged.")
-        limit = log_limit(buffer.dtype)
+        limit = LOG_LIMIT[buffer.dtype]
         if bool((cast.abs() > limit).any()):  # e.g. sigma = e^-76: sigma^2 is 0 in float32, the loss NaN
             raise ValueError(f"Refusing to write {name!r} = {cast.tolist()}: beyond +-{limit:.1f}, where its square or "
                              f"inverse square leaves {buffer.dtype}; the buffers are unchanged.")

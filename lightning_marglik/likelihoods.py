@@ -19,31 +19,31 @@ from .validators import flag, number
 
 __all__ = [
     "CategoricalLikelihood", "GaussianLikelihood", "Likelihood", "categorical_rows", "categorical_traces", "log_buffer",
-    "HyperparameterModule", "log_limit",
+    "HyperparameterModule", "LOG_LIMIT",
 ]
 
 
-def log_limit(dtype: torch.dtype) -> float:
-    """The largest ``|log h|`` a hyperparameter ``h`` held in ``dtype`` may take: ``h^2`` and ``1 / h^2`` (a
-    variance ``sigma^2`` and a precision, which the likelihoods and solvers form) stay finite and normal in it,
-    with a factor ``e^2`` to spare.
-
-    Example:
-        >>> round(log_limit(torch.float32), 2), round(log_limit(torch.float64), 2)
-        (42.67, 353.2)
-    """
+def _log_limit(dtype: torch.dtype) -> float:
     info = torch.finfo(dtype)
     return min(math.log(info.max), -math.log(info.tiny)) / 2 - 1
 
 
+#: The largest ``|log h|`` a hyperparameter ``h`` held in a floating dtype may take: ``h^2`` and ``1 / h^2`` (a
+#: variance ``sigma^2`` and a precision, which the likelihoods and solvers form) stay finite and normal in it, with a
+#: factor ``e^2`` to spare: 42.67 in float32, 353.2 in float64.
+LOG_LIMIT: Dict[torch.dtype, float] = {
+    dtype: _log_limit(dtype) for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+}
+
+
 def log_buffer(value: float, name: str) -> Tensor:
     """``log value`` as a 0-dim tensor, for a hyperparameter given as a positive finite number (or a one-element
-    tensor of one) within :func:`log_limit`'s range; a list, a string or a tensor of several values is refused
+    tensor of one) within :data:`LOG_LIMIT`'s range; a list, a string or a tensor of several values is refused
     with the option's name."""
     if isinstance(value, Tensor) and value.numel() == 1:
         value = value.item()
     log_value = torch.tensor(math.log(number(value, name)))
-    limit = log_limit(log_value.dtype)
+    limit = LOG_LIMIT[log_value.dtype]
     if not abs(float(log_value)) <= limit:
         raise ValueError(f"`{name}` must lie within e^-{limit:.1f} to e^{limit:.1f} ({math.exp(-limit):.3g} to "
                          f"{math.exp(limit):.3g}: its square and inverse square stay within {log_value.dtype}, the "

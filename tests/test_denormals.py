@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_marglik import (
-    CategoricalLikelihood, DenormalFlush, GaussianPrior, LaplaceEvidence, MargLikBoundCallback, MargLikCallback,
+    CategoricalLikelihood, DenormalFlush, GaussianLikelihood, GaussianPrior, LaplaceEvidence, MargLikBoundCallback, MargLikCallback,
     MargLikConfigurationError,
 )
 from lightning_marglik.denormals import flushing_denormals
@@ -92,7 +92,9 @@ def test_flush_denormals_must_be_a_bool():
         with pytest.raises(ValueError, match="`flush_denormals` must be True or False"):
             MargLikCallback(flush_denormals=bad)
         with pytest.raises(ValueError, match="`flush_denormals` must be True or False"):
-            LaplaceEvidence.fit(nn.Linear(1, 1), loader(regression_data()), None, None, flush_denormals=bad)
+            net = nn.Linear(1, 1)
+            LaplaceEvidence.fit(net, loader(regression_data()), GaussianLikelihood(), GaussianPrior(net),
+                                flush_denormals=bad)
         with pytest.raises(ValueError, match="`enabled` must be True or False \\(of DenormalFlush\\)"):
             DenormalFlush(bad)  # a plain loop's own flush: "false" would otherwise read as True
 

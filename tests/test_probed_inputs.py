@@ -20,7 +20,7 @@ from lightning_marglik import (
     CategoricalLikelihood, GaussianLikelihood, GaussianPrior, LaplaceEvidence, MargLikBoundCallback, MargLikCallback,
     map_loss, predict, select_models,
 )
-from lightning_marglik.likelihoods import log_limit
+from lightning_marglik.likelihoods import LOG_LIMIT
 from lightning_marglik.callbacks.package import MargLikConfigurationError
 from lightning_marglik.callbacks.prior_guard import guard_words
 from tests.lightning_models import BlobData, Classifier, Regressor, loader, regression_data, trainer
@@ -171,7 +171,7 @@ def test_a_sigma_without_an_optimum_stays_within_its_buffer_and_is_named(dtype):
     assert solution.unbounded == ("log_sigma",) and re.search(
         r"sigma ran to the edge of what torch.float\d\d holds .*the network fits its training data exactly.*"
         r"learn_sigma=False", str(caught[-1].message))
-    assert -log_limit(dtype) - 1e-5 <= likelihood.log_sigma.item() <= 1 - log_limit(dtype)  # float32's rounding
+    assert -LOG_LIMIT[dtype] - 1e-5 <= likelihood.log_sigma.item() <= 1 - LOG_LIMIT[dtype]  # float32's rounding
     assert likelihood.sigma.pow(2).item() > 0
     assert torch.isfinite(map_loss(net(x), y, likelihood, prior))
     with pytest.raises(ValueError, match=r"Refusing to write 'log_sigma' = -400.0: beyond \+-\d+.\d, where its square"):

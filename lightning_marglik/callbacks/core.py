@@ -192,7 +192,8 @@ class MargLikCallbackCore(TrainedModuleQueries, EstimatorCore):
         evidence = self._evidence(trainer, pl_module, self.options, generator)
         self.evidence = evidence
         self._record_n_data(evidence.n_data)  # the N of map_loss follows the evidence (e.g. a stream's new masks)
-        if not torch.isfinite(evidence.log_marglik().detach()):
+        start = evidence.log_marglik().detach()  # at the hyperparameters as they are
+        if not torch.isfinite(start):
             rank_zero_warn("The evidence is not finite at the current weights; hyperparameters left unchanged (where "
                            "the weights are NaN or inf, training diverged or training data hold NaN or inf).")
             marglik = math.nan
@@ -206,7 +207,7 @@ class MargLikCallbackCore(TrainedModuleQueries, EstimatorCore):
             if unbounded:  # no optimum to learn (the engine's warning says why): training keeps sane values
                 rank_zero_warn(f"MargLikCallback: where the evidence has no finite optimum in {', '.join(unbounded)}, the "
                                "estimate leaves the hyperparameters unchanged; its marglik is theirs.")
-                marglik = evidence.log_marglik().item() / evidence.n_data
+                marglik = start.item() / evidence.n_data
             else:
                 self._optimizer_state = solution.state
                 self._optimizer_signature = self._learnable_signature()

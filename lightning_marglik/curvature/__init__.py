@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..hyperparameters import GaussianPrior, Likelihood, check_likelihood_and_prior
-from .batches import (BatchFn, batch_size, call_model, check_data, check_examples, eager, examples, move, slice_batch,
+from .batches import (BatchFn, call_model, check_data, check_examples, eager, examples, move, slice_batch,
                       split_batch)
 from .estimator import resolved_options
 from .exchange import Exchange
