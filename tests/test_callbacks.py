@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -85,6 +86,20 @@ def test_checkpoint_holds_best_evidence_and_reload_restores(tmp_path):
             assert torch.equal(a, b), n
     state = torch.load(ck.best_model_path, weights_only=False)["state_dict"]
     assert "prior.log_precision" in state and "likelihood.log_sigma" in state
+
+
+def test_a_checkpoint_reused_in_a_second_trainer_keeps_that_fits_own_best(tmp_path):
+    """Reused, it kept the first fit's best file as "best", and trainer.test(ckpt_path="best") loaded the first
+    model's weights into the second model without a word."""
+    ck = MargLikCheckpoint(dirpath=tmp_path, filename="{epoch}-{marglik:.4f}", save_top_k=1)
+    first_cb, second_cb = MargLikCallback(structure="diag", steps=5), MargLikCallback(structure="diag", steps=5)
+    _fit([first_cb, ck], max_epochs=6)  # trained longer: a higher evidence than the second fit reaches
+    first = ck.best_model_path
+    model, trainer = _fit([second_cb, ck], max_epochs=2)
+    assert second_cb.best_marglik < first_cb.best_marglik
+    assert ck.best_model_path != first and ck.best_model_score.item() == pytest.approx(second_cb.best_marglik)
+    assert f"epoch={second_cb.best_epoch}-" in os.path.basename(ck.best_model_path)
+    assert set(ck.best_k_models) == {ck.best_model_path}
 
 
 def test_checkpoint_not_affected_by_validation(tmp_path):

@@ -6,6 +6,7 @@ burn-in, independent of validation loops.
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import math
@@ -48,6 +49,11 @@ class _FollowsEstimates(KnownKeywords):
             self._marglik = found[0]
 
 
+# ModelCheckpoint's record of one fit's files and scores (its state_dict's), as its __init__ leaves it
+_BEST_STATE = ("current_score", "best_k_models", "kth_best_model_path", "kth_value", "best_model_score",
+               "best_model_path", "last_model_path")
+
+
 class CheckpointCore(_FollowsEstimates):
     """The logic of ``MargLikCheckpoint``, combined with a package's ``ModelCheckpoint``.
 
@@ -84,10 +90,15 @@ class CheckpointCore(_FollowsEstimates):
             verbose=flag(verbose, "verbose", what="log a line per save"),
             save_on_train_epoch_end=True,
         )
+        self._unfitted = {name: copy.deepcopy(getattr(self, name)) for name in _BEST_STATE}
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)  # resolves dirpath (by default the logger's)
         if stage == "fit":
+            # a new fit keeps its own best (a resumed one restores it after setup): reused in a second Trainer, the
+            # first fit's best file stayed "best", and trainer.test(ckpt_path="best") loaded it into the new model
+            for name, value in self._unfitted.items():
+                setattr(self, name, copy.deepcopy(value))
             run_on_all_ranks(trainer.strategy, lambda: self._check_writable(trainer))
 
     def _check_writable(self, trainer: Trainer) -> None:
