@@ -1,6 +1,7 @@
 """Trainer-level tests of MargLikCallback, MargLikCheckpoint and MargLikEarlyStopping (real Trainer, CPU)."""
 from __future__ import annotations
 
+import logging
 import math
 import os
 
@@ -100,6 +101,18 @@ def test_a_checkpoint_reused_in_a_second_trainer_keeps_that_fits_own_best(tmp_pa
     assert ck.best_model_path != first and ck.best_model_score.item() == pytest.approx(second_cb.best_marglik)
     assert f"epoch={second_cb.best_epoch}-" in os.path.basename(ck.best_model_path)
     assert set(ck.best_k_models) == {ck.best_model_path}
+
+
+def test_an_early_stop_that_min_epochs_overrules_says_training_goes_on(caplog):
+    """Under min_epochs it said "stopped training after epoch 2" where Lightning trained on to epoch 6."""
+    stopping = MargLikEarlyStopping(patience=1, min_delta=0.5)  # no estimate gains 0.5: a stop after the second
+    with caplog.at_level(logging.INFO):
+        _, trainer = _fit([MargLikCallback(frequency=1), stopping], max_epochs=8, min_epochs=4)
+    said = [r.getMessage() for r in caplog.records if "MargLikEarlyStopping" in r.getMessage()]
+    assert said[0].startswith("MargLikEarlyStopping asked to stop after epoch 2, but Trainer(min_epochs=4) trains "
+                              "on to epoch 4:")
+    assert stopping.stopping_reason_message.startswith("MargLikEarlyStopping stopped training after epoch 4:")
+    assert trainer.current_epoch == 4
 
 
 def test_checkpoint_not_affected_by_validation(tmp_path):

@@ -181,7 +181,7 @@ class EarlyStoppingCore(_FollowsEstimates):
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self._marglik.schedule.is_fresh(trainer):
             return
-        self._epoch = trainer.current_epoch + 1
+        self._epoch, self._min_epochs = trainer.current_epoch + 1, trainer.min_epochs or 0
         stopped_before = trainer.should_stop
         self._run_early_stopping_check(trainer)
         if trainer.should_stop and not stopped_before and self.stopped_epoch == trainer.current_epoch:
@@ -198,6 +198,9 @@ class EarlyStoppingCore(_FollowsEstimates):
                 f"{MONITOR} (log evidence per datum) did not improve by more than min_delta={self.min_delta} in "
                 f"the last {self.wait_count} estimations (patience={self.patience}); best {self.best_score:.4f}."
             )
+        if self._epoch < self._min_epochs:  # Lightning trains on: "stopped" would be false
+            return should_stop, (f"MargLikEarlyStopping asked to stop after epoch {self._epoch}, but "
+                                 f"Trainer(min_epochs={self._min_epochs}) trains on to epoch {self._min_epochs}: {reason}")
         return should_stop, f"MargLikEarlyStopping stopped training after epoch {self._epoch}: {reason}"
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
