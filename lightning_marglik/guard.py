@@ -31,7 +31,7 @@ gradient that each block's solve overwrites with its step), float64 one structur
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -53,8 +53,10 @@ Reduce = Callable[[Tensor], Tensor]
 
 
 def fold_pieces(batch: Batch, folds: int) -> List[Batch]:
-    """The batch cut into ``folds`` contiguous pieces (fold ``k`` of the data: the ``k``-th piece of every
-    batch); a batch of fewer examples than folds leaves the last pieces empty, and they are dropped.
+    """The batch cut into ``folds`` contiguous pieces, fold ``k``'s the ``k``-th (a rule of the batch alone, so that
+    DDP's ranks cut their batches as one process would): of ``ceil(size / folds)`` examples, the last ones smaller;
+    where that would leave a piece empty (a batch of 6, 8 or 16 for 5 folds, whose fifth fold had held nothing), of
+    ``size / folds`` rounded down or up. A batch of fewer examples than folds gives one piece per example.
 
     Raises:
         ValueError: If ``folds`` is not an integer of at least 1.
@@ -63,13 +65,20 @@ def fold_pieces(batch: Batch, folds: int) -> List[Batch]:
         >>> pieces = fold_pieces((torch.arange(7.0)[:, None], torch.arange(7)), 3)
         >>> [len(target) for _, target in pieces] == [3, 3, 1]
         True
+        >>> eight = (torch.arange(8.0)[:, None], torch.arange(8))
+        >>> [len(target) for _, target in fold_pieces(eight, 5)] == [1, 2, 1, 2, 2]
+        True
     """
     folds = integer(folds, "folds", minimum=1)
     inputs, target = batch
     size = examples(inputs, target)
     width = -(-size // folds)
-    return [(slice_batch(inputs, start, start + width, size), target[start:start + width])
-            for start in range(0, size, width)]
+    if width * (folds - 1) < size:  # the studies' batches (128: 26, 26, 26, 26, 24) keep their pieces
+        bounds = [min(k * width, size) for k in range(folds + 1)]
+    else:
+        bounds = [k * size // folds for k in range(folds + 1)]
+    return [(slice_batch(inputs, start, end, size), target[start:end])
+            for start, end in zip(bounds, bounds[1:]) if end > start]
 
 
 def approximate_cv(
@@ -167,7 +176,9 @@ def fold_calls(batches: Sequence[Batch], folds: int) -> List[List[Batch]]:
     """Fold ``k``'s pieces of every batch (:func:`fold_pieces`), consecutive ones joined into calls of at most the
     largest batch's size where their inputs concatenate (the same trailing shapes, the same shared values): a
     fold's gradient and forward-mode products take about as many calls as training takes batches, not ``K`` times
-    as many (on a small network, the calls' overhead was most of the guard's time).
+    as many (on a small network, the calls' overhead was most of the guard's time). Consecutive batches of fewer
+    examples than folds are joined before they are cut (:func:`_gathered`): cut alone, batches of 1 put every
+    example into the first fold, and there was no cross-validation at all.
 
     Raises:
         ValueError: If ``folds`` is not an integer of at least 1 (:func:`fold_pieces`).
@@ -179,7 +190,7 @@ def fold_calls(batches: Sequence[Batch], folds: int) -> List[List[Batch]]:
         >>> target.tolist()
         [0, 1, 4, 5]
     """
-    pieces = [fold_pieces(batch, folds) for batch in batches]  # batches read once: an iterator is taken too
+    pieces = [fold_pieces(batch, folds) for batch in _gathered(batches, folds)]  # read once: an iterator is taken too
     limit = max((sum(len(target) for _, target in cut) for cut in pieces), default=0)
     calls: List[List[Batch]] = []
     for k in range(folds):
@@ -192,6 +203,25 @@ def fold_calls(batches: Sequence[Batch], folds: int) -> List[List[Batch]]:
                 fold[-1] = joined
         calls.append(fold)
     return calls
+
+
+def _gathered(batches: Iterable[Batch], folds: int) -> Iterator[Batch]:
+    """The batches, runs of consecutive ones of fewer than ``folds`` examples joined (where their inputs concatenate)
+    until they hold ``folds``; larger batches as they are."""
+    run: Optional[Batch] = None
+    for batch in batches:
+        small = len(batch[1]) < folds
+        joined = _joined(run, batch) if run is not None and small else None
+        if run is not None and joined is None:
+            yield run
+        run = joined if joined is not None else batch if small else None
+        if not small:
+            yield batch
+        elif len(run[1]) >= folds:
+            yield run
+            run = None
+    if run is not None:
+        yield run
 
 
 class _Apart(Exception):

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from .curvature import eval_mode, locate
 from .curvature.batches import batch_size, call_model, move, non_finite_rows
 from .curvature.functional import jacobian_rows
+from .curvature.hooks import layer_input
 from .curvature.statistics import RankOneJacobian
 from .curvature.structures import KronStructure
 from .evidence import LaplaceEvidence
@@ -85,7 +86,12 @@ def _jacobian_blocks(evidence: LaplaceEvidence, model: nn.Module, x: Any) -> "tu
     prior = evidence.prior
     candidates = _rank_one_layers(evidence, model)
     inputs: Dict[nn.Module, List[Tensor]] = {module: [] for module in candidates}
-    handles = [module.register_forward_hook(lambda m, args, _: inputs[m].append(args[0])) for module in candidates]
+    def record(module: nn.Module, args: Any, kwargs: Any, _: Any) -> None:
+        given = layer_input(module, args, kwargs)  # a keyword call (self.head(input=h)) too; none: no rank-one form
+        if given is not None:
+            inputs[module].append(given)
+
+    handles = [module.register_forward_hook(record, with_kwargs=True) for module in candidates]
     try:
         mean, x = _outputs(prior, model, x)
     finally:

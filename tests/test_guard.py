@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_marglik import CategoricalLikelihood, GaussianLikelihood, GaussianPrior, LaplaceEvidence, MargLikCallback
 from lightning_marglik.callbacks.prior_guard import GUARD
 from lightning_marglik.guard import approximate_cv, fold_calls, fold_pieces
-from tests.lightning_models import Classifier, trainer
+from tests.lightning_models import Classifier, Regressor, loader, regression_data, trainer
 from tests.reference import curvature_scale, jacobians, loss_hessians
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*does not have many workers.*", "ignore:.*LeafSpec.*")
@@ -145,6 +145,25 @@ def test_fold_calls_join_a_folds_pieces_only_where_their_inputs_concatenate():
         cut = [[i for p in (fold_pieces(b, folds) for b in batches) if k < len(p) for i in p[k][1].tolist()]
                for k in range(folds)]
         assert joined == cut
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 6, 8, 16, 40])
+def test_no_fold_is_left_empty_whatever_the_batch_size(batch_size):
+    """Pieces of ceil(B / 5): batches of 8 or 16 made 4 (the fifth fold held nothing, the rest 4-fold), a batch of 1
+    put every example into the first fold (no cross-validation at all), and the guard's decision moved with the
+    batch size."""
+    x, y = torch.arange(40.0)[:, None], torch.arange(40)
+    batches = [(x[i:i + batch_size], y[i:i + batch_size]) for i in range(0, 40, batch_size)]
+    folds = fold_calls(batches, 5)
+    sizes = [sum(len(t) for _, t in fold) for fold in folds]
+    assert sorted(i for fold in folds for _, t in fold for i in t.tolist()) == list(range(40))
+    assert min(sizes) >= 40 / 5 / 2, sizes  # at least half a fifth each
+
+
+def test_batches_that_ceil_widths_cut_into_five_keep_their_pieces():
+    """The studies' batches of 128 (and a last one of 8): the pieces the prior guard study ran on."""
+    widths = [[len(t) for _, t in fold_pieces((torch.zeros(n, 1), torch.zeros(n)), 5)] for n in (128, 100, 21, 8)]
+    assert widths == [[26, 26, 26, 26, 24], [20] * 5, [5, 5, 5, 5, 1], [1, 2, 1, 2, 2]]
 
 
 # --- in a Trainer ------------------------------------------------------------------------------
@@ -349,3 +368,12 @@ def test_forward_mode_products_need_a_primal_and_a_tangent_per_name():
     net = nn.Linear(2, 1)
     with pytest.raises(ValueError, match="one primal and one tangent per name, got 2 names, 1 primals and 1 tangents"):
         output_and_change(net, ["weight", "bias"], [net.weight.detach()], [torch.ones(1, 2)], torch.ones(3, 2))
+
+
+def test_fewer_data_than_folds_turn_the_guard_off_with_its_reason():
+    """Four data in five folds: a fold held no example, and the guard still decided."""
+    callback = MargLikCallback(frequency=1)
+    trainer([callback], 2).fit(Regressor(n_data=4), loader(regression_data(4), batch_size=2))
+    assert callback.guard_off == "off: 4 data, fewer than the 5 folds of its cross-validation"
+    assert callback.guard_decisions == []
+

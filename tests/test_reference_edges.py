@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_marglik import GaussianPrior, LaplaceEvidence, LayerRule, register_layer_rule
 from lightning_marglik.linearized import linearized_evidence
-from lightning_marglik.predictive import output_jacobians
+from lightning_marglik.predictive import output_jacobians, predict_classification
 from tests.reference import graph_jacobians, graph_problem, hyper, reference_env, rel_err  # noqa: F401 (autouse)
 
 TOL = 1e-8
@@ -182,6 +182,31 @@ def test_keyword_calls_match_dense_reference(structure):
         prior, lik = hyper(model, "classification")
         ev = LaplaceEvidence.fit(model, in_batches(ids, y, 6), lik, prior, structure=structure, mc_samples=0)
     assert rel_err(ev.log_marglik(), reference_marglik(twin, ids, y, "classification", structure, prior, lik)) <= TOL
+
+
+class KeywordHead(nn.Module):
+    """An MLP whose output layer (a Linear: the predictive's rank-one Jacobian) is called with ``input=``."""
+
+    def __init__(self, keyword=True):
+        super().__init__()
+        self.keyword, self.body, self.head = keyword, nn.Linear(2, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        hidden = torch.tanh(self.body(x))
+        return self.head(input=hidden) if self.keyword else self.head(hidden)
+
+
+@pytest.mark.parametrize("structure", ["kron", "diag"])
+def test_the_predictive_of_a_keyword_called_output_layer_is_that_of_the_positional_call(structure):
+    """kron's predictive failed ("The network's forward failed on inputs ... IndexError") where its evidence held."""
+    model, twin = KeywordHead(), KeywordHead(keyword=False)
+    twin.load_state_dict(model.state_dict())
+    x, y = torch.randn(20, 2), torch.randint(0, 3, (20,))
+    predictions = []
+    for net in (model, twin):
+        evidence, _, _ = fitted(net, in_batches(x, y, 10), "classification", structure)
+        predictions.append(predict_classification(evidence, net, x[:6], method="probit"))
+    assert rel_err(*predictions) <= TOL
 
 
 class KeywordsOnly(nn.Module):

@@ -347,6 +347,31 @@ def test_only_estimation_epochs_are_summed_and_a_partial_epoch_takes_the_pass(pa
     assert [h["epoch"] for h in callback.history] == [2, 4] and passes == [1, 1, 5]  # the final estimate: a pass
 
 
+class KeywordCalls(nn.Module):
+    """The Net's MLP with its Linears called as ``layer(input=x)``."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return self.net[2](input=torch.tanh(self.net[0](input=x)))
+
+
+def test_keyword_called_layers_are_summed_as_positional_ones(passes):
+    """A Linear called with input= crashed the training passes' hook (inputs[0] of no positional argument)."""
+    torch.manual_seed(0)
+    module = Net(CategoricalLikelihood())
+    module.net = KeywordCalls(module.net)
+    module.prior = GaussianPrior(module.net, structure="layerwise")
+    callback = MargLikCallback(structure="kron", approx="ef", steps=0, statistics="training")
+    fit(module, categorical_data(), callback, batch_size=16)
+    assert passes == [1, 1]  # the training sums were taken: no evidence pass
+    reference = LaplaceEvidence.fit(module.net, DataLoader(categorical_data(), batch_size=40), module.likelihood,
+                                    GaussianPrior(module.net, structure="layerwise"), structure="kron", approx="ef")
+    assert math.isclose(callback.evidence.log_marglik().item(), reference.log_marglik().item(), rel_tol=1e-10)
+
+
 def test_in_place_activation_after_a_hooked_layer(passes):
     """A hooked layer's output modified in place (ReLU(inplace=True)): the tensor hook gets the
     gradient of the layer's output, not of the activation."""

@@ -49,6 +49,8 @@ def guard_off_reason(trainer: Trainer, prior: GaussianPrior) -> Optional[str]:
         return "off under a strategy that shards the parameters (its folds' gradients are whole-model vectors)"
     if not _guarded(prior):
         return "off: the evidence sets no tensor's weight decay"
+    if int(prior.n_data) < FOLDS:  # a fold would hold no example
+        return f"off: {int(prior.n_data)} data, fewer than the {FOLDS} folds of its cross-validation"
     return None
 
 

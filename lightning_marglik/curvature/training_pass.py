@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from ..hyperparameters import Likelihood
 from .batches import BatchFn, split_batch
+from .hooks import layer_input
 from .statistics import BatchCurvature, CurvatureStatistics, LayerPlan
 
 __all__ = ["TrainingPassStatistics", "exact_path_refusal", "mismatch"]
@@ -110,7 +111,7 @@ class TrainingPassStatistics:
         if self._handles:
             return
         for layer in self.layers:
-            self._handles.append(layer.module.register_forward_hook(self._layer_hook(layer)))
+            self._handles.append(layer.module.register_forward_hook(self._layer_hook(layer), with_kwargs=True))
         self._handles.append(self.model.register_forward_pre_hook(self._enter_model))
         self._handles.append(self.model.register_forward_hook(self._output_hook))
 
@@ -182,7 +183,7 @@ class TrainingPassStatistics:
             self.layer_data += int(stats["n_data"])
 
     def _layer_hook(self, layer: LayerPlan):
-        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             if not self._active or not self._layers or not torch.is_grad_enabled() or not isinstance(output, Tensor):
                 return
             if not output.requires_grad:
@@ -191,7 +192,11 @@ class TrainingPassStatistics:
             if self._called[layer.name] > 1:
                 self._problem(f"module '{layer.name}' was called more than once in one training step")
                 return
-            a = inputs[0].detach()
+            given = layer_input(module, args, kwargs)  # a keyword call (self.lin(input=x)) too
+            if given is None:
+                self._problem(f"module '{layer.name}' was called without a tensor as its input in the training forward")
+                return
+            a = given.detach()
             if a.shape[:1] != output.shape[:1]:
                 self._problem(
                     f"module '{layer.name}' has input {tuple(a.shape)} and output {tuple(output.shape)} with different "
