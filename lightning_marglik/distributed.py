@@ -243,9 +243,7 @@ def _bounded(loader: DataLoader, max_batches: Optional[int]) -> Iterable:
                 "DataLoader of finite length."
             )
         return loader
-    if length is not None and length <= max_batches:
-        return loader
-    return _FirstBatches(loader, max_batches)
+    return _FirstBatches(loader, max_batches)  # also where __len__ says fewer: a stream may yield more than it says
 
 
 def run_on_all_ranks(strategy: Strategy, work: Callable[[], T]) -> T:

@@ -257,6 +257,35 @@ def test_predict_under_mixed_precisions_autocast_returns_what_it_returns_without
     assert torch.equal(mixed.variance, plain.variance)
 
 
+class ShortSaid(torch.utils.data.IterableDataset):
+    """A stream whose __len__ (30) says less than it yields (41): Lightning trains on the batches its length gives."""
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(0)
+        for i in range(41):
+            x = torch.rand(1, generator=g) * 4 - 2
+            yield x, torch.sin(2 * x)
+
+    def __len__(self):
+        return 30
+
+
+def test_a_stream_that_yields_more_than_its_length_counts_what_training_reads(float32):
+    """The evidence counted all 41 examples where each training epoch read 4 batches (32)."""
+    callback = MargLikCallback(frequency=1, guard=False)
+    trainer([callback], 1).fit(Regressor(), torch.utils.data.DataLoader(ShortSaid(), batch_size=8))
+    assert callback.evidence.n_data == 32
+
+
+def test_evidence_data_of_another_size_than_the_training_data_are_said():
+    """dataloader= of 32 examples for 64 trained: map_loss applied delta / 32, twice the decay, without a word."""
+    data = regression_data()
+    callback = MargLikCallback(frequency=1, dataloader=loader(TensorDataset(*data[:32])))
+    with pytest.warns(UserWarning, match=r"the evidence data hold 32 examples, the training data 64: N, and so the "
+                                         r"weight decay map_loss applies"):
+        trainer([callback], 1).fit(Regressor(), loader(data))
+
+
 # --- NaN in the engine's data ---------------------------------------------------------------------------------
 
 

@@ -197,4 +197,21 @@ def count_data(
     limit = trainer.num_training_batches
     if dataloader is None and isinstance(source.dataset, IterableDataset) and math.isfinite(limit):
         _warn_if_limited(source, int(limit), limiting_flag(trainer), read)  # a stream's count is known now
+    if dataloader is not None:
+        _warn_if_other_examples(_source_loader(dataloader, trainer, pl_module), source)
     return count
+
+
+def _warn_if_other_examples(evidence: DataLoader, training: Any) -> None:
+    """Say where the ``dataloader=`` data hold another number of examples than the training data: N is theirs, so
+    the weight decay ``map_loss`` applies (``delta / N``) is not the training data's."""
+    try:
+        ours, theirs = len(evidence.dataset), len(training.dataset)
+    except (AttributeError, TypeError):  # a stream, or several loaders: no count to compare
+        return
+    if ours != theirs:
+        rank_zero_warn(
+            f"MargLikCallback(dataloader=...): the evidence data hold {ours} examples, the training data {theirs}: N, "
+            f"and so the weight decay map_loss applies (delta / N), is counted on the evidence data; pass the "
+            "training examples (e.g. without augmentation) for the evidence of what training fits."
+        )
