@@ -392,6 +392,8 @@ def _label_mistake(output: Tensor, target: Tensor) -> str:
         True
         >>> "GaussianLikelihood" in _label_mistake(logits, torch.randn(2, 3) + 5)  # rows of no distribution
         True
+        >>> "y.squeeze(-1)" in _label_mistake(logits, torch.tensor([[0], [2]]))  # a column of labels
+        True
     """
     classes = output.shape[-1]
     # rows that are distributions over the classes: one-hot or soft labels, as cross_entropy also takes them
@@ -403,6 +405,10 @@ def _label_mistake(output: Tensor, target: Tensor) -> str:
     if output.dim() > 2 and target.shape == output.shape[:1] + output.shape[2:]:
         return (f" The logits look laid out (batch, classes, ...) with {output.shape[1]} classes, as F.cross_entropy "
                 "takes them: the classes must be on the last dimension, pass logits.movedim(1, -1).")
+    # labels with a trailing dimension of 1, as a data frame's column gives them
+    if target.shape == output.shape[:-1] + (1,) and classes > 1:
+        fix = "y.squeeze(-1).long()" if target.is_floating_point() else "y.squeeze(-1)"
+        return f" Labels of shape {tuple(target.shape)} carry a trailing dimension of 1: pass {fix}."
     # other floating-point targets are most often regression targets given to the classifier's likelihood
     if target.is_floating_point():
         return (" Floating-point targets are regression targets: for regression use GaussianLikelihood (for "
