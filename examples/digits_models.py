@@ -108,8 +108,8 @@ class DigitCNN(_Classifier):
         lr: float = 1e-3, prior_precision: float = 1.0, learn_prior: bool = True,
     ) -> None:
         super().__init__()
-        if depth < 1:
-            raise ValueError(f"`depth` must be >= 1, got {depth}")
+        if depth < 1 or channels < 1:
+            raise ValueError(f"`depth` and `channels` must be >= 1, got depth={depth}, channels={channels}")
         layers: List[nn.Module] = []
         size, c_in = image_size, 1
         for i in range(depth):

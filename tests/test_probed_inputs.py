@@ -389,7 +389,7 @@ def test_select_models_refuses_a_candidate_name_that_is_not_a_string_before_trai
 def test_select_models_refuses_two_factories_that_return_one_module(float32):
     shared = Classifier(60)
     with pytest.raises(ValueError, match=r"the factory of candidate 'b' returned the module that the factory of "
-                                         r"candidate 'a' returned, trained already"):
+                                         r"candidate 'a' returned, which that candidate trains"):
         select_models({"a": lambda: shared, "b": lambda: shared}, datamodule=BlobData(),
                       callback={"structure": "diag", "steps": 5}, trainer={"max_epochs": 1, "enable_progress_bar": False},
                       verbose=False)

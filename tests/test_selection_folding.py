@@ -52,7 +52,7 @@ def test_a_batchnorm_network_is_ranked_by_the_evidence_of_its_folded_copy(rank_b
         return made[-1]
 
     result = run(factory, rank_by=rank_by)
-    module = made[0]
+    module = made[-1]
     assert result.folded == {"net.0": "net.1"} and result.settings["fold_batchnorm"] is True
     assert isinstance(module.net[1], torch.nn.BatchNorm1d) and "1.weight" in module.prior.param_names  # untouched
     if rank_by == "auto":  # tiny: the exact full GGN of the folded network, kron-ef and kron-ggn beside it

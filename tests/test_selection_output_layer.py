@@ -39,7 +39,7 @@ def ranked(**kwargs):
 
     (result,) = select_models({"mlp": build}, train_dataloader=loader(blobs(N, 0), batch_size=20),
                               callback=CALLBACK, trainer=TRAINER, **kwargs)
-    return result, modules[0]
+    return result, modules[-1]
 
 
 def by_hand(module: Classifier, hold_output: bool) -> float:

@@ -47,7 +47,8 @@ anything is built. Test metrics read batches as the evidence does (``marglik_bat
 the positions the likelihood counts (classes last in ``(B, ..., C)``, ``ignore_index`` left out);
 the first test batch goes through them when training starts, so that a mismatch costs no training.
 
-The package, by job: :mod:`.driver` (:func:`select_models`), :mod:`.comparability` (which candidates
+The package, by job: :mod:`.driver` (:func:`select_models`), :mod:`.prepass` (every candidate built and checked
+before the first trains), :mod:`.comparability` (which candidates
 their evidence does not compare), :mod:`.metrics` (the test metrics),
 :mod:`.results` (the files and their lock), :mod:`.plot` (``evidence.png``), :mod:`.trainer_arguments` (the
 ``trainer`` arguments checked before anything is built), :mod:`.config` (a YAML configuration checked and run) and

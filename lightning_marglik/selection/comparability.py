@@ -1,5 +1,9 @@
-"""Which candidates ``select_models`` cannot compare by their evidence: networks with normalization
-layers against networks without.
+"""Which candidates ``select_models`` cannot compare by their evidence: networks of different likelihoods
+(refused), and networks with normalization layers against networks without (a warning).
+
+The evidence of a discrete likelihood (``CategoricalLikelihood``) is a probability of the labels, that of a
+continuous one (``GaussianLikelihood``) a density of the targets: the two are on no common scale, and
+likelihoods of one kind model different targets.
 
 A weight whose output goes into a normalization (BatchNorm, GroupNorm, LayerNorm, RMSNorm, InstanceNorm)
 is scale-invariant in training: the data do not resist its shrinking, and the Laplace evidence of the
@@ -18,16 +22,18 @@ Example:
     ''
     >>> mixed_normalization_message({"cnn": [], "resnet": ["BatchNorm2d"]}).startswith("select_models cannot")
     True
+    >>> mixed_likelihood_message({"mlp": "CategoricalLikelihood", "cnn": "CategoricalLikelihood"})
+    ''
 """
 from __future__ import annotations
 
-from typing import List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
 from torch import nn
 
 from ..curvature.scale_invariance import NORMS
 
-__all__ = ["mixed_normalization_message", "normalization_layers"]
+__all__ = ["mixed_likelihood_message", "mixed_normalization_message", "normalization_layers"]
 
 
 def normalization_layers(module: nn.Module) -> List[str]:
@@ -59,3 +65,27 @@ def mixed_normalization_message(normalizations: Mapping[str, Optional[Sequence[s
         "every approximation ranked them last, BatchNorms folded or not (docs/selection.md, 'When to trust Step 2'). "
         "Rank each kind on its own, or compare across kinds on held-out data."
     )
+
+
+def mixed_likelihood_message(likelihoods: Mapping[str, str]) -> str:
+    """The refusal of candidates whose likelihoods differ; ``""`` if they share one.
+
+    Args:
+        likelihoods: Candidate name to the class name of its likelihood.
+
+    Returns:
+        One message naming the candidates of each likelihood, or ``""``.
+
+    Example:
+        >>> print(mixed_likelihood_message({"cat": "CategoricalLikelihood", "reg": "GaussianLikelihood"})[:96])
+        select_models cannot rank candidates of different likelihoods by their evidence: 'cat' (Categori
+    """
+    groups: Dict[str, List[str]] = {}
+    for name, likelihood in likelihoods.items():
+        groups.setdefault(likelihood, []).append(name)
+    if len(groups) < 2:
+        return ""
+    listed = "; ".join(f"{', '.join(map(repr, names))} ({likelihood})" for likelihood, names in groups.items())
+    return (f"select_models cannot rank candidates of different likelihoods by their evidence: {listed}; a probability "
+            "of labels and a density of targets are on no common scale. Give every candidate the same likelihood, or "
+            "rank each group on its own.")

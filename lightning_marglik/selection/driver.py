@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from ..callbacks import MargLikCallback, find_hyperparameters
 from ..callbacks.output_layer import output_layer_learned
-from ..curvature import APPROXIMATIONS, CurvatureOptions, check_model, eval_mode
+from ..curvature import APPROXIMATIONS, CurvatureOptions, eval_mode
 from ..curvature.batches import call_model
 from ..curvature.structures import structures_with
 from ..curvature.structures.full import FullStructure
@@ -28,6 +28,7 @@ from ..folding import Folded
 from ..validators import choice, flag, keywords
 from .comparability import mixed_normalization_message, normalization_layers
 from .metrics import MetricsCheck, evaluate_metrics
+from .prepass import build, survey
 from .results import RESULTS_JSON, CandidateResult, load_results, run_lock, save_results
 from .trainer_arguments import check_trainer_arguments
 
@@ -283,15 +284,16 @@ def select_models(
         The results, best evidence first.
 
     Raises:
-        ValueError: On no candidates, a candidate that is not a factory (e.g. a module instance) or whose
-            factory returns no LightningModule, ``callback`` arguments ``MargLikCallback`` does not
-            take or refuses, no training data, an unknown ``predictive``, ``rank_by`` or
-            ``rank_output_layer``, a
-            ``fold_batchnorm`` that is not a bool, ``trainer``
-            arguments that do not fit ``pl.Trainer``, a candidate ``rank_by`` cannot score (before
-            it is trained; with ``"auto"``, one its fallback ``"kron-ef"`` cannot score, e.g. with
-            a diagonal prior), or (when training starts) test data and metrics that do not fit the
-            candidate.
+        ValueError: On no candidates, a candidate that is not a factory (e.g. a module instance),
+            ``callback`` arguments ``MargLikCallback`` does not take or refuses, no training data, an
+            unknown ``predictive``, ``rank_by`` or ``rank_output_layer``, a ``fold_batchnorm`` that
+            is not a bool, ``trainer`` arguments that do not fit ``pl.Trainer``, or (when training
+            starts) test data and metrics that do not fit the candidate. Before any candidate
+            trains, every one is built and checked (:func:`.prepass.survey`), refused with a
+            ``MargLikConfigurationError`` naming it: a factory that raises or returns no fresh
+            LightningModule, a prior the callback or ``rank_by`` cannot take (with ``"auto"``, its
+            fallback ``"kron-ef"``, e.g. a diagonal prior), a likelihood ``predictive`` cannot
+            take, or candidates of different likelihoods.
         RuntimeError: If ``output_dir`` is in use by another run, or the test metrics fail
             after training (the trained result is saved first).
     """
@@ -310,6 +312,8 @@ def select_models(
     if test_dataloader is None and datamodule is not None and _has_test_data(datamodule):
         datamodule.setup("test")
         test_dataloader = datamodule.test_dataloader()
+    survey(candidates, seed, MargLikCallback(**callback).options, rank_by, check_options,
+           predictive if test_dataloader is not None else None)
     # "auto" is stored as asked (a re-run resolves it again over its candidates), with the limits that decide it
     limits = {"auto_limits": {"max_directions": AUTO_FULL_MAX_DIRECTIONS, "max_memory": AUTO_FULL_MAX_MEMORY}}
     wanted = {
@@ -325,7 +329,7 @@ def select_models(
         reusable = {name for name in candidates if resume and name in stored and stored[name].settings == wanted[name]
                     and stored[name].metrics_error is None and (not auto or _has_auto_evidences(stored[name]))}
         results: List[CandidateResult] = []
-        built: Dict[int, Tuple["weakref.ref[Any]", str]] = {}  # the modules the factories returned (_build)
+        built: Dict[int, Tuple["weakref.ref[Any]", str]] = {}  # the modules the factories returned (build)
         directions: Dict[str, bool] = {}
         start, trained, training_seconds = time.perf_counter(), 0, 0.0
         for index, (name, factory) in enumerate(candidates.items(), 1):
@@ -342,19 +346,8 @@ def select_models(
                 continue
             candidate_start = time.perf_counter()
             pl.seed_everything(seed, verbose=False)
-            module = _build(name, factory, built)
+            module = build(name, factory, built)
             prior, _ = find_hyperparameters(module)
-            if check_options is not None:  # before training: e.g. a diagonal prior with "kron-ef", "full-ggn" too large
-                try:
-                    check_model(module, prior, check_options)
-                except ValueError as err:
-                    fallback = (f"rank_by='auto' falls back to rank_by={AUTO_FALLBACK!r} when the exact full GGN of a "
-                                f"candidate is too large, and " if auto else "")
-                    hint = " Give rank_by='full-ggn' (small problems) or another rank_by." if auto else ""
-                    shown = AUTO_FALLBACK if auto else rank_by
-                    raise ValueError(
-                        f"{fallback}rank_by={shown!r} cannot score candidate {name!r}: {err}{hint}"
-                    ) from err
             cb = MargLikCallback(**callback)
             check = MetricsCheck(test_dataloader, metrics, predictive) if test_dataloader is not None else None
             kwargs = dict(logger=False, enable_checkpointing=False, enable_model_summary=False, accelerator="cpu")
@@ -506,28 +499,6 @@ def check_callback_arguments(callback: Mapping[str, Any]) -> Dict[str, Any]:
     keywords(callback, list(inspect.signature(MargLikCallback).parameters), "callback", "MargLikCallback")
     MargLikCallback(**callback)  # its own checks of every value
     return dict(callback)
-
-
-def _build(name: str, factory: Callable[[], pl.LightningModule],
-           built: Dict[int, Tuple["weakref.ref[Any]", str]]) -> pl.LightningModule:
-    """Candidate ``name``'s fresh module from its factory; ``built``: id -> (a weak reference, the candidate's name)
-    of the modules earlier candidates' factories returned, to which it is added.
-
-    Raises:
-        ValueError: If the factory returns something other than a ``pytorch_lightning.LightningModule``, or a
-            module an earlier candidate's factory returned (it would start from that candidate's training).
-    """
-    module = factory()
-    if not isinstance(module, pl.LightningModule):
-        raise ValueError(f"select_models: candidate {name!r}'s factory returned a {type(module).__name__}, not a "
-                         "pytorch_lightning.LightningModule (with a GaussianPrior and a likelihood).")
-    reference, earlier = built.get(id(module), (None, ""))
-    if reference is not None and reference() is module:  # an id alone may be a freed module's, reused
-        raise ValueError(f"select_models: the factory of candidate {name!r} returned the module that the factory of "
-                         f"candidate {earlier!r} returned, trained already: each factory must build a fresh module, "
-                         "e.g. lambda: Net(...), not lambda: net.")
-    built[id(module)] = (weakref.ref(module), name)
-    return module
 
 
 def check_rank_by(rank_by: Any) -> Tuple[str, Optional[CurvatureOptions]]:

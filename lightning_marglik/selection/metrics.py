@@ -20,7 +20,7 @@ from ..evidence import LaplaceEvidence
 from ..hyperparameters import CategoricalLikelihood
 from ..predictive import predict_classification
 
-__all__ = ["MetricsCheck", "NegativeLogLikelihood", "default_metrics", "evaluate_metrics"]
+__all__ = ["MetricsCheck", "NegativeLogLikelihood", "check_predictive", "default_metrics", "evaluate_metrics"]
 
 
 class NegativeLogLikelihood(torchmetrics.Metric):
@@ -89,6 +89,27 @@ def default_metrics(n_classes: int) -> Dict[str, torchmetrics.Metric]:
     }
 
 
+def check_predictive(likelihood: Any, predictive: str, inputs: Any = None) -> None:
+    """Refuse a ``predictive`` the test metrics cannot take with this likelihood (and these inputs, where given).
+
+    Example:
+        >>> from lightning_marglik import GaussianLikelihood
+        >>> check_predictive(GaussianLikelihood(), "probit")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: predictive='probit' needs a CategoricalLikelihood ...; use predictive='map' (got GaussianLikelihood).
+
+    Raises:
+        ValueError: On ``"probit"`` with a likelihood other than ``CategoricalLikelihood`` or inputs that are not a
+            tensor.
+    """
+    tensors = inputs is None or isinstance(inputs, Tensor)
+    if predictive == "probit" and not (isinstance(likelihood, CategoricalLikelihood) and tensors):
+        got = "" if inputs is None else f" and {type(inputs).__name__} inputs"
+        raise ValueError("predictive='probit' needs a CategoricalLikelihood and tensor inputs; use predictive='map' "
+                         f"(got {type(likelihood).__name__}{got}).")
+
+
 def _predictions(
     module: pl.LightningModule, evidence: Optional[LaplaceEvidence], batch: Any, predictive: str
 ) -> Tuple[Tensor, Tensor]:
@@ -103,12 +124,8 @@ def _predictions(
     inputs, target = split_batch(batch, getattr(module, "marglik_batch", None))
     weight = next(module.parameters())
     inputs = move(inputs, weight.device, weight.dtype)
+    check_predictive(likelihood, predictive, inputs)
     if predictive == "probit":
-        if not isinstance(likelihood, CategoricalLikelihood) or not isinstance(inputs, Tensor):
-            raise ValueError(
-                "predictive='probit' needs a CategoricalLikelihood and tensor inputs; use predictive='map' "
-                f"(got {type(likelihood).__name__} and {type(inputs).__name__} inputs)."
-            )
         if evidence is None:  # the check before training: the network's output shape is all it needs
             with torch.no_grad():
                 output = call_model(module, inputs)

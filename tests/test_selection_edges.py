@@ -1,0 +1,104 @@
+"""Model selection at its edges (a probe's findings): candidates that cannot be ranked together, evidences that are
+not finite, unequal training, resume after a candidate changed, and what the command line says it wrote."""
+from __future__ import annotations
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
+from lightning_marglik import GaussianLikelihood, GaussianPrior, MargLikConfigurationError, map_loss, select_models
+from lightning_marglik.selection.cli import main
+from tests.lightning_models import BlobData, Classifier
+from tests.test_selection import CALLBACK, write_config
+
+TRAINER = {"max_epochs": 2, "enable_progress_bar": False}
+
+
+@pytest.fixture(autouse=True)
+def float32():  # Lightning modules here are float32, like a user's
+    torch.set_default_dtype(torch.float32)
+
+
+class GaussOneHot(pl.LightningModule):
+    """The blobs as regression onto one-hot labels: a Gaussian likelihood of the data a Classifier takes."""
+
+    def __init__(self, n_data: int = 60, width: int = 8) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(2, width), nn.Tanh(), nn.Linear(width, 3))
+        self.prior = GaussianPrior(self.net)
+        self.likelihood = GaussianLikelihood()
+        self.n_data = n_data
+
+    def marglik_batch(self, batch):
+        x, y = batch
+        return x, nn.functional.one_hot(y, 3).float()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = self.marglik_batch(batch)
+        return map_loss(self(x), y, self.likelihood, self.prior, self.n_data)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=3e-2)
+
+
+class EmptyPrior(Classifier):
+    """A prior over no parameters: GaussianPrior refuses it in the constructor."""
+
+    def __init__(self, n_data: int = 60) -> None:
+        super().__init__(n_data)
+        self.prior = GaussianPrior(nn.Sequential())
+
+
+class Frozen(Classifier):
+    """The prior's network frozen after the prior was built, and a trainable offset outside the prior."""
+
+    def __init__(self, n_data: int = 60) -> None:
+        super().__init__(n_data)
+        for p in self.net.parameters():
+            p.requires_grad_(False)
+        self.offset = nn.Parameter(torch.zeros(3))
+
+    def forward(self, x):
+        return self.net(x) + self.offset
+
+
+# --- 1. every candidate built and checked before the first trains ------------------------------------------------
+
+
+def test_candidates_of_different_likelihoods_are_refused_before_any_trains(tmp_path):
+    """A probability of labels and a density of one-hot targets were ranked side by side without a word."""
+    with pytest.raises(MargLikConfigurationError, match=r"different likelihoods by their evidence: 'cat', 'cat2' "
+                       r"\(CategoricalLikelihood\); 'gauss' \(GaussianLikelihood\)"):
+        select_models({"cat": lambda: Classifier(60), "gauss": GaussOneHot, "cat2": lambda: Classifier(60, width=4)},
+                      datamodule=BlobData(), callback=CALLBACK, trainer=TRAINER, output_dir=str(tmp_path / "out"),
+                      verbose=False)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("candidate, message", [
+    (EmptyPrior, "building candidate 'bad' raised ValueError: GaussianPrior: the model has no parameters that require "
+                 "grad.; fix its arguments or its class."),
+    (Frozen, "MargLikCallback cannot train candidate 'bad': "),
+])
+def test_a_candidate_that_cannot_be_built_or_trained_is_refused_before_the_first_trains(tmp_path, candidate, message):
+    with pytest.raises(MargLikConfigurationError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        select_models({"ok": lambda: Classifier(60), "bad": candidate}, datamodule=BlobData(), callback=CALLBACK,
+                      trainer=TRAINER, output_dir=str(tmp_path / "out"), verbose=False, rank_by="online")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_predictive_the_second_candidate_cannot_take_ends_the_command_in_one_line_before_training(tmp_path, capsys):
+    """It ended in a 16-frame traceback after the first candidate trained."""
+    path = write_config(tmp_path, predictive="probit", candidates={
+        "cat": {"class_path": "tests.lightning_models.Classifier", "init_args": {"width": 8}},
+        "gauss": {"class_path": "tests.test_selection_edges.GaussOneHot"}})
+    with pytest.raises(SystemExit) as stopped:
+        main([path])
+    assert str(stopped.value.code) == (
+        "marglik-select: error: select_models: candidate 'gauss': predictive='probit' needs a CategoricalLikelihood "
+        "and tensor inputs; use predictive='map' (got GaussianLikelihood).")
+    assert "Traceback" not in capsys.readouterr().err and not (tmp_path / "out").exists()
