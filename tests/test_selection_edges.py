@@ -2,12 +2,18 @@
 not finite, unequal training, resume after a candidate changed, and what the command line says it wrote."""
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 import pytorch_lightning as pl
 import torch
 from torch import nn
 
-from lightning_marglik import GaussianLikelihood, GaussianPrior, MargLikConfigurationError, map_loss, select_models
+from lightning_marglik import (
+    GaussianLikelihood, GaussianPrior, MargLikCallback, MargLikConfigurationError, map_loss, select_models,
+)
+from lightning_marglik.selection import load_results
 from lightning_marglik.selection.cli import main
 from tests.lightning_models import BlobData, Classifier
 from tests.test_selection import CALLBACK, write_config
@@ -102,3 +108,46 @@ def test_a_predictive_the_second_candidate_cannot_take_ends_the_command_in_one_l
         "marglik-select: error: select_models: candidate 'gauss': predictive='probit' needs a CategoricalLikelihood "
         "and tensor inputs; use predictive='map' (got GaussianLikelihood).")
     assert "Traceback" not in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+# --- 2. evidences that are not finite ------------------------------------------------------------------------------
+
+
+def test_non_finite_evidences_are_ranked_last_named_written_as_null_and_trained_again(tmp_path, monkeypatch, capsys):
+    """They were sorted last silently, results.json held NaN and Infinity (not JSON), and a re-run reused them."""
+    evidence_with = MargLikCallback.evidence_with
+
+    def forced(self, trainer, module, *args, **kwargs):  # no small network diverges on demand: its evidence is set
+        value = evidence_with(self, trainer, module, *args, **kwargs)
+        return getattr(module, "forced", value)
+
+    monkeypatch.setattr(MargLikCallback, "evidence_with", forced)
+
+    def candidate(value):
+        def factory():
+            module = Classifier(60, width=4)
+            module.forced = value
+            return module
+        return factory
+
+    candidates = {"nan": candidate(math.nan), "fine": lambda: Classifier(60), "inf": candidate(math.inf),
+                  "ninf": candidate(-math.inf)}
+    out = str(tmp_path / "out")
+    run = dict(datamodule=BlobData(), callback=CALLBACK, trainer=TRAINER, output_dir=out, rank_by="kron-ggn")
+    with pytest.warns(UserWarning, match=r"evidence of candidates 'nan', 'inf', 'ninf' is not finite "
+                                         r"\(nan=nan, inf=inf, ninf=-inf\); they are ranked last"):
+        results = select_models(candidates, verbose=False, **run)
+    assert [r.name for r in results] == ["fine", "nan", "inf", "ninf"]
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    rows = {row["name"]: row for row in json.loads((tmp_path / "out" / "results.json").read_text(),
+                                                   parse_constant=refuse)}
+    assert rows["nan"]["marglik"] is rows["inf"]["marglik"] is rows["ninf"]["marglik"] is None
+    assert math.isnan(load_results(out)["inf"].marglik) and math.isfinite(load_results(out)["fine"].marglik)
+    capsys.readouterr()
+    with pytest.warns(UserWarning, match="not finite"):
+        select_models(candidates, resume=True, **run)
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert ["reused" in line for line in printed] == [False, True, False, False]

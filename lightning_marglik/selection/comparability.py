@@ -1,5 +1,5 @@
 """Which candidates ``select_models`` cannot compare by their evidence: networks of different likelihoods
-(refused), and networks with normalization layers against networks without (a warning).
+(refused), networks with normalization layers against networks without, and evidences that are not finite (warnings).
 
 The evidence of a discrete likelihood (``CategoricalLikelihood``) is a probability of the labels, that of a
 continuous one (``GaussianLikelihood``) a density of the targets: the two are on no common scale, and
@@ -27,13 +27,14 @@ Example:
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from torch import nn
 
 from ..curvature.scale_invariance import NORMS
 
-__all__ = ["mixed_likelihood_message", "mixed_normalization_message", "normalization_layers"]
+__all__ = ["mixed_likelihood_message", "mixed_normalization_message", "non_finite_message", "normalization_layers"]
 
 
 def normalization_layers(module: nn.Module) -> List[str]:
@@ -89,3 +90,21 @@ def mixed_likelihood_message(likelihoods: Mapping[str, str]) -> str:
     return (f"select_models cannot rank candidates of different likelihoods by their evidence: {listed}; a probability "
             "of labels and a density of targets are on no common scale. Give every candidate the same likelihood, or "
             "rank each group on its own.")
+
+
+def non_finite_message(evidences: Mapping[str, float]) -> str:
+    """The warning for candidates whose ranking evidence is not finite; ``""`` if every one is.
+
+    Example:
+        >>> print(non_finite_message({"mlp": -0.4, "wide": float("nan")})[:79])
+        select_models: the evidence of candidate 'wide' is not finite (wide=nan); it is
+    """
+    bad = {name: value for name, value in evidences.items() if not math.isfinite(value)}
+    if not bad:
+        return ""
+    one = len(bad) == 1
+    listed = ", ".join(map(repr, bad))
+    return (f"select_models: the evidence of candidate{'' if one else 's'} {listed} is not finite "
+            f"({', '.join(f'{name}={value}' for name, value in bad.items())}); {'it is' if one else 'they are'} ranked "
+            "last, written as null in results.json and trained again by a re-run. Check the training (a diverged loss, "
+            "weights or precisions at their limits) or rank by another rank_by.")

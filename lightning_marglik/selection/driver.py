@@ -26,7 +26,7 @@ from ..curvature.structures.full import FullStructure
 from ..diagnostics import EF_RATIO_THRESHOLD, ef_ratio_of, ef_unreliable_message
 from ..folding import Folded
 from ..validators import choice, flag, keywords
-from .comparability import mixed_normalization_message, normalization_layers
+from .comparability import mixed_normalization_message, non_finite_message, normalization_layers
 from .metrics import MetricsCheck, evaluate_metrics
 from .prepass import build, survey
 from .results import RESULTS_JSON, CandidateResult, load_results, run_lock, save_results
@@ -327,7 +327,8 @@ def select_models(
         stored = load_results(output_dir) if output_dir else {}
         others = [result for name, result in stored.items() if name not in candidates]  # kept, never dropped
         reusable = {name for name in candidates if resume and name in stored and stored[name].settings == wanted[name]
-                    and stored[name].metrics_error is None and (not auto or _has_auto_evidences(stored[name]))}
+                    and stored[name].metrics_error is None and _finite(stored[name])
+                    and (not auto or _has_auto_evidences(stored[name]))}
         results: List[CandidateResult] = []
         built: Dict[int, Tuple["weakref.ref[Any]", str]] = {}  # the modules the factories returned (build)
         directions: Dict[str, bool] = {}
@@ -445,7 +446,8 @@ def select_models(
     # only where no candidate is flagged)
     ef_message = "" if auto else ef_unreliable_message({r.name: r.ef_curvature_ratio for r in results
                                                          if r.ef_curvature_ratio is not None})
-    for message in (ef_message, mixed_normalization_message({r.name: r.normalization for r in results})):
+    for message in (ef_message, mixed_normalization_message({r.name: r.normalization for r in results}),
+                    non_finite_message({r.name: r.marglik for r in results})):
         if message:
             warnings.warn(message, stacklevel=2)
     return _ranked(results)
@@ -580,6 +582,11 @@ def _has_auto_evidences(result: CandidateResult) -> bool:
     """Whether a stored result holds what ``rank_by="auto"`` may rank it by, whichever way it resolves."""
     return ({AUTO_FALLBACK, AUTO_SAFE} <= set(result.evidences)
             and (result.full_ggn_refused is not None or AUTO_FULL in result.evidences))
+
+
+def _finite(result: CandidateResult) -> bool:
+    """Whether a stored result's evidences are all finite (one that is not is trained again, not reused)."""
+    return all(math.isfinite(value) for value in (result.marglik, *result.evidences.values()))
 
 
 def _resolve(results: Sequence[CandidateResult]) -> Tuple[str, str]:

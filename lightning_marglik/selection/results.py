@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
+import math
 import os
 import socket
 import sys
@@ -44,8 +45,10 @@ class CandidateResult:
     (layer -> norm; empty: none, or ``fold_batchnorm=False``). ``normalization`` names the
     normalization layer types of the network (empty: none; ``None`` in files of older versions):
     candidates with and without them are not compared by their evidence (:mod:`.comparability`).
-    ``rank_output_layer`` says, in words, that ``marglik`` learned the output layer's precision that
-    training held (``select_models(rank_output_layer="learn")``, the default); ``None``: ranked as trained.
+    An evidence that is not finite is ranked last and written as ``null`` in ``results.json`` (JSON has no NaN or
+    infinity), read back as NaN, and trained again by a re-run. ``rank_output_layer`` says, in words, that
+    ``marglik`` learned the output layer's precision that training held (``select_models(rank_output_layer="learn")``,
+    the default); ``None``: ranked as trained.
     """
 
     name: str
@@ -97,7 +100,8 @@ def load_results(output_dir: str) -> Dict[str, CandidateResult]:
 
 def _result_from_row(row: Any) -> CandidateResult:
     """A ``CandidateResult`` from one row of ``results.json``; TypeError on a field of the wrong type."""
-    required = {"name": str, "marglik": (int, float), "n_params": int, "train_seconds": (int, float), "epochs": int}
+    required = {"name": str, "marglik": (int, float, type(None)), "n_params": int, "train_seconds": (int, float),
+                "epochs": int}
     types = {**required, "hyperparameters": dict, "metrics": dict, "settings": dict, "metrics_error": (str, type(None)),
              "online_marglik": (int, float, type(None)), "ef_curvature_ratio": (int, float, type(None)),
              "rank_by": (str, type(None)), "rank_by_reason": (str, type(None)), "evidences": dict,
@@ -108,9 +112,13 @@ def _result_from_row(row: Any) -> CandidateResult:
     for key, expected in types.items():
         if key in row and (not isinstance(row[key], expected) or isinstance(row[key], bool)):
             raise TypeError(f"result {row.get('name')!r}: {key} has the wrong type ({type(row[key]).__name__})")
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in row.get("evidences", {}).values()):
+    numbers = (int, float, type(None))  # null: a number that was not finite (save_results)
+    if not all(isinstance(v, numbers) and not isinstance(v, bool) for v in row.get("evidences", {}).values()):
         raise TypeError(f"result {row.get('name')!r}: evidences must map names to numbers")
-    return CandidateResult(**{k: v for k, v in row.items() if k in types})
+    row = {**row, **{key: {k: math.nan if v is None else v for k, v in row[key].items()}
+                     for key in ("evidences", "metrics", "hyperparameters") if key in row}}
+    return CandidateResult(**{**{k: v for k, v in row.items() if k in types},
+                              "marglik": math.nan if row["marglik"] is None else row["marglik"]})
 
 
 def save_results(
@@ -134,7 +142,8 @@ def save_results(
               "rank_by_reason", "rank_output_layer")
     rows = [{**{k: v for k, v in asdict(r).items() if k not in nested},
              **{f"marglik_{name}": value for name, value in r.evidences.items()}, **r.metrics} for r in results]
-    _write_atomic(os.path.join(output_dir, RESULTS_JSON), lambda f: json.dump([asdict(r) for r in results], f, indent=2))
+    _write_atomic(os.path.join(output_dir, RESULTS_JSON),
+                  lambda f: json.dump([_json_numbers(asdict(r)) for r in results], f, indent=2, allow_nan=False))
 
     def write_csv(f: Any) -> None:
         writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for row in rows for k in row)))
@@ -144,6 +153,18 @@ def save_results(
     _write_atomic(os.path.join(output_dir, "results.csv"), write_csv)
     if plot and results[0].metrics:
         plot_evidence(results, os.path.join(output_dir, "evidence.png"), higher_is_better or {})
+
+
+def _json_numbers(value: Any) -> Any:
+    """``value`` with every float that is not finite as ``None``: JSON has no NaN or infinity (Python would write
+    ``NaN``, which other readers refuse)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_numbers(v) for v in value]
+    return value
 
 
 def _write_atomic(path: str, write: Callable[[Any], None]) -> None:
