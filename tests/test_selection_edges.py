@@ -151,3 +151,21 @@ def test_non_finite_evidences_are_ranked_last_named_written_as_null_and_trained_
         select_models(candidates, resume=True, **run)
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
     assert ["reused" in line for line in printed] == [False, True, False, False]
+
+
+# --- 3. candidates trained for different numbers of epochs --------------------------------------------------------
+
+
+class StopsAfterOneEpoch(Classifier):
+    """Stops its own training after the first epoch, as early stopping or ``max_time`` would."""
+
+    def on_train_epoch_end(self):
+        self.trainer.should_stop = True
+
+
+def test_candidates_trained_for_different_numbers_of_epochs_are_ranked_with_a_warning_naming_them():
+    with pytest.warns(UserWarning, match=r"trained for different numbers of epochs \(full: 3, stopped: 1\)"):
+        results = select_models({"full": lambda: Classifier(60), "stopped": lambda: StopsAfterOneEpoch(60)},
+                                datamodule=BlobData(), callback=CALLBACK, trainer={**TRAINER, "max_epochs": 3},
+                                verbose=False, rank_by="online")
+    assert {r.name: r.epochs for r in results} == {"full": 3, "stopped": 1}

@@ -1,5 +1,6 @@
 """Which candidates ``select_models`` cannot compare by their evidence: networks of different likelihoods
-(refused), networks with normalization layers against networks without, and evidences that are not finite (warnings).
+(refused), networks with normalization layers against networks without, evidences that are not finite, and
+candidates trained for different numbers of epochs (warnings).
 
 The evidence of a discrete likelihood (``CategoricalLikelihood``) is a probability of the labels, that of a
 continuous one (``GaussianLikelihood``) a density of the targets: the two are on no common scale, and
@@ -34,7 +35,8 @@ from torch import nn
 
 from ..curvature.scale_invariance import NORMS
 
-__all__ = ["mixed_likelihood_message", "mixed_normalization_message", "non_finite_message", "normalization_layers"]
+__all__ = ["mixed_likelihood_message", "mixed_normalization_message", "non_finite_message", "normalization_layers",
+           "unequal_epochs_message"]
 
 
 def normalization_layers(module: nn.Module) -> List[str]:
@@ -108,3 +110,21 @@ def non_finite_message(evidences: Mapping[str, float]) -> str:
             f"({', '.join(f'{name}={value}' for name, value in bad.items())}); {'it is' if one else 'they are'} ranked "
             "last, written as null in results.json and trained again by a re-run. Check the training (a diverged loss, "
             "weights or precisions at their limits) or rank by another rank_by.")
+
+
+def unequal_epochs_message(epochs: Mapping[str, int]) -> str:
+    """The warning for candidates trained for different numbers of epochs (``max_time``, early stopping); ``""`` if
+    they all trained for the same.
+
+    Example:
+        >>> unequal_epochs_message({"mlp": 8, "cnn": 8})
+        ''
+        >>> print(unequal_epochs_message({"mlp": 8, "cnn": 3})[:87])
+        select_models ranks candidates trained for different numbers of epochs (mlp: 8, cnn: 3)
+    """
+    if len(set(epochs.values())) < 2:
+        return ""
+    listed = ", ".join(f"{name}: {count}" for name, count in epochs.items())
+    return (f"select_models ranks candidates trained for different numbers of epochs ({listed}): the evidence judges "
+            "each where its training stopped, so an under-trained candidate is ranked by its early weights. Compare "
+            "candidates at the same fraction of training (the same max_epochs, without max_time or early stopping).")

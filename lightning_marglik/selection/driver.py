@@ -26,7 +26,9 @@ from ..curvature.structures.full import FullStructure
 from ..diagnostics import EF_RATIO_THRESHOLD, ef_ratio_of, ef_unreliable_message
 from ..folding import Folded
 from ..validators import choice, flag, keywords
-from .comparability import mixed_normalization_message, non_finite_message, normalization_layers
+from .comparability import (
+    mixed_normalization_message, non_finite_message, normalization_layers, unequal_epochs_message,
+)
 from .metrics import MetricsCheck, evaluate_metrics
 from .prepass import build, survey
 from .results import RESULTS_JSON, CandidateResult, load_results, run_lock, save_results
@@ -234,7 +236,8 @@ def select_models(
     study at the cost of one forward pass. Do not compare networks with and without normalization
     layers by their evidence all the same: every approximation, folded or not, ranked the BatchNorm
     ResNets there last; such a run warns, naming them (:mod:`.comparability`). Compare candidates at
-    the same fraction of training. For small regression networks of different depths train with
+    the same fraction of training (candidates trained for different numbers of epochs are ranked with a
+    warning). For small regression networks of different depths train with
     ``callback={"structure": "full"}`` too. The evidence prefers the smaller of two near-equal
     models and judges under-trained candidates by where they are.
 
@@ -447,7 +450,8 @@ def select_models(
     ef_message = "" if auto else ef_unreliable_message({r.name: r.ef_curvature_ratio for r in results
                                                          if r.ef_curvature_ratio is not None})
     for message in (ef_message, mixed_normalization_message({r.name: r.normalization for r in results}),
-                    non_finite_message({r.name: r.marglik for r in results})):
+                    non_finite_message({r.name: r.marglik for r in results}),
+                    unequal_epochs_message({r.name: r.epochs for r in results})):
         if message:
             warnings.warn(message, stacklevel=2)
     return _ranked(results)
