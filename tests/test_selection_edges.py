@@ -8,6 +8,7 @@ import math
 import pytest
 import pytorch_lightning as pl
 import torch
+import torchmetrics
 from torch import nn
 
 from lightning_marglik import (
@@ -169,3 +170,24 @@ def test_candidates_trained_for_different_numbers_of_epochs_are_ranked_with_a_wa
                                 datamodule=BlobData(), callback=CALLBACK, trainer={**TRAINER, "max_epochs": 3},
                                 verbose=False, rank_by="online")
     assert {r.name: r.epochs for r in results} == {"full": 3, "stopped": 1}
+
+
+# --- 4. resume after a candidate changed ---------------------------------------------------------------------------
+
+
+def test_resume_trains_again_a_candidate_whose_network_or_metrics_changed(tmp_path, capsys):
+    """The settings that decide reuse held nothing of the network: a wider 'b' reused the narrow one's result."""
+    def run(width, **kwargs):
+        capsys.readouterr()
+        results = select_models({"a": lambda: Classifier(60, width=4), "b": lambda: Classifier(60, width=width)},
+                                datamodule=BlobData(), callback=CALLBACK, trainer=TRAINER, rank_by="online",
+                                output_dir=str(tmp_path), resume=True, **kwargs)
+        printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+        return ["reused" in line for line in printed], {r.name: r.n_params for r in results}
+
+    assert run(8) == ([False, False], {"a": 27, "b": 51})
+    assert run(8) == ([True, True], {"a": 27, "b": 51})
+    assert run(32) == ([True, False], {"a": 27, "b": 195})
+    accuracy = {"accuracy": torchmetrics.classification.MulticlassAccuracy(3, average="micro")}
+    assert run(32, metrics=lambda: accuracy)[0] == [False, False]  # the default metrics before
+    assert load_results(str(tmp_path))["b"].settings["network"]["n_params"] == 195

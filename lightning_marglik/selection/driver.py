@@ -259,7 +259,9 @@ def select_models(
             with the same settings (the data are compared only as far as ``settings`` describe them).
         settings: JSON-able description of each candidate (name to e.g. its class and arguments),
             stored with its result and compared on ``resume``; the trainer, callback, seed,
-            predictive and ``rank_by`` (``"auto"`` as asked, with its two limits) are always part of it.
+            predictive, ``rank_by`` (``"auto"`` as asked, with its two limits), the metrics' names and the
+            network (its ``n_params`` and :func:`.prepass.architecture`) are always part of it: a result
+            stored without them (an older version) is trained again.
         rank_by: The evidence that ranks the candidates (:func:`rank_by_choices`, matched
             case-insensitively): ``"<structure>-<approx>"`` (e.g. ``"kron-ef"``) re-estimated at
             the final weights, one more evidence pass per candidate with its hyperparameters
@@ -315,14 +317,15 @@ def select_models(
     if test_dataloader is None and datamodule is not None and _has_test_data(datamodule):
         datamodule.setup("test")
         test_dataloader = datamodule.test_dataloader()
-    survey(candidates, seed, MargLikCallback(**callback).options, rank_by, check_options,
-           predictive if test_dataloader is not None else None)
+    networks = survey(candidates, seed, MargLikCallback(**callback).options, rank_by, check_options,
+                      predictive if test_dataloader is not None else None)
+    scored = None if test_dataloader is None else sorted(metrics()) if metrics is not None else "default"
     # "auto" is stored as asked (a re-run resolves it again over its candidates), with the limits that decide it
     limits = {"auto_limits": {"max_directions": AUTO_FULL_MAX_DIRECTIONS, "max_memory": AUTO_FULL_MAX_MEMORY}}
     wanted = {
         name: _jsonable({"candidate": (settings or {}).get(name), "trainer": trainer, "callback": callback,
                          "seed": seed, "predictive": predictive, "rank_by": rank_by, "fold_batchnorm": fold,
-                         "rank_output_layer": rank_output_layer,
+                         "rank_output_layer": rank_output_layer, "network": networks[name], "metrics": scored,
                          **(limits if auto else {})})
         for name in candidates
     }
