@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import pytorch_lightning as pl
@@ -191,3 +192,26 @@ def test_resume_trains_again_a_candidate_whose_network_or_metrics_changed(tmp_pa
     accuracy = {"accuracy": torchmetrics.classification.MulticlassAccuracy(3, average="micro")}
     assert run(32, metrics=lambda: accuracy)[0] == [False, False]  # the default metrics before
     assert load_results(str(tmp_path))["b"].settings["network"]["n_params"] == 195
+
+
+# --- 5. what the command line says it wrote --------------------------------------------------------------------------
+
+
+class TrainOnly(BlobData):
+    """Blobs without test data: no metrics, so no evidence.png."""
+
+    test_dataloader = pl.LightningDataModule.test_dataloader
+
+
+def test_the_command_names_only_the_files_it_wrote_under_an_aligned_header(tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "evidence.png").write_bytes(b"")  # an earlier run's, left as it was
+    path = write_config(tmp_path, data={"class_path": "tests.test_selection_edges.TrainOnly"}, candidates={
+        "a": {"class_path": "tests.lightning_models.Classifier", "init_args": {"width": 2}},
+        "b": {"class_path": "tests.lightning_models.Classifier", "init_args": {"width": 4}}})
+    main([path, "--trainer.max_epochs=1"])
+    out = capsys.readouterr().out.splitlines()
+    assert f"results in {tmp_path / 'out'}/ (results.json, results.csv)" in out
+    header = out.index(next(line for line in out if line.startswith("rank  candidate")))
+    marglik_ends = [re.match(r"\s*\d+\s+\w+\s+-?\d+\.\d{4}", row).end() for row in out[header + 1:header + 3]]
+    assert marglik_ends == [out[header].index("marglik") + len("marglik")] * 2  # names shorter than "candidate"

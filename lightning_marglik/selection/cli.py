@@ -6,6 +6,7 @@ import contextlib
 import os
 import re
 import sys
+import time
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -18,7 +19,7 @@ from .config import check_config, missing_module_fix, select_from_config
 from .driver import (
     AUTO_FULL_MAX_DIRECTIONS, DEFAULT_RANK_BY, DEFAULT_RANK_OUTPUT_LAYER, quiet_lightning, rank_by_choices,
 )
-from .results import CandidateResult, ResultsInUse
+from .results import CandidateResult, ResultsInUse, written_since
 
 __all__ = ["DEFAULT_THREADS", "QUICK_NOTICE", "QUICK_OVERRIDES", "build_parser", "duplicate_key", "explain_import_error",
            "main", "plain_text", "run_command_line"]
@@ -252,14 +253,15 @@ def run_command_line(argv: Optional[Sequence[str]] = None) -> Tuple[List[Candida
     with quiet_lightning():
         if cfg.quick:  # it trains on 2 batches on purpose; the evidence still covers all the data
             warnings.filterwarnings("ignore", message=".*limit_train_batches.*")
+        started = time.time()
         results = select_from_config(config, resume=not (cfg.rerun or cfg.quick))
-    width = max(len(r.name) for r in results)
+    width = max(len("candidate"), *(len(r.name) for r in results))
     print(f"{'rank':>4}  {'candidate':<{width}}  {'marglik':>9}  {'params':>8}  metrics")
     for rank, r in enumerate(results, 1):
         shown = " ".join(f"{k}={v:.4f}" for k, v in r.metrics.items())
         print(f"{rank:>4}  {r.name:<{width}}  {r.marglik:>9.4f}  {r.n_params:>8}  {shown}")
     if config["output_dir"]:
-        print(f"results in {config['output_dir']}/ (results.csv, results.json, evidence.png)")
+        print(f"results in {config['output_dir']}/ ({', '.join(written_since(config['output_dir'], started))})")
     else:
         print("no output_dir: nothing written (give `output_dir:` in the YAML or --output_dir=DIR to keep "
               "results.csv, results.json and evidence.png)")

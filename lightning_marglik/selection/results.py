@@ -21,9 +21,12 @@ try:
 except ImportError:  # Windows
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["LOCK_FILE", "RESULTS_JSON", "CandidateResult", "ResultsInUse", "load_results", "run_lock", "save_results"]
+__all__ = ["LOCK_FILE", "RESULTS_FILES", "RESULTS_JSON", "CandidateResult", "ResultsInUse", "load_results", "run_lock",
+           "save_results", "written_since"]
 
 RESULTS_JSON = "results.json"
+#: What :func:`save_results` may write: ``evidence.png`` only with test metrics (and matplotlib)
+RESULTS_FILES = (RESULTS_JSON, "results.csv", "evidence.png")
 LOCK_FILE = "results.lock"
 
 
@@ -165,6 +168,13 @@ def _json_numbers(value: Any) -> Any:
     if isinstance(value, list):
         return [_json_numbers(v) for v in value]
     return value
+
+
+def written_since(output_dir: str, since: float) -> List[str]:
+    """The :data:`RESULTS_FILES` in ``output_dir`` that were written at or after ``since`` (a ``time.time()``): what a
+    run wrote, not what an earlier one left."""
+    paths = ((name, os.path.join(output_dir, name)) for name in RESULTS_FILES)
+    return [name for name, path in paths if os.path.exists(path) and os.path.getmtime(path) >= since]
 
 
 def _write_atomic(path: str, write: Callable[[Any], None]) -> None:
