@@ -84,6 +84,12 @@ def require_data(n_data: int, likelihood: Likelihood) -> None:
         )
 
 
+def _first_process() -> bool:
+    """Whether this is the only process or the first of a process group."""
+    return not torch.distributed.is_available() or not torch.distributed.is_initialized() or (
+        torch.distributed.get_rank() == 0)
+
+
 def _unbounded_message(names: Tuple[str, ...], limits: Dict[str, float], buffers: Dict[str, Tensor]) -> str:
     """Why the evidence ran ``names`` to the edge of their buffers' range, and the fix."""
     said = []
@@ -474,7 +480,7 @@ class LaplaceEvidence:
 
         Every value stays within what its buffer holds (:data:`.likelihoods.LOG_LIMIT`: ``|log h| <= 42.67``
         in float32), so that :meth:`set_hyperparameters` takes any solution. Where the evidence still rises at
-        that edge (within a factor ``e``) it has no finite optimum (e.g. ``sigma -> 0`` where the network fits
+        that edge (in the last tenth of the range) it has no finite optimum (e.g. ``sigma -> 0`` where the network fits
         its data exactly): a warning names the cause and ``Solution.unbounded`` the tensors.
 
         Args:
@@ -520,9 +526,10 @@ class LaplaceEvidence:
                 derivatives=lambda values: self._second_order(current, learned, values), box=box,
             )
         full = self._with_fixed(current, solution.values)
-        # within a factor e of the edge: in float64 the curvature's scale overflows just before it
-        unbounded = tuple(n for n, v in solution.values.items() if bool((v.abs() >= limits[n] - 1).any()))
-        if unbounded:
+        # in the last tenth of the range: in float64 the curvature's scale (1 / sigma^2 times the GGN) overflows
+        # before the edge itself, and the solve stops short of it (log sigma -351.5 of -353.2)
+        unbounded = tuple(n for n, v in solution.values.items() if bool((v.abs() >= 0.9 * limits[n]).any()))
+        if unbounded and _first_process():  # one warning, not one per DDP rank (the callback's are rank 0's too)
             warnings.warn(_unbounded_message(unbounded, limits, self.hyperparameters()), stacklevel=2)
         return dataclasses.replace(solution, values={n: full[n].detach() for n in solution.values}, unbounded=unbounded)
 
