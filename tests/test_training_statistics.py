@@ -308,6 +308,26 @@ def test_ddp_sums_equal_the_single_process_evidence_with_one_collective(tmp_path
         assert math.isclose(result["log_marglik"], reference.log_marglik().item(), rel_tol=1e-10)
 
 
+def test_a_distributed_sampler_that_repeats_an_example_is_refused_at_set_up(tmp_path):
+    """41 examples on 2 processes: Lightning's DistributedSampler repeats one, the training batches held 42 data, the
+    evidence 41, and every estimate threw the training sums away for an evidence pass."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "RANK", "NODE_RANK")}
+    env.update(OMP_NUM_THREADS="1")
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "tests" / "training_statistics_ddp.py"), str(tmp_path), "odd"],
+                         cwd=str(root), env=env, capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for rank in (0, 1):
+        refused = json.loads((tmp_path / f"rank{rank}.json").read_text())["refused"]
+        assert "the DistributedSampler gives the 2 processes 42 of 41 examples per epoch (repeating 1" in refused
+
+
 def test_bf16_mixed_gradients_are_summed_in_float64():
     """bf16 autocast: output gradients in bf16, products in float32, sums in float64; close to the pass."""
     torch.manual_seed(0)

@@ -17,16 +17,19 @@ from torch.utils.data import TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: `tests` importable
 
-from lightning_marglik import GaussianLikelihood, GaussianPrior, MargLikCallback, map_loss  # noqa: E402
+from lightning_marglik import (  # noqa: E402
+    GaussianLikelihood, GaussianPrior, MargLikCallback, MargLikConfigurationError, map_loss,
+)
 from lightning_marglik.callbacks import core  # noqa: E402  (where the callbacks call reduce_statistics)
 from tests.worker_harness import ddp, loader, two_processes, write_result  # noqa: E402
 
 N = 40
+ODD = 41  # "odd" (the second argument): a DistributedSampler repeats one example to divide them
 
 
-def data() -> TensorDataset:
+def data(n: int = N) -> TensorDataset:
     g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(N, 3, generator=g, dtype=torch.float64), torch.randn(N, 2, generator=g, dtype=torch.float64))
+    return TensorDataset(torch.randn(n, 3, generator=g, dtype=torch.float64), torch.randn(n, 2, generator=g, dtype=torch.float64))
 
 
 def net() -> nn.Sequential:
@@ -53,7 +56,7 @@ class Model(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-def main(out: Path) -> None:
+def main(out: Path, odd: bool = False) -> None:
     collectives = []
     original = core.reduce_statistics
 
@@ -81,6 +84,12 @@ def main(out: Path) -> None:
     strategy = ddp(pl, timeout=datetime.timedelta(seconds=120))
     trainer = two_processes(pl, out, strategy, [callback], max_epochs=1, precision="64-true")
     module = Model()
+    if odd:  # refused at set-up, on every rank
+        try:
+            trainer.fit(module, loader(data(ODD)))
+        except MargLikConfigurationError as refused:
+            write_result(out, f"rank{trainer.global_rank}.json", {"refused": str(refused)})
+        return
     trainer.fit(module, loader(data()))
     evidence = callback.evidence
     payload = {
@@ -93,4 +102,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), odd=sys.argv[2:] == ["odd"])

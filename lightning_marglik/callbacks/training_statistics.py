@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Optional
 
+from torch.utils.data import DistributedSampler
+
 from ..curvature.training_pass import TrainingPassStatistics, mismatch
 from ..distributed import run_on_all_ranks
 from ..hyperparameters import Likelihood
@@ -54,6 +56,15 @@ def check_coverage(trainer: Trainer, dataloader: Any) -> None:
             f"MargLikCallback(statistics='training'): a training epoch runs {int(batches)} of the loader's {length} "
             f"batches (Trainer({limiting_flag(trainer)})), but the evidence covers every "
             f"example; train on every batch or {fix}."
+        )
+    sampler = getattr(loader, "sampler", None)
+    if isinstance(sampler, DistributedSampler) and sampler.total_size != len(sampler.dataset):
+        examples, drawn = len(sampler.dataset), sampler.total_size
+        raise MargLikConfigurationError(
+            f"MargLikCallback(statistics='training'): the DistributedSampler gives the {sampler.num_replicas} processes "
+            f"{drawn} of {examples} examples per epoch ({'repeating' if drawn > examples else 'dropping'} "
+            f"{abs(drawn - examples)} to divide them evenly), but the evidence covers every example once; use a "
+            f"number of examples the processes divide, or {fix}."
         )
     dropped = dropped_examples(loader)
     if dropped is not None:
