@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, SubsetRandomSampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, Subset, SubsetRandomSampler, TensorDataset
 
 from lightning_marglik import CategoricalLikelihood, GaussianLikelihood, GaussianPrior, map_loss
 from lightning_marglik.denormals import flushing_denormals
@@ -351,6 +351,7 @@ def run_training(out: Path) -> Dict[str, Any]:
 SAMPLER_CASES = {"sampler-wrapped": True, "sampler-own": False}
 SAMPLER_SUBSET = list(range(0, N_EVIDENCE, 3)) + [1, 2]
 SAMPLER_MODEL = "diag-ggn-regression"  # weights and data of this evidence case (lr 0: they stay)
+OWN_SHARDS = "shards-own"
 
 
 def run_sampler_cases(out: Path) -> Dict[str, Any]:
@@ -367,6 +368,14 @@ def run_sampler_cases(out: Path) -> Dict[str, Any]:
         ev = callback.evidence
         assert ev is not None
         results[name] = {"log_marglik": ev.log_marglik().item(), "n_data": ev.n_data, "epoch": recorder.epochs[-1]}
+    # every rank its own shard (use_distributed_sampler=False, no sampler of the user's): the evidence covers both
+    module, dataset = make_case(SAMPLER_MODEL)
+    structure, approx = CASES[SAMPLER_MODEL][2:4]
+    callback = MargLikCallback(structure=structure, approx=approx, frequency=1, steps=0, settle=None)
+    trainer = ddp_trainer(out, [callback], max_epochs=1, use_distributed_sampler=False)
+    shard = Subset(dataset, range(int(os.environ.get("LOCAL_RANK", 0)), N_EVIDENCE, 2))
+    trainer.fit(module, train_dataloaders=DataLoader(shard, batch_size=BATCH))
+    results[OWN_SHARDS] = {"log_marglik": callback.evidence.log_marglik().item(), "n_data": callback.evidence.n_data}
     return results
 
 

@@ -251,6 +251,19 @@ def test_evidence_under_ddp_covers_the_samplers_subset(popen_run, popen_ranks, n
         assert _close(got["log_marglik"], ref.log_marglik().item())
 
 
+def test_evidence_under_ddp_covers_every_ranks_own_shard(popen_run, popen_ranks):
+    """use_distributed_sampler=False, each rank given its own half of the 37 examples: the evidence split each half
+    again and covered 19 of them, silently. It now takes each rank's data whole: the single-process evidence."""
+    module, case, _ = _reference(popen_run, ddp_worker.SAMPLER_MODEL)
+    _, _, structure, approx, _, _ = ddp_worker.CASES[ddp_worker.SAMPLER_MODEL]
+    data = DataLoader(TensorDataset(case["x"], case["y"]), batch_size=10)
+    ref = LaplaceEvidence.fit(module, data, module.likelihood, module.prior, structure, approx)
+    for ranks_result in popen_ranks:
+        got = ranks_result["samplers"][ddp_worker.OWN_SHARDS]
+        assert got["n_data"] == ddp_worker.N_EVIDENCE
+        assert _close(got["log_marglik"], ref.log_marglik().item())
+
+
 # --------------------------------------------------------------------------------------------
 # training: hyperparameters, checkpoint, early stopping
 # --------------------------------------------------------------------------------------------

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import inspect
 import math
+import random
 from typing import Any, Callable, Iterable, List, Optional, Tuple, Union
 
+import numpy as np
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn  # one rank state for both packages
 from pytorch_lightning.utilities.seed import isolate_rng  # also the numpy and Python generators, which loaders may use
@@ -16,7 +18,8 @@ from ..hyperparameters import Likelihood
 from ..validators import suggestion
 from .package import LightningModule, MargLikConfigurationError, Trainer
 
-__all__ = ["count_data", "dropped_examples", "evidence_batches", "limiting_flag", "named_loader_method"]
+__all__ = ["count_data", "dropped_examples", "evidence_batches", "limiting_flag", "named_loader_method",
+           "ranks_hold_their_own_data"]
 
 Source = Union[DataLoader, str, None]
 BatchFn = Optional[Callable[[Any], Any]]
@@ -112,7 +115,9 @@ def _warn_if_dropped(loader: DataLoader) -> None:
         )
 
 
-def evidence_batches(dataloader: Source, trainer: Trainer, pl_module: LightningModule, warn: bool = False) -> Iterable:
+def evidence_batches(
+    dataloader: Source, trainer: Trainer, pl_module: LightningModule, warn: bool = False, own: bool = False,
+) -> Iterable:
     """This rank's evidence batches: its unpadded shard of the examples one training epoch draws.
 
     Args:
@@ -120,6 +125,8 @@ def evidence_batches(dataloader: Source, trainer: Trainer, pl_module: LightningM
         trainer: The trainer (its training data, rank and number of processes).
         pl_module: The module whose method ``dataloader`` may name.
         warn: Warn where the evidence data differ from what a training epoch uses (once, at set-up).
+        own: Each process's loader holds its own examples (:func:`ranks_hold_their_own_data`): all of them are
+            this rank's, not a share.
 
     Raises:
         MargLikConfigurationError: On a source that cannot give the evidence data, naming the fix.
@@ -134,9 +141,43 @@ def evidence_batches(dataloader: Source, trainer: Trainer, pl_module: LightningM
         if warn:
             _warn_if_dropped(source)
     try:
-        return evidence_loader(source, trainer.global_rank, trainer.world_size, max_batches)
+        return evidence_loader(source, 0 if own else trainer.global_rank, 1 if own else trainer.world_size, max_batches)
     except ValueError as err:
         raise MargLikConfigurationError(str(err)) from err
+
+
+def ranks_hold_their_own_data(dataloader: Source, trainer: Trainer, pl_module: LightningModule) -> bool:
+    """Whether each process's evidence loader holds its own examples (a shard the user gave each process, with
+    ``Trainer(use_distributed_sampler=False)``) rather than one data set, which the evidence splits across the
+    processes (split again, a user's shards left half of the data out, silently): told by the data sets' lengths and
+    first and last examples on every process, in one all-gather. Call it on every process.
+    """
+    if trainer.world_size == 1:
+        return False
+    loader = _source_loader(dataloader, trainer, pl_module)
+    dataset = loader.dataset
+    if isinstance(dataset, IterableDataset) or isinstance(loader.sampler, DistributedSampler):
+        return False  # a stream is refused under several processes; a DistributedSampler splits one data set
+    size = len(dataset)
+    with isolate_rng():  # an augmenting __getitem__ draws alike on every process
+        random.seed(0)
+        np.random.seed(0)
+        torch.manual_seed(0)
+        mark = [float(size), *(_total(dataset[i]) if size else 0.0 for i in (0, size - 1))]
+    strategy = trainer.strategy
+    marks = strategy.all_gather(torch.tensor(mark, dtype=torch.float64, device=strategy.root_device))
+    return not bool((marks == marks[0]).all())
+
+
+def _total(item: Any) -> float:
+    """The sum of the numbers an example holds (tensors, arrays, scalars, nested in tuples, lists and dicts)."""
+    if isinstance(item, (tuple, list)):
+        return sum(_total(part) for part in item)
+    if isinstance(item, dict):
+        return sum(_total(part) for part in item.values())
+    if isinstance(item, (torch.Tensor, np.ndarray, int, float)) and not isinstance(item, bool):
+        return float(torch.nan_to_num(torch.as_tensor(item, dtype=torch.float64)).sum())  # NaN equals NaN here
+    return 0.0
 
 
 def limiting_flag(trainer: Trainer) -> str:
@@ -178,7 +219,7 @@ def _warn_if_limited(loader: DataLoader, max_batches: int, limit: str, read: int
 
 def count_data(
     dataloader: Source, trainer: Trainer, pl_module: LightningModule, likelihood: Likelihood, batch_fn: BatchFn,
-    like: torch.Tensor,
+    like: torch.Tensor, own: bool = False,
 ) -> int:
     """This rank's number of data in the evidence batches, from their targets alone (no forward):
     every batch through the likelihood's target checks, as in the evidence pass.
@@ -188,7 +229,7 @@ def count_data(
     """
     count = read = 0
     with isolate_rng():  # reading the data (loader seeds, augmentations) must not shift training's random stream
-        for read, batch in enumerate(evidence_batches(dataloader, trainer, pl_module), start=1):
+        for read, batch in enumerate(evidence_batches(dataloader, trainer, pl_module, own=own), start=1):
             try:
                 count += likelihood.count_targets(split_batch(batch, batch_fn)[1], like)
             except (TypeError, ValueError) as err:

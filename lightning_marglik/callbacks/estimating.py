@@ -25,7 +25,7 @@ from ..runaway import runaway_message, runaway_precisions
 from ..validators import choice, flag, integer, number
 from . import checks
 from .arguments import KnownKeywords
-from .data import count_data, evidence_batches, isolate_rng
+from .data import count_data, evidence_batches, isolate_rng, ranks_hold_their_own_data
 from .fit_record import FitRecord
 from .logged import logged_values
 from .package import MONITOR, LightningModule, LightningPackage, MargLikConfigurationError, Trainer, check_package, find_hyperparameters
@@ -107,6 +107,7 @@ class EstimatorCore(KnownKeywords):
         self.history: List[Dict[str, float]] = []
         self.summary: Optional[Dict[str, Any]] = None  # the facts of the fit's end (report.summarize)
         self._counted_loader: Any = None  # the training loader N was counted on (a reload counts again)
+        self._own_data = False  # each process's loader holds its own examples (data.ranks_hold_their_own_data)
         self._target_like: Optional[torch.Tensor] = None  # outputs of one evidence batch, for the target checks
         self._warned_runaway: Set[str] = set()  # the tensors a run-away warning named in this fit
         self._prior_in_loss = PriorInLossCheck(type(self).__name__)  # decided on this fit's first training batch
@@ -203,9 +204,12 @@ class EstimatorCore(KnownKeywords):
         outputs whose shape the targets must fit (the set-up check's)."""
         _, likelihood = self._hyperparameters()
 
+        self._own_data = ranks_hold_their_own_data(self.dataloader, trainer, pl_module)
+
         def local() -> int:  # one rank's failure (e.g. its shard's first batch) is raised on every rank
             self._target_like = like()
-            return count_data(self.dataloader, trainer, pl_module, likelihood, self._batch_fn(pl_module), self._target_like)
+            return count_data(self.dataloader, trainer, pl_module, likelihood, self._batch_fn(pl_module),
+                              self._target_like, own=self._own_data)
 
         strategy = trainer.strategy
         with whole_parameters(trainer):  # under FSDP: the check's forwards need whole weights, on every rank
@@ -331,7 +335,7 @@ class EstimatorCore(KnownKeywords):
         return method if callable(method) else None
 
     def _evidence_batches(self, trainer: Trainer, pl_module: LightningModule, warn: bool = False) -> Iterable:
-        return evidence_batches(self.dataloader, trainer, pl_module, warn)
+        return evidence_batches(self.dataloader, trainer, pl_module, warn, own=self._own_data)
 
     def _first_batch(self, trainer: Trainer, pl_module: LightningModule, warn: bool = False) -> Any:
         """One evidence batch, drawn without shifting training's batch order (a shuffled loader's seed).
