@@ -1,12 +1,6 @@
 """``select_models``' pre-pass: every candidate built, and checked as far as its module alone allows, before the first
-one trains (a mistake in the last candidate costs no training), and what of each network its result remembers.
-
-Example:
-    >>> from tests.lightning_models import Classifier
-    >>> networks = survey({"mlp": lambda: Classifier(60)}, 0, CurvatureOptions("diag", "ggn", 0), "online", None)
-    >>> networks["mlp"]["n_params"], len(networks["mlp"]["architecture"])
-    (51, 16)
-"""
+one trains (a mistake in the last candidate costs no training), and what of each network its result remembers
+(``tests/test_selection_edges.py`` runs it through ``select_models``)."""
 from __future__ import annotations
 
 import hashlib
