@@ -163,10 +163,19 @@ def ranks_hold_their_own_data(dataloader: Source, trainer: Trainer, pl_module: L
         random.seed(0)
         np.random.seed(0)
         torch.manual_seed(0)
-        mark = [float(size), *(_total(dataset[i]) if size else 0.0 for i in (0, size - 1))]
+        mark = [float(size), *(_read_total(dataset, i) if size else 0.0 for i in (0, size - 1))]
     strategy = trainer.strategy
     marks = strategy.all_gather(torch.tensor(mark, dtype=torch.float64, device=strategy.root_device))
     return not bool((marks == marks[0]).all())
+
+
+def _read_total(dataset: Any, index: int) -> float:
+    """:func:`_total` of ``dataset[index]``; inf where reading it fails: the all-gather must run on every process,
+    and the evidence pass raises the failure itself, on every process."""
+    try:
+        return _total(dataset[index])
+    except Exception:  # noqa: BLE001 - any failure: reported by the pass that reads the data
+        return math.inf
 
 
 def _total(item: Any) -> float:
