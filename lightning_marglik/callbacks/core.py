@@ -205,8 +205,8 @@ class MargLikCallbackCore(TrainedModuleQueries, EstimatorCore):
             # rank 0's solution everywhere: bit-identical hyperparameters, and one decision, on every rank
             values, unbounded = strategy.broadcast((solution.values, solution.unbounded), src=0)
             if unbounded:  # no optimum to learn (the engine's warning says why): training keeps sane values
-                rank_zero_warn(f"MargLikCallback: where the evidence has no finite optimum in {', '.join(unbounded)}, the "
-                               "estimate leaves the hyperparameters unchanged; its marglik is theirs.")
+                rank_zero_warn(f"MargLikCallback: where the evidence has no finite optimum in {', '.join(unbounded)}, "
+                               "the estimate leaves the hyperparameters unchanged; its marglik is theirs.")
                 marglik = start.item() / evidence.n_data
             else:
                 self._optimizer_state = solution.state

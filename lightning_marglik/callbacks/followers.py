@@ -199,8 +199,8 @@ class EarlyStoppingCore(_FollowsEstimates):
                 f"the last {self.wait_count} estimations (patience={self.patience}); best {self.best_score:.4f}."
             )
         if self._epoch < self._min_epochs:  # Lightning trains on: "stopped" would be false
-            return should_stop, (f"MargLikEarlyStopping asked to stop after epoch {self._epoch}, but "
-                                 f"Trainer(min_epochs={self._min_epochs}) trains on to epoch {self._min_epochs}: {reason}")
+            return should_stop, (f"MargLikEarlyStopping asked to stop after epoch {self._epoch}, but Trainer("
+                                 f"min_epochs={self._min_epochs}) trains on to epoch {self._min_epochs}: {reason}")
         return should_stop, f"MargLikEarlyStopping stopped training after epoch {self._epoch}: {reason}"
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
