@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import pickle
 from typing import TYPE_CHECKING, Any, Callable, Dict, Hashable, Iterable, Iterator, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
@@ -249,10 +250,13 @@ def _bounded(loader: DataLoader, max_batches: Optional[int]) -> Iterable:
 def run_on_all_ranks(strategy: Strategy, work: Callable[[], T]) -> T:
     """Run ``work`` on every rank; if it fails anywhere, raise on every rank instead of hanging.
 
-    One collective (a sum of failure flags) follows ``work`` on every rank, whatever happened.
+    One collective (a gather of failure flags) follows ``work`` on every rank, whatever happened; where a rank
+    failed with an error of its own, one more hands that error to the others, who raise it too, naming its process
+    (one rank's refusal of its data reads the same on rank 0, whose output users read).
 
     Raises:
-        RuntimeError: If ``work`` failed on another rank (this rank re-raises its own error).
+        Exception: This rank's own error; else the first failing rank's (its type and message, with the process),
+            or ``RuntimeError`` where it cannot be passed on.
     """
     error: Optional[BaseException] = None
     result: Optional[T] = None
@@ -260,13 +264,38 @@ def run_on_all_ranks(strategy: Strategy, work: Callable[[], T]) -> T:
         result = work()
     except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks know
         error = exc
-    device = strategy.root_device
-    failures = strategy.reduce(torch.tensor(float(error is not None), device=device), reduce_op="sum")
-    if error is not None:
-        raise error
-    if float(failures) > 0:
-        raise RuntimeError(FAILED_ELSEWHERE)
-    return result  # type: ignore[return-value]
+    if strategy.world_size == 1:
+        if error is not None:
+            raise error
+        return result  # type: ignore[return-value]
+    own = error is not None and not (isinstance(error, RuntimeError) and str(error) == FAILED_ELSEWHERE)
+    flags = strategy.all_gather(torch.tensor([float(error is not None), float(own)], device=strategy.root_device))
+    flags = flags.reshape(-1, 2)
+    if not bool(flags[:, 0].any()):
+        return result  # type: ignore[return-value]
+    owners = [rank for rank, flag in enumerate(flags[:, 1].tolist()) if flag]
+    told = strategy.broadcast(_passed_on(error) if own and strategy.global_rank == owners[0] else None,
+                              src=owners[0]) if owners else None
+    if own or told is None:
+        raise error if error is not None else RuntimeError(FAILED_ELSEWHERE)
+    raise _on_process(told, owners[0]) from error
+
+
+def _passed_on(error: BaseException) -> BaseException:
+    """``error`` as another process can receive it: itself where it pickles and unpickles, else its text."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 - an error type that does not travel: its name and message do
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+def _on_process(error: BaseException, rank: int) -> BaseException:
+    """``error`` of the same type, its message naming the process ``rank`` it was raised on."""
+    try:
+        return type(error)(f"{error} (raised on process {rank})")
+    except Exception:  # noqa: BLE001 - a type whose constructor takes other arguments
+        return RuntimeError(f"{type(error).__name__} on process {rank}: {error}")
 
 
 def reduce_statistics(stats: CurvatureStatistics, strategy: Strategy) -> CurvatureStatistics:

@@ -225,13 +225,14 @@ def test_kron_curvature_is_owned_by_layer_across_ranks(ranks, single):
 def test_a_failure_on_one_rank_ends_the_sharded_pass_on_both(ranks):
     """Rank 1 alone fails in the sharded evidence pass (at its first batch, before it planned the layers' owners;
     at its second, while rank 0 sends), or before it (building the evidence loader): both ranks raise at once, rank
-    1 its own error, rank 0 that another process failed, and both go on in step to the next fit (the worker's
+    1 its own error, rank 0 the same error naming process 1, and both go on in step to the next fit (the worker's
     later fits ran). Without the exchange's agreement rounds rank 0 would wait in a reduction for rank 1 until the
     collective timeout."""
     for name in fsdp_worker.FAILURES:
         r0, r1 = (rank["failures"][name] for rank in ranks)
         assert r1["type"] == "RuntimeError" and "injected failure" in r1["message"], r1
-        assert r0["type"] == "RuntimeError" and "failed on another process" in r0["message"], r0
+        assert r0["type"] == "RuntimeError" and "injected failure" in r0["message"], r0
+        assert r0["message"].endswith("(raised on process 1)"), r0
         for r in (r0, r1):
             assert r["entered"] is not None and r["failed"] - r["entered"] < fsdp_worker.TIMEOUT.total_seconds() / 4
 
