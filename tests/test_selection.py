@@ -653,6 +653,16 @@ def test_trainer_arguments_a_hurried_caller_passes_are_refused_by_name(trainer, 
     assert check_trainer_arguments({"devices": None, "max_epochs": -1}) == {"devices": None, "max_epochs": -1}
 
 
+def test_print_config_with_quick_shows_the_quick_overrides(tmp_path, capsys):
+    """docs/selection.md: --print_config prints the configuration after all overrides; with --quick it printed the
+    YAML's max_epochs."""
+    with pytest.raises(SystemExit) as done:
+        run_command_line([write_config(tmp_path), "--quick", "--print_config"])
+    assert done.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["trainer"]["max_epochs"] == 1 and printed["trainer"]["limit_train_batches"] == 2
+
+
 def test_quick_in_the_yaml_is_the_command_lines_quick(tmp_path):
     results, config = run_command_line([write_config(tmp_path, quick=True)])
     assert {r.epochs for r in results} == {1} and config["trainer"]["limit_train_batches"] == 2

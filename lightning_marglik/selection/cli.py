@@ -223,10 +223,13 @@ def run_command_line(argv: Optional[Sequence[str]] = None) -> Tuple[List[Candida
             found = duplicate_key(open(path, encoding="utf-8").read())
             if found:
                 parser.error(f"{path}: {found}.")
-    cfg = parser.parse_args(args)
-    if cfg.quick:  # --quick, or `quick: true` in the YAML: its overrides right after the YAML, so the user's own win
-        at = 2 if args[:1] == ["--config"] else 1 if args[:1] and args[0].startswith("--config=") else 0
-        cfg = parser.parse_args(args[:at] + list(QUICK_OVERRIDES) + args[at:])
+    # --quick's overrides right after the YAML, so that the user's own win; given on the command line, before the
+    # first parse, where --print_config prints (and exits)
+    at = 2 if args[:1] == ["--config"] else 1 if args[:1] and args[0].startswith("--config=") else 0
+    quick = [*args[:at], *QUICK_OVERRIDES, *args[at:]]
+    cfg = parser.parse_args(quick if "--quick" in args else args)
+    if cfg.quick and "--quick" not in args:  # `quick: true` in the YAML
+        cfg = parser.parse_args(quick)
     if cfg.threads < 1:
         parser.error(f"--threads must be at least 1, got {cfg.threads}.")
     torch.set_num_threads(cfg.threads)
