@@ -509,8 +509,8 @@ class LaplaceEvidence:
         learnable = self._learnable_values()
         limits = {name: LOG_LIMIT[self.hyperparameters()[name].dtype] for name in learnable}
         # every value the buffers can hold, so that set_hyperparameters takes any solution
-        box = {name: (start.clamp(max=-limit), start.clamp(min=limit))
-               for name, start, limit in ((n, v, limits[n]) for n, v in learnable.items())}
+        box = {name: (start.clamp(max=-limits[name]), start.clamp(min=limits[name]))
+               for name, start in learnable.items()}
         if max_step is not None and "log_precision" in learnable:
             start, (lower, upper) = learnable["log_precision"], box["log_precision"]
             box["log_precision"] = (torch.maximum(start - max_step, lower), torch.minimum(start + max_step, upper))

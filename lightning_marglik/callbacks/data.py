@@ -140,6 +140,8 @@ def evidence_batches(
             _warn_if_limited(source, max_batches, limiting_flag(trainer))
         if warn:
             _warn_if_dropped(source)
+    elif warn:
+        _warn_if_other_examples(source, trainer.train_dataloader)
     try:
         return evidence_loader(source, 0 if own else trainer.global_rank, 1 if own else trainer.world_size, max_batches)
     except ValueError as err:
@@ -247,8 +249,6 @@ def count_data(
     limit = trainer.num_training_batches
     if dataloader is None and isinstance(source.dataset, IterableDataset) and math.isfinite(limit):
         _warn_if_limited(source, int(limit), limiting_flag(trainer), read)  # a stream's count is known now
-    if dataloader is not None:
-        _warn_if_other_examples(_source_loader(dataloader, trainer, pl_module), source)
     return count
 
 
