@@ -221,6 +221,24 @@ def test_linear_bias_into_layer_norm_is_scaled_with_the_weight():
     assert "bias also has no effect" not in layer.reason
 
 
+class KeywordNorm(nn.Module):
+    """``Linear -> LayerNorm -> tanh -> head``, the norm called by keyword: ``self.norm(input=h)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.norm, self.head = nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.norm(input=self.lin(x))))
+
+
+def test_a_norm_called_by_keyword_is_found_as_one_called_positionally():
+    model, x = KeywordNorm(), torch.randn(5, 4)
+    found = found_params(model, x)
+    assert found == {"lin.weight", "lin.bias"}
+    assert found == numerically_invariant(model, x)
+
+
 @pytest.mark.parametrize(
     "between, norm",
     [

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from ..private import conv_base, norm_base
 from .batches import Inputs, call_model, eager
-from .hooks import graph_uses
+from .hooks import graph_uses, layer_input
 
 _ConvNd, _NormBase = conv_base(), norm_base()  # torch's private base classes: lightning_marglik.private
 
@@ -170,16 +170,18 @@ def find_scale_invariant(
     norm_io: Dict[str, Tuple[Tensor, Tensor]] = {}
 
     def hook(name: str, module: nn.Module):
-        def record(_: nn.Module, args: Tuple, output: object) -> None:
+        def record(_: nn.Module, args: Tuple, kwargs: Dict[str, object], output: object) -> None:
             calls[name] = calls.get(name, 0) + 1
             if isinstance(module, LINEAR_LAYERS) and isinstance(output, Tensor):
                 outputs[name] = output
-            if isinstance(module, NORMS) and args and isinstance(args[0], Tensor) and isinstance(output, Tensor):
-                norm_io[name] = (args[0], output)
+            normalized = layer_input(module, args, kwargs)  # self.norm(input=h) as well as self.norm(h)
+            if isinstance(module, NORMS) and normalized is not None and isinstance(output, Tensor):
+                norm_io[name] = (normalized, output)
 
         return record
 
-    handles = [m.register_forward_hook(hook(n, m)) for n, m in modules.items() if isinstance(m, LINEAR_LAYERS + NORMS)]
+    handles = [m.register_forward_hook(hook(n, m), with_kwargs=True)
+               for n, m in modules.items() if isinstance(m, LINEAR_LAYERS + NORMS)]
     try:
         with _training_pass(model, modes), torch.enable_grad(), eager():  # a compiled module's hooks fire eagerly only
             output = call_model(model, inputs)
