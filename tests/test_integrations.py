@@ -118,6 +118,27 @@ def fit_kron(net: nn.Module, inputs, y: Tensor) -> Tuple[MargLikCallback, Module
     return callback, module, " ".join(str(w.message) for w in caught if "exact per-example" in str(w.message))
 
 
+# --- Hugging Face transformers: Qwen3's query and key norms ------------------------------------------
+
+
+def test_qwen3_query_and_key_projections_are_found_scale_invariant_through_its_own_rmsnorm():
+    """Qwen3's q_proj and k_proj feed only q_norm / k_norm, instances of its own ``Qwen3RMSNorm`` (no torch norm
+    class): the training loss does not change with their scale, and the analysis finds them, nothing else."""
+    transformers = pytest.importorskip("transformers", reason="Hugging Face transformers is not installed")
+    if not hasattr(transformers, "Qwen3Config"):
+        pytest.skip("this transformers has no Qwen3")
+    from lightning_marglik.curvature.scale_invariance import find_scale_invariant
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=16, pad_token_id=0, num_labels=CLASSES)
+    net = Logits(transformers.Qwen3ForSequenceClassification(config))
+    found = {layer.layer: layer.norm for layer in find_scale_invariant(net, tokens())}
+    attention = "model.model.layers.0.self_attn"
+    assert found == {f"{attention}.q_proj": f"{attention}.q_norm", f"{attention}.k_proj": f"{attention}.k_norm"}
+
+
 # --- Hugging Face transformers: BERT with an attention mask ----------------------------------------
 
 

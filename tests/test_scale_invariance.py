@@ -239,6 +239,66 @@ def test_a_norm_called_by_keyword_is_found_as_one_called_positionally():
     assert found == numerically_invariant(model, x)
 
 
+class HubRMSNorm(nn.Module):
+    """An RMSNorm written as Hugging Face writes its own (``LlamaRMSNorm``, ``Qwen3RMSNorm``): no torch norm class."""
+
+    def __init__(self, size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight, self.variance_epsilon = nn.Parameter(torch.ones(size)), eps
+
+    def forward(self, hidden_states):
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+class ScaleNorm(nn.Module):
+    """Named a norm, but only a learned scale: not invariant to its input's scale."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((size,), 0.5))
+
+    def forward(self, x):
+        return self.weight * x
+
+
+class QKNormAttention(nn.Module):
+    """Queries and keys each through their own norm after a head split (Qwen3's q_norm / k_norm), values not."""
+
+    def __init__(self, norm) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.q_norm, self.k_norm, self.head = norm(4), norm(4), nn.Linear(8, 3)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q_norm(self.q(x).view(b, t, 2, 4)).transpose(1, 2)
+        k = self.k_norm(self.k(x).view(b, t, 2, 4)).transpose(1, 2)
+        v = self.v(x).view(b, t, 2, 4).transpose(1, 2)
+        mixed = torch.softmax(q @ k.transpose(-1, -2), -1) @ v
+        return self.head(mixed.transpose(1, 2).reshape(b, t, 8).mean(1))
+
+
+def test_another_packages_norm_counts_where_scaling_its_input_leaves_its_output():
+    torch.manual_seed(0)
+    x = torch.randn(5, 6, 8)
+    model = QKNormAttention(HubRMSNorm)
+    found = found_params(model, x)
+    assert found == {"q.weight", "q.bias", "k.weight", "k.bias"}
+    for norm in (model.q_norm, model.k_norm):
+        norm.variance_epsilon = 1e-30  # the brute force's exact invariance
+    assert found == numerically_invariant(model, x)
+    (layer, _) = find_scale_invariant(model, x)
+    assert "HubRMSNorm 'q_norm', which gave the same output for its input scaled by 2 and by 1/2" in layer.reason
+
+
+def test_a_module_only_named_a_norm_is_not_taken_for_one():
+    model = QKNormAttention(ScaleNorm)
+    x = torch.randn(5, 6, 8)
+    assert find_scale_invariant(model, x) == [] == sorted(numerically_invariant(model, x))
+
+
+
 @pytest.mark.parametrize(
     "between, norm",
     [

@@ -16,11 +16,14 @@ called once, its parameters are used only there, and every autograd consumer of 
 inside the norm's own computation, after at most a chain of shape operations (view, reshape,
 transpose, permute, contiguous) used nowhere else: an activation (even a positively homogeneous ReLU:
 the analysis is conservative), a residual add or any other use in between, or a norm with running
-statistics, rules it out.
+statistics, rules it out. Another package's norm (a module whose class name says ``Norm``, as Hugging Face's
+``LlamaRMSNorm`` or ``Qwen3RMSNorm``, which are plain modules with their own code) counts where its output on the
+batch stays the same for its input scaled by 2 and by 1/2: the one value the analysis reads.
 """
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Mapping, Optional, Set, Tuple
 
@@ -64,6 +67,37 @@ def _batch_statistics(norm: nn.Module) -> bool:
     if isinstance(norm, _NormBase):  # BatchNorm*, SyncBatchNorm, InstanceNorm*
         return norm.training or norm.running_mean is None
     return True
+
+
+def _may_normalize(module: nn.Module) -> bool:
+    """Whether ``module`` is a normalization: torch's (:data:`NORMS`), or another package's whose class name says
+    so (Hugging Face's ``LlamaRMSNorm``, ``Qwen3RMSNorm``, ``T5LayerNorm``: plain modules with their own code), which
+    :func:`_keeps_output_when_input_scaled` must confirm."""
+    return isinstance(module, NORMS) or ("Norm" in type(module).__name__ and not isinstance(module, LINEAR_LAYERS))
+
+
+def _keeps_output_when_input_scaled(module: nn.Module, normalized: Tensor) -> bool:
+    """Whether another package's norm gives the same output (to 1e-4 of its largest value) for its input scaled by 2
+    and by 1/2, in the modes of the pass: the property the analysis assumes of torch's norms, checked on the batch
+    where the class is not torch's. The input is first brought to a largest value of 1,000, where a norm's ``eps``
+    moves the output by far less (a network at initialisation feeds its norms values whose mean square is near it)."""
+    with torch.no_grad():
+        size = float(normalized.detach().abs().max()) if normalized.numel() else 0.0
+        if not (math.isfinite(size) and size > 0):
+            return False
+        base = normalized.detach() * (1e3 / size)
+        outputs = []
+        for factor in (1.0, 2.0, 0.5):
+            try:
+                outputs.append(module(base * factor))
+            except Exception:  # noqa: BLE001 - a module that takes more than its input is not taken for a norm
+                return False
+        reference = outputs[0]
+        if not all(isinstance(out, Tensor) and out.shape == reference.shape for out in outputs):
+            return False
+        largest = float(reference.abs().max())
+        return math.isfinite(largest) and all(float((out - reference).abs().max()) <= 1e-4 * largest
+                                              for out in outputs[1:])
 
 
 def _centres_channels(layer: nn.Module, norm: nn.Module) -> bool:
@@ -169,22 +203,30 @@ def find_scale_invariant(
     outputs: Dict[str, Tensor] = {}
     norm_io: Dict[str, Tuple[Tensor, Tensor]] = {}
 
+    recording = True  # off while the invariance of other packages' norms is checked (their calls are no data)
+
     def hook(name: str, module: nn.Module):
         def record(_: nn.Module, args: Tuple, kwargs: Dict[str, object], output: object) -> None:
+            if not recording:
+                return
             calls[name] = calls.get(name, 0) + 1
             if isinstance(module, LINEAR_LAYERS) and isinstance(output, Tensor):
                 outputs[name] = output
             normalized = layer_input(module, args, kwargs)  # self.norm(input=h) as well as self.norm(h)
-            if isinstance(module, NORMS) and normalized is not None and isinstance(output, Tensor):
+            if not isinstance(module, LINEAR_LAYERS) and normalized is not None and isinstance(output, Tensor):
                 norm_io[name] = (normalized, output)
 
         return record
 
     handles = [m.register_forward_hook(hook(n, m), with_kwargs=True)
-               for n, m in modules.items() if isinstance(m, LINEAR_LAYERS + NORMS)]
+               for n, m in modules.items() if isinstance(m, LINEAR_LAYERS) or _may_normalize(m)]
     try:
         with _training_pass(model, modes), torch.enable_grad(), eager():  # a compiled module's hooks fire eagerly only
             output = call_model(model, inputs)
+            recording = False
+            for name in [n for n in norm_io if not isinstance(modules[n], NORMS)]:
+                if not _keeps_output_when_input_scaled(modules[name], norm_io[name][0]):
+                    del norm_io[name]
             found = _analyse(model, modules, calls, outputs, norm_io, output)
     finally:
         for handle in handles:
@@ -223,9 +265,9 @@ def _analyse(
             continue
         centred = "bias" in roles and _centres_channels(layer, norm)
         bias = " (its bias also has no effect: the norm subtracts a mean per channel)" if centred else ""
-        reason = (
-            f"output feeds only {type(norm).__name__} '{norm_name}', which normalizes it with statistics of its "
-            f"input in training: the training loss does not change when ({', '.join(own)}) are scaled{bias}"
-        )
+        how = ("normalizes it with statistics of its input in training" if isinstance(norm, NORMS) else
+               "gave the same output for its input scaled by 2 and by 1/2 on the set-up batch")
+        reason = (f"output feeds only {type(norm).__name__} '{norm_name}', which {how}: the training loss does not "
+                  f"change when ({', '.join(own)}) are scaled{bias}")
         found.append(ScaleInvariantLayer(name, norm_name, tuple(own), reason))
     return found
