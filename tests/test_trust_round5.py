@@ -181,6 +181,52 @@ def test_lightning_early_stopping_on_marglik_works_when_every_epoch_estimates():
     assert fitted.current_epoch == 2 and [entry["epoch"] for entry in callback.history] == [1, 2]  # stopped, no crash
 
 
+class PlateauRegressor(Regressor):
+    """``ReduceLROnPlateau`` on ``marglik``, stepped with ``interval`` every ``every`` epochs or steps."""
+
+    def __init__(self, interval: str = "epoch", every: int = 1) -> None:
+        super().__init__()
+        self.interval, self.every = interval, every
+
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", patience=0, threshold=0,
+                                                             threshold_mode="abs")
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": "marglik",
+                                                         "interval": self.interval, "frequency": self.every}}
+
+
+@pytest.mark.parametrize("arguments, interval, every, when", [
+    (dict(frequency=3), "epoch", 1, r"at the end of every epoch, but MargLikCallback\(frequency=3, burnin=0\)"),
+    (dict(frequency=2), "epoch", 3, r"every 3 epochs \(frequency=3\), but MargLikCallback\(frequency=2"),
+    (dict(frequency=2, burnin=2), "epoch", 2, r"every 2 epochs"),
+    (dict(frequency=1, settle=0.05), "epoch", 1, r"at the end of every epoch, but .*settle=0.05"),
+    (dict(frequency=1), "step", 1, r"within the epoch \(interval='step'\)"),
+])
+def test_a_plateau_scheduler_on_marglik_that_would_read_a_stale_estimate_is_refused_before_training(
+        arguments, interval, every, when):
+    """It read the last estimate again as an epoch without improvement and cut the learning rate while every
+    estimate rose (strict=False), or failed after the first epoch with Lightning's 'not available' (strict=True)."""
+    module = PlateauRegressor(interval, every)
+    module.training_step = lambda batch, batch_idx: pytest.fail("training must not start")
+    with pytest.raises(MargLikConfigurationError, match=r"ReduceLROnPlateau monitors 'marglik' " + when + r".*"
+                       r"'interval': 'epoch', 'frequency': F\} from configure_optimizers with the callback's frequency=F"):
+        trainer([MargLikCallback(structure="diag", **arguments)], 4).fit(module, loader(regression_data()))
+
+
+@pytest.mark.parametrize("frequency", [1, 2])
+def test_a_plateau_scheduler_stepped_with_the_estimates_reads_each_estimate_once(frequency):
+    module = PlateauRegressor("epoch", frequency)
+    callback = MargLikCallback(structure="diag", frequency=frequency, steps=10)
+    fitted = trainer([callback], 4)
+    fitted.fit(module, loader(regression_data()))
+    rises = sum(b["marglik"] > a["marglik"] for a, b in zip(callback.history, callback.history[1:]))
+    assert len(callback.history) == 4 // frequency
+    # patience 0: every estimate that did not rise cut the rate once, and nothing else did
+    expected_cuts = len(callback.history) - 1 - rises
+    assert fitted.optimizers[0].param_groups[0]["lr"] == pytest.approx(module.lr * 0.1 ** expected_cuts)
+
+
 # --- item 7: the messages say what the sampler and the stream do -------------------------------------
 
 

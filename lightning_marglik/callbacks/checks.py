@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from typing import Any, List, Mapping, Optional, Tuple
+from typing import Any, Callable, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -32,6 +32,7 @@ __all__ = [
     "check_output_layer",
     "check_processes",
     "check_statistics",
+    "check_monitoring_schedulers",
     "check_stock_monitors",
     "check_training_statistics",
     "check_weight_decay",
@@ -191,6 +192,36 @@ def check_model_forward(pl_module: LightningModule, package: LightningPackage) -
         raise MargLikConfigurationError(
             f"{type(pl_module).__name__} defines no forward, which the evidence pass calls for the network "
             "outputs: add e.g. `def forward(self, x): return self.net(x)`."
+        )
+
+
+def check_monitoring_schedulers(trainer: Trainer, who: str, estimates_every: Callable[[int], bool]) -> None:
+    """Refuse a learning-rate scheduler that monitors ``marglik`` (``ReduceLROnPlateau``) where it would step without
+    a fresh estimate: it would read the last one again as an epoch without improvement and cut the learning rate
+    while the evidence rises (``strict=False``), or fail with "conditioned on metric marglik which is not available".
+    Lightning steps an ``interval="epoch"`` scheduler after the epoch's callbacks, so after its estimate.
+
+    Args:
+        trainer: The trainer whose schedulers (the optimizers' set up) are checked.
+        who: The estimating callback's description, for the message.
+        estimates_every: Whether every epoch whose number is a multiple of its argument ends with an estimate
+            (the callback's ``schedule.estimates_every``).
+
+    Raises:
+        MargLikConfigurationError: Naming the scheduler configuration that steps where the callback estimates.
+    """
+    for config in trainer.lr_scheduler_configs:
+        if config.monitor != MONITOR or (config.interval == "epoch" and estimates_every(config.frequency)):
+            continue
+        when = ("within the epoch (interval='step'), before the epoch's estimate" if config.interval != "epoch" else
+                (f"every {config.frequency} epochs (frequency={config.frequency})" if config.frequency > 1
+                 else "at the end of every epoch") + f", but {who} does not estimate at the end of each of them")
+        raise MargLikConfigurationError(
+            f"{type(config.scheduler).__name__} monitors {MONITOR!r} {when}: it would read the last estimate again as "
+            "an epoch without improvement, or fail with 'metric marglik which is not available'. Step it with the "
+            "estimates: return {'scheduler': ..., 'monitor': 'marglik', 'interval': 'epoch', 'frequency': F} from "
+            "configure_optimizers with the callback's frequency=F (no settle, burnin below F), or monitor another "
+            "metric."
         )
 
 

@@ -163,6 +163,8 @@ class EstimatorCore(KnownKeywords):
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         checks.check_weight_decay(trainer, self._hyperparameters()[0])  # before training: the optimizers exist
+        checks.check_monitoring_schedulers(trainer, f"{type(self).__name__}({self.schedule.describe()})",
+                                           self.schedule.estimates_every)
         # from here to teardown (or an exception), set-up check and training included: weights the evidence
         # shrinks turn denormal. Not in setup, which a test or a tool may call alone and leave the mode set
         self._flush.start()

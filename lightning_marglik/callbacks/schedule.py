@@ -68,9 +68,14 @@ class Schedule(ABC):
     def observe_loss(self, loss: float) -> None:
         """The mean training loss of the epoch now ending (over every rank), before :meth:`is_due`."""
 
+    def estimates_every(self, epochs: int) -> bool:
+        """Whether every epoch whose number (from 1) is a multiple of ``epochs`` ends with a fresh estimate (what a
+        learning-rate scheduler that monitors it every ``epochs`` epochs needs)."""
+        return False
+
     def every_epoch(self) -> bool:
         """Whether every training epoch ends with an estimate (what Lightning's ``EarlyStopping`` needs)."""
-        return False
+        return self.estimates_every(1)
 
     def describe(self) -> str:
         """The callback's arguments that set this schedule, for messages."""
@@ -98,8 +103,8 @@ class EpochSchedule(Schedule):
         at_end = (epoch > self.burnin and epoch % self.frequency == 0) or epoch == trainer.max_epochs
         return batch_idx is None and at_end
 
-    def every_epoch(self) -> bool:
-        return self.frequency == 1 and self.burnin == 0
+    def estimates_every(self, epochs: int) -> bool:
+        return epochs % self.frequency == 0 and epochs > self.burnin
 
     def describe(self) -> str:
         return f"frequency={self.frequency}, {super().describe()}"
@@ -153,7 +158,7 @@ class SettledSchedule(EpochSchedule):
         settled = 0 <= self.settled_epoch <= epoch
         return (settled and super().is_due(trainer)) or epoch == trainer.max_epochs
 
-    def every_epoch(self) -> bool:
+    def estimates_every(self, epochs: int) -> bool:
         return False  # not before the loss has settled
 
     def describe(self) -> str:
@@ -187,8 +192,8 @@ class BatchSchedule(Schedule):
     def is_due(self, trainer: Trainer, batch_idx: Optional[int] = None) -> bool:
         return batch_idx is not None and trainer.current_epoch >= self.burnin and (batch_idx + 1) % self.every == 0
 
-    def every_epoch(self) -> bool:
-        return self.burnin == 0  # an epoch's steps are logged at its end
+    def estimates_every(self, epochs: int) -> bool:
+        return epochs > self.burnin  # every epoch after burn-in estimates, and its steps are logged at its end
 
     def describe(self) -> str:
         return f"every_k_batches={self.every}, {super().describe()}"
