@@ -12,7 +12,7 @@ import torch
 from lightning_fabric.utilities.exceptions import MisconfigurationException
 from torch import nn
 
-from lightning_marglik import LaplaceEvidence, MargLikCallback, MargLikCheckpoint, MargLikEarlyStopping
+from lightning_marglik import LaplaceEvidence, MargLikCallback, MargLikCheckpoint, MargLikEarlyStopping, predict
 from tests.lightning_models import Regressor, loader, regression_data, trainer
 
 
@@ -101,6 +101,64 @@ def test_a_checkpoint_reused_in_a_second_trainer_keeps_that_fits_own_best(tmp_pa
     assert ck.best_model_path != first and ck.best_model_score.item() == pytest.approx(second_cb.best_marglik)
     assert f"epoch={second_cb.best_epoch}-" in os.path.basename(ck.best_model_path)
     assert set(ck.best_k_models) == {ck.best_model_path}
+
+
+@pytest.mark.parametrize("max_steps", [28, 26], ids=["at-an-epoch-end", "within-an-epoch"])
+def test_the_estimate_when_max_steps_ends_training_is_ranked_and_saved_by_the_checkpoint(tmp_path, max_steps):
+    """Training ended by max_steps between scheduled estimates (4 batches an epoch, estimates every 3 epochs): the
+    estimate made at its end became the callback's best, but the checkpoint kept an earlier file as "best", so
+    trainer.test(ckpt_path="best") loaded a worse model than best_marglik named."""
+    cb = MargLikCallback(structure="diag", frequency=3, steps=10)
+    ck = MargLikCheckpoint(dirpath=tmp_path, save_top_k=1)
+    model, _ = _fit([cb, ck], max_epochs=100, max_steps=max_steps)
+    assert [h["step"] for h in cb.history] == [12, 24, max_steps] and cb.estimated_at_end
+    assert cb.best_marglik == cb.history[-1]["marglik"]  # the data's evidence rises: the end's estimate is the best
+    assert ck.best_model_score.item() == pytest.approx(cb.best_marglik)
+    assert os.path.basename(ck.best_model_path) == f"marglik-epoch={cb.best_epoch}-step={max_steps}.ckpt"
+    saved = torch.load(ck.best_model_path, weights_only=False)["state_dict"]
+    assert all(torch.equal(saved[name], value) for name, value in model.state_dict().items())
+
+
+def test_a_fit_that_ends_at_a_scheduled_estimate_saves_nothing_more_at_its_end(tmp_path):
+    cb = MargLikCallback(structure="diag", frequency=2, steps=10)
+    ck = MargLikCheckpoint(dirpath=tmp_path, save_top_k=-1)
+    _fit([cb, ck], max_epochs=100, max_steps=16)  # 4 epochs: the last estimate is the schedule's
+    assert not cb.estimated_at_end
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["marglik-epoch=1-step=8.ckpt", "marglik-epoch=3-step=16.ckpt"]
+
+
+def test_a_checkpoint_loaded_to_validate_leaves_the_fits_record_and_follows_its_own_guard_decision(tmp_path):
+    """trainer.validate/test/predict(ckpt_path=...) load every callback's state: the callback's was reset, so after
+    trainer.test(ckpt_path="best") final_marglik was NaN, summary and evidence None, and predict said "call it after
+    trainer.fit" of a fitted callback. The module holds the checkpoint's weights and hyperparameters; the prior's guard
+    treatment follows the checkpoint's last decision."""
+    cb = MargLikCallback(structure="diag", frequency=1, steps=10)
+    ck = MargLikCheckpoint(dirpath=tmp_path, save_top_k=-1)
+    data = loader(regression_data())
+    model, fitted = _fit([cb, ck], max_epochs=4, data=data)
+    record = (list(cb.history), cb.final_marglik, cb.best_marglik, cb.best_epoch, dict(cb.summary), cb.evidence,
+              list(cb.guard_decisions))
+    end_applied = model.prior.applied_precision.clone()
+    assert cb.guard_decisions[-1]["epoch"] == 3  # the estimate after the last epoch guards no training
+    # the second estimate's file, its last decision made the opposite of the fit's last one
+    second = str(tmp_path / "marglik-epoch=1-step=8.ckpt")
+    checkpoint = torch.load(second, weights_only=False)
+    (key,) = [k for k in checkpoint["callbacks"] if k.startswith("MargLikCallback")]
+    decision = checkpoint["callbacks"][key]["guard_decisions"][-1]
+    opposite = "declared" if cb.guard_decisions[-1]["applied"] == "learned" else "learned"
+    decision["applied"] = opposite
+    torch.save(checkpoint, second)
+    fitted.validate(model, data, ckpt_path=second, verbose=False)
+    assert (list(cb.history), cb.final_marglik, cb.best_marglik, cb.best_epoch, cb.summary, cb.evidence,
+            list(cb.guard_decisions)) == record
+    assert torch.equal(model.prior.log_precision, checkpoint["state_dict"]["prior.log_precision"])
+    guarded = [i for i, name in enumerate(model.prior.param_names) if name in cb.evidence.prior.learned_names()]
+    expected = (model.prior.initial_precision if opposite == "declared" else model.prior.precision[guarded])
+    assert torch.allclose(model.prior.applied_precision[guarded], torch.as_tensor(expected, dtype=torch.float64)
+                          .expand(len(guarded)))
+    assert not torch.equal(model.prior.applied_precision, end_applied)
+    with pytest.raises(ValueError, match=r"not those of the posterior's estimate \(a checkpoint loaded"):
+        predict(cb, model, torch.zeros(2, 1))  # the weights loaded are the second estimate's, the evidence the last's
 
 
 def test_an_early_stop_that_min_epochs_overrules_says_training_goes_on(caplog):

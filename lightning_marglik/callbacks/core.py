@@ -102,6 +102,14 @@ class MargLikCallbackCore(TrainedModuleQueries, EstimatorCore):
         self.guard_decisions: list = []  # the prior guard's decisions (prior_guard.run_guard)
         self.guard_off: Optional[str] = None if self.guard else "off (guard=False)"  # why it does not run
 
+    def _load_for_evaluation(self, state_dict: Dict[str, Any]) -> None:
+        """Where the fit's prior is the loaded module's, its guard treatment follows the checkpoint's last decision:
+        ``prior.applied_precision`` is then the weight decay training applied at the weights loaded."""
+        module = self._stage_module
+        if self.prior is not None and self.guard_off is None and module is not None and any(
+                m is self.prior for m in module.modules()):
+            restore_guard(self.prior, state_dict.get("guard_decisions", []))
+
     def _fit_checks(self) -> Dict[str, Any]:
         return dict(averaging=self._averaging, training_statistics=self._training is not None)
 
@@ -169,6 +177,7 @@ class MargLikCallbackCore(TrainedModuleQueries, EstimatorCore):
         else:  # trainer.current_epoch counts the completed epochs here
             self.final_marglik = self.estimate(trainer, pl_module, epoch=trainer.current_epoch)
             log_after_training(trainer, self.logged_values(self.final_marglik), trainer.current_epoch)
+            self.estimated_at_end = True
         self.summary = announce_end(self)
 
     def estimate(self, trainer: Trainer, pl_module: LightningModule, epoch: int) -> float:

@@ -95,6 +95,8 @@ class EstimatorCore(KnownKeywords):
         self.likelihood: Optional[Likelihood] = None
         self.setup_analysis: Optional[SetupAnalysis] = None  # what the last set-up decided, and why
         self._fit_record = FitRecord()  # the previous fit's record, through a fit that trains nothing
+        # the stage Lightning last set up, and its module: a checkpoint loaded outside a fit is the module's alone
+        self._fitting, self._stage_module = True, None
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -104,6 +106,8 @@ class EstimatorCore(KnownKeywords):
         self.best_marglik = -math.inf
         self.best_epoch = -1
         self.final_marglik = math.nan
+        # whether on_train_end estimated (training ended between scheduled estimates): MargLikCheckpoint ranks it
+        self.estimated_at_end = False
         self.history: List[Dict[str, float]] = []
         self.summary: Optional[Dict[str, Any]] = None  # the facts of the fit's end (report.summarize)
         self._counted_loader: Any = None  # the training loader N was counted on (a reload counts again)
@@ -145,6 +149,7 @@ class EstimatorCore(KnownKeywords):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         check_package(self, trainer)
+        self._fitting, self._stage_module = stage == "fit", pl_module  # what a checkpoint's state is loaded for
         if stage != "fit":
             return
         others = [type(c).__name__ for c in trainer.callbacks if isinstance(c, EstimatorCore) and c is not self]
@@ -332,6 +337,7 @@ class EstimatorCore(KnownKeywords):
         ]
 
     @staticmethod
+    @staticmethod
     def _batch_fn(pl_module: LightningModule) -> Optional[Callable[[Any], Any]]:
         method = getattr(pl_module, "marglik_batch", None)
         return method if callable(method) else None
@@ -359,7 +365,15 @@ class EstimatorCore(KnownKeywords):
         return {**state, **self.schedule.state_dict()}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Restore a checkpoint's state; a key it lacks keeps a fresh fit's value."""
+        """Restore a checkpoint's state for a fit that resumes from it; a key it lacks keeps a fresh fit's value.
+
+        Loaded to test, validate or predict (``trainer.test(ckpt_path="best")``: Lightning loads every callback's
+        state for any stage), the checkpoint is the module's: the callback keeps its fit's record (``history``,
+        ``best_marglik``, ``final_marglik``, ``summary``, ``evidence``; :meth:`_load_for_evaluation`).
+        """
+        if not self._fitting:
+            self._load_for_evaluation(state_dict)
+            return
         self._reset_state()
         for key, attribute in self._STATE.items():
             if key in state_dict:
@@ -367,3 +381,6 @@ class EstimatorCore(KnownKeywords):
         self.schedule.load_state_dict(state_dict)
         self.history = list(self.history)
         self._fit_record.drop()
+
+    def _load_for_evaluation(self, state_dict: Dict[str, Any]) -> None:
+        """A checkpoint's state, loaded with its module to test, validate or predict: nothing of the callback's."""

@@ -139,8 +139,20 @@ class CheckpointCore(_FollowsEstimates):
             log.info(f"MargLikCheckpoint: last.ckpt not updated after epoch {trainer.current_epoch} (non-finite weights).")
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """No save at the end of training: ``last.ckpt`` holds the last epoch with finite weights (a resume
-        from it trains on from there), not Lightning's save of the final weights, which may be non-finite."""
+        """The estimate made where training ended between scheduled estimates (``max_steps``, ``max_time``) is ranked
+        with the others, and saved where it is among the best, named by the epochs it followed (``best_epoch``'s
+        count); never at non-finite weights. ``last.ckpt`` is not rewritten: it holds the last epoch with finite
+        weights (a resume from it trains on from there), not Lightning's save of the final weights."""
+        marglik = self._marglik
+        if not marglik.estimated_at_end or self._should_skip_saving_checkpoint(trainer):
+            return
+        weights = trainer.strategy.reduce_boolean_decision(_all_finite(pl_module), all=True)
+        if weights and math.isfinite(marglik.last_marglik):
+            candidates = self._monitor_candidates(trainer)
+            candidates["epoch"] = torch.tensor(marglik.history[-1]["epoch"] - 1)
+            self._save_topk_checkpoint(trainer, candidates)
+        elif self.verbose:
+            log.info("MargLikCheckpoint: the estimate at the end of training not saved (non-finite evidence or weights).")
 
 
 def _all_finite(module: torch.nn.Module) -> bool:
