@@ -40,7 +40,8 @@ structure="kron" on any graph is HYBRID: log|H| = sum over blocks of log|s C_b +
     A = (1/R_kept) sum_{(n,r) kept} a_{n,r} a_{n,r}^T  (a mean over the rows that carry a loss
                                                         term: (n, r) is kept iff its G term
                                                         B_{n,:,r}^T Lambda_n B_{n,:,r} is non-zero;
-                                                        ignored positions' inputs never enter)
+                                                        ignored positions' inputs never enter;
+                                                        no kept row: G = 0, the block is 0, A := 0)
   Linear, input (N, ..., in): every index between batch and features is a row;
     weight (out, in): kron(G, A) in weight.flatten() order; bias: G.
   Conv1d / Conv2d (any stride, zero padding incl. 'same'/'valid', dilation, groups): rows =
@@ -259,6 +260,16 @@ def kron(a: Tensor, b: Tensor) -> Tensor:
     return torch.kron(a.contiguous(), b.contiguous())
 
 
+def kept_mean(total: Tensor, count) -> Tensor:
+    """``total / count``: the input factor A as the mean over the kept rows, ``total`` their sum.
+
+    With no kept row (every G term zero: upstream of a layer whose ReLUs are all off on the batch, or of a
+    zero head), G = 0 and the block ``kron(G, A)`` is 0 whatever A is; the empty mean is then taken as 0
+    rather than 0/0 = NaN.
+    """
+    return total / count if float(count) > 0 else torch.zeros_like(total)
+
+
 def _param_offsets(model: nn.Module, names: Sequence[str]) -> Dict[int, Tuple[int, int]]:
     offsets, start = {}, 0
     for p in param_list(model, names):
@@ -322,7 +333,7 @@ def kron_blocks(
             kept = torch.einsum("nco,ncd,ndo->n", jac, lam, jac) != 0
             a_sum = a[kept].T @ a[kept]
             a_count = kept.sum()
-        a_mean = a_sum / a_count
+        a_mean = kept_mean(a_sum, a_count)
         if id(layer.weight) in offsets:  # (a frozen tensor is not in the prior: no block)
             lo, hi = offsets[id(layer.weight)]
             blocks.append(KronBlock(torch.arange(lo, hi), kron(g_sum, a_mean), f"{i}.weight", (g_sum, a_mean)))
@@ -767,7 +778,7 @@ def hybrid_module_blocks(record: LayerRecord, lam: Tensor, offsets: Dict[int, Tu
         r = rows.shape[1]
         g = _g_factor(jac.reshape(n, o, r, layer.out_features), lam)
         kept = rows[kept_rows(jac.reshape(n, o, r, layer.out_features), lam)]
-        a_mean = kept.T @ kept / kept.shape[0]
+        a_mean = kept_mean(kept.T @ kept, kept.shape[0])
         check = rows @ layer.weight.detach().T + (0 if layer.bias is None else layer.bias.detach())
         assert torch.allclose(check, z.reshape(check.shape), atol=1e-10), prefix
         add("weight", kron(g, a_mean), (g, a_mean))
@@ -778,7 +789,7 @@ def hybrid_module_blocks(record: LayerRecord, lam: Tensor, offsets: Dict[int, Tu
         jac_rows = jac.reshape(n, o, r, layer.nf)
         g = _g_factor(jac_rows, lam)
         kept = rows[kept_rows(jac_rows, lam)]
-        a_mean = kept.T @ kept / kept.shape[0]
+        a_mean = kept_mean(kept.T @ kept, kept.shape[0])
         check = rows @ layer.weight.detach() + layer.bias.detach()
         assert torch.allclose(check, z.reshape(check.shape), atol=1e-10), prefix
         add("weight", kron(a_mean, g), (a_mean, g))
@@ -797,7 +808,7 @@ def hybrid_module_blocks(record: LayerRecord, lam: Tensor, offsets: Dict[int, Tu
         assert torch.allclose(check, z.reshape(n, out, r), atol=1e-10), prefix  # patch order = weight order
         og = out // groups
         g_blocks = [g[i * og:(i + 1) * og, i * og:(i + 1) * og] for i in range(groups)]
-        a_blocks = [torch.einsum("nkr,nr,nlr->kl", cols_g[:, i], kept, cols_g[:, i]) / kept.sum() for i in range(groups)]
+        a_blocks = [kept_mean(torch.einsum("nkr,nr,nlr->kl", cols_g[:, i], kept, cols_g[:, i]), kept.sum()) for i in range(groups)]
         weight = torch.block_diag(*[kron(gb, ab) for gb, ab in zip(g_blocks, a_blocks)])
         add("weight", weight, tuple(x for pair in zip(g_blocks, a_blocks) for x in pair))
         add("bias", g.clone(), (g,))
@@ -811,7 +822,7 @@ def hybrid_module_blocks(record: LayerRecord, lam: Tensor, offsets: Dict[int, Tu
         if layer.padding_idx is not None:
             keep = keep[keep != layer.padding_idx]  # counted in R_kept, not in c
         counts = torch.bincount(keep, minlength=num).to(g.dtype)
-        a_diag = torch.diag(counts) / kept.sum()
+        a_diag = kept_mean(torch.diag(counts), kept.sum())
         add("weight", kron(a_diag, g), (a_diag, g))
     else:  # pragma: no cover
         raise AssertionError(type(layer))

@@ -15,7 +15,7 @@ from torch import nn
 from lightning_marglik import GaussianPrior, LaplaceEvidence, LayerRule, register_layer_rule
 from lightning_marglik.linearized import linearized_evidence
 from lightning_marglik.predictive import output_jacobians, predict_classification
-from tests.reference import graph_jacobians, graph_problem, hyper, reference_env, rel_err  # noqa: F401 (autouse)
+from tests.reference import Problem, graph_jacobians, graph_problem, hyper, reference_env, rel_err  # noqa: F401 (autouse)
 
 TOL = 1e-8
 
@@ -182,6 +182,34 @@ def test_keyword_calls_match_dense_reference(structure):
         prior, lik = hyper(model, "classification")
         ev = LaplaceEvidence.fit(model, in_batches(ids, y, 6), lik, prior, structure=structure, mc_samples=0)
     assert rel_err(ev.log_marglik(), reference_marglik(twin, ids, y, "classification", structure, prior, lik)) <= TOL
+
+
+def dead_layers(kind):
+    """Conv -> ReLU -> Linear -> ReLU -> Linear whose middle ReLUs are all off on any input (that Linear's weight 0,
+    bias -1): no row of the conv or of the first Linear carries a loss term (their d f / d z is exactly 0)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(32, 3), nn.ReLU(), nn.Linear(3, 2))
+    with torch.no_grad():
+        model[3].weight.zero_()
+        model[3].bias.fill_(-1.0)
+    x = torch.randn(10, 1, 6, 6)
+    y = torch.randn(10, 2) if kind == "regression" else torch.randint(0, 2, (10,))
+    return model, x, y
+
+
+@pytest.mark.parametrize("kind", ["regression", "classification"])
+def test_layers_with_no_loss_term_match_dense_reference(kind):
+    """Their G is 0, so their blocks are 0: the reference's input factor, a mean over no kept row, was 0/0 = NaN
+    (a timm ResNet stage whose ReLUs are all off, an MLP-Mixer's zero-initialized head)."""
+    model, x, y = dead_layers(kind)
+    ev, prior, lik = fitted(model, in_batches(x, y, 5), kind, "kron")
+    problem = graph_problem(model, x, y, kind)
+    assert [float(r.jac.abs().max()) for r in problem.records][:2] == [0.0, 0.0]
+    names = [n for n, _ in model.named_parameters()]  # the Sequential-only Kronecker blocks too
+    for reference in (problem, Problem(model, names, x, y, kind)):
+        expected = reference.reference("kron", "ggn").evaluate(prior, lik)
+        assert rel_err(ev.log_det(), expected["log_det"]) <= TOL, (float(ev.log_det()), float(expected["log_det"]))
+        assert rel_err(ev.log_marglik(), expected["log_marglik"]) <= TOL
 
 
 class KeywordHead(nn.Module):
