@@ -1,8 +1,8 @@
 """The packages people use (issue 18.5): Hugging Face transformers, peft, timm, built from configs.
 
 Every model is tiny and built from a config (no download). For each: the float64 diagonal and full
-log-determinants equal the dense reference (tests/reference.py: Jacobians of the whole batch by
-``jacrev``), and ``structure="kron"`` runs in a real ``Trainer`` with the callback, with only the
+(and, for the timm ResNet and MLP-Mixer, Kronecker) log-determinants equal the dense reference
+(tests/reference.py: Jacobians of the whole batch by ``jacrev``), and ``structure="kron"`` runs in a real ``Trainer`` with the callback, with only the
 modules that need it on the exact per-example path. Each test is skipped, with the reason, when its
 package is absent (``pip install -e ".[integrations]"``).
 """
@@ -231,7 +231,7 @@ def test_lora_kron_in_trainer():
     assert exact == "", exact  # the LoRA A and B are Linear layers on the hooks
 
 
-# --- timm: a small ResNet (BatchNorm, in-place ReLU, residual +=) and a small ViT ---------------------
+# --- timm: a small ResNet (BatchNorm, in-place ReLU, residual +=), a small ViT and an MLP-Mixer ------
 
 
 def resnet(seed: int = 0) -> nn.Module:
@@ -257,11 +257,27 @@ def vit(seed: int = 0) -> nn.Module:
     ).eval()
 
 
+def mixer(seed: int = 0, zero_head: bool = False) -> nn.Module:
+    """A small MLP-Mixer (token- and channel-mixing Mlps over transposed tokens, LayerNorms). timm initializes
+    its head to zero, which makes every other layer's Jacobian, and so its curvature, exactly zero: the head is
+    drawn at random unless ``zero_head``."""
+    pytest.importorskip("timm", reason="timm is not installed")
+    from timm.models.mlp_mixer import MlpMixer
+
+    torch.manual_seed(seed)
+    net = MlpMixer(num_classes=CLASSES, img_size=8, in_chans=1, patch_size=4, num_blocks=1, embed_dim=4, mlp_ratio=(0.5, 1.0))
+    _perturb_affine(*[m for m in net.modules() if isinstance(m, nn.LayerNorm)])
+    if not zero_head:
+        with torch.no_grad():
+            net.head.weight.normal_()
+    return net.eval()
+
+
 def images(size: int = 8, n: int = N) -> Tensor:
     return torch.randn(n, 1, size, size, generator=torch.Generator().manual_seed(2))
 
 
-@pytest.mark.parametrize("structure", ["diag", "full"])
+@pytest.mark.parametrize("structure", ["kron", "diag", "full"])
 def test_timm_resnet_matches_reference(structure):
     check_log_det(resnet(), images(16), classes(), structure)
 
@@ -269,6 +285,16 @@ def test_timm_resnet_matches_reference(structure):
 @pytest.mark.parametrize("structure", ["diag", "full"])
 def test_timm_vit_matches_reference(structure):
     check_log_det(vit(), images(), classes(), structure)
+
+
+@pytest.mark.parametrize("structure", ["kron", "diag", "full"])
+def test_timm_mixer_matches_reference(structure):
+    check_log_det(mixer(), images(), classes(), structure)
+
+
+def test_timm_mixer_with_its_zero_head_matches_reference():
+    """timm's own init: no row upstream of the zero head carries a loss term, every block but the head's is 0."""
+    check_log_det(mixer(zero_head=True), images(), classes(), "kron")
 
 
 def test_timm_resnet_kron_in_trainer():
