@@ -5,6 +5,8 @@
   So ``index.md`` is the README with its ``docs/`` links made relative.
 * Each ``benchmarks/results/NAME.md`` becomes the page ``benchmarks/NAME.md``, listed under
   *Measured results* in the nav: a results file a benchmark writes is on the site without a stub.
+  A page in ``docs/`` links a results file as GitHub shows it (``../benchmarks/results/NAME.md``); on the
+  site that link is made the page's (``benchmarks/NAME.md``), as a strict build refuses a link out of ``docs/``.
 """
 from __future__ import annotations
 
@@ -40,7 +42,10 @@ def on_files(files, config):
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
-    """Return the README, its ``docs/`` links made relative, as the markdown of ``index.md``."""
-    if page.file.src_uri != "index.md":
+    """Return the README, its ``docs/`` links made relative, as the markdown of ``index.md``; in the other pages
+    of ``docs/``, make their links to ``../benchmarks/results/NAME.md`` the site's ``benchmarks/NAME.md``."""
+    if page.file.src_uri == "index.md":
+        return (_root(config) / "README.md").read_text(encoding="utf-8").replace("](docs/", "](")
+    if "/" in page.file.src_uri:  # the benchmark pages themselves
         return markdown
-    return (_root(config) / "README.md").read_text(encoding="utf-8").replace("](docs/", "](")
+    return markdown.replace("](../benchmarks/results/", "](benchmarks/")
