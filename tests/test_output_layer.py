@@ -84,6 +84,30 @@ def test_nested_compiled_frozen_and_tied_output_layers():
     assert find_output_layer(bias_only, torch.randn(5, 3)).names == ("net.0.bias",)
 
 
+class RegisteredTwice(nn.Module):
+    """Hugging Face's MLM head: the decoder's bias is also the head's own ``bias`` (``self.decoder.bias = self.bias``)."""
+
+    def __init__(self, also_outside: bool = False) -> None:
+        super().__init__()
+        self.decoder, self.also_outside = nn.Linear(4, 3, bias=False), also_outside
+        self.bias = nn.Parameter(torch.zeros(3))
+        self.decoder.bias = self.bias
+
+    def forward(self, x):
+        return self.decoder(x) + self.bias if self.also_outside else self.decoder(x)
+
+
+def test_a_tensor_its_parent_registers_too_is_the_layers_own_unless_used_elsewhere():
+    """BERT's MLM head: the bias was called tied to the head around it, and not held, though only the decoder uses
+    it; used once more by the parent, it is tied."""
+    head = Wrapped(RegisteredTwice())
+    assert find_output_layer(head, torch.randn(5, 4)) == OutputLayer(
+        ("net.decoder",), ("net.bias", "net.decoder.weight"), (), ())
+    twice = Wrapped(RegisteredTwice(also_outside=True))
+    assert find_output_layer(twice, torch.randn(5, 4)) == OutputLayer(
+        ("net.decoder",), ("net.decoder.weight",), (("net.decoder.bias", "net"),), ())
+
+
 def test_the_forward_that_finds_it_leaves_modes_and_weights_alone():
     module = Wrapped(nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Linear(4, 2)))
     before = [p.clone() for p in module.parameters()]

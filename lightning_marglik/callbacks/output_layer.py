@@ -26,6 +26,7 @@ from torch.nn.utils import parametrize
 
 from ..curvature import eval_mode
 from ..curvature.batches import call_model, eager
+from ..curvature.hooks import graph_uses
 from ..hyperparameters import GaussianPrior
 from .package import LightningModule
 
@@ -208,7 +209,11 @@ def forward_finding_output_layer(pl_module: LightningModule, inputs: Any) -> Tup
     shared: List[Tuple[str, str]] = []
     for layer in layers:
         for attr, p in own[layer].items():
-            others = [o for o in owners[id(p)] if o != layer]
+            # a tensor its parent registers too (Hugging Face's MLM head: `self.decoder.bias = self.bias`) is the
+            # layer's alone where the graph uses it once
+            ancestors_only = all(_inside(layer, o) for o in owners[id(p)] if o != layer)
+            once = ancestors_only and graph_uses(output, [p]) == [1]
+            others = [o for o in owners[id(p)] if o != layer and not once]
             if id(p) in found[layer] and others:
                 shared.append((f"{layer}.{attr}", ", ".join(others)))
             elif id(p) in found[layer]:
