@@ -2,8 +2,9 @@
 
 ``f_lin(x*) ~ N(f(x*), J(x*) H^-1 J(x*)^T)`` with the posterior precision ``H`` of the evidence
 (same structure: full, Kronecker or diagonal) at the current hyperparameters. Call it with the
-weights the evidence was fitted at. :func:`predict` is the one call after a Lightning fit (the
-callback's last estimate, checked against the module), e.g. in a ``predict_step``.
+weights the evidence was fitted at: every predictive here refuses others (:meth:`LaplaceEvidence.fitted_at`).
+:func:`predict` is the one call after a Lightning fit (the callback's last estimate, checked against the module),
+e.g. in a ``predict_step``.
 """
 from __future__ import annotations
 
@@ -48,10 +49,6 @@ class RegressionPrediction(NamedTuple):
         return self.model_variance + self.noise_variance
 
 
-# a prediction, not a graph: the Jacobians of a kron layer's bias hold its weight as a constant that requires grad,
-# which would hand the caller tensors that require grad (``.numpy()`` refuses them) and whose ``backward`` writes
-# ``.grad`` into the network's weights; without the graph the pass is cheaper as well
-@torch.no_grad()
 def linearized_outputs(evidence: LaplaceEvidence, model: nn.Module, x: Tensor) -> "tuple[Tensor, Tensor]":
     """Mean ``f(x)`` ``(B, C)`` and covariance ``J H^-1 J^T`` ``(B, C, C)`` of the linearized network, detached.
 
@@ -66,15 +63,52 @@ def linearized_outputs(evidence: LaplaceEvidence, model: nn.Module, x: Tensor) -
 
     Raises:
         ValueError: If the evidence is not finite (weights or curvature with NaN or inf, e.g. after a
-            diverged run): there is no posterior to predict with; if the forward fails on ``x``, its
-            outputs are not ``(B, C)`` with ``B >= 1``, or some are not finite.
+            diverged run): there is no posterior to predict with; if the prior's weights or the network's running
+            statistics are no longer those the evidence was fitted at (trained further, a checkpoint loaded); if
+            the forward fails on ``x``, its outputs are not ``(B, C)`` with ``B >= 1``, or some are not finite.
     """
+    return _linearized(evidence, model, x, "linearized_outputs")
+
+
+def _require_fitted(evidence: LaplaceEvidence, call: str) -> None:
+    """Refuse an evidence whose posterior belongs to other weights than the prior's now (:meth:`~LaplaceEvidence.
+    fitted_at`): ``H`` of other weights gives a predictive variance that is silently wrong, not a rough one.
+
+    Args:
+        evidence: The evidence to predict with.
+        call: The caller's name, which the message starts with.
+
+    Raises:
+        ValueError: If the prior's weights are not finite, or they or the network's running statistics
+            (BatchNorm's) are not those the evidence was fitted at.
+    """
+    params = evidence.prior.params
+    if evidence.fitted_at(params):
+        return
+    if not all(bool(torch.isfinite(p).all()) for p in params):  # NaN weights never match a fingerprint
+        raise ValueError(f"{call}: the module's weights are not finite: training diverged, or the training data "
+                         "hold NaN or inf (MargLikCallback refuses them in its set-up batch only).")
+    raise ValueError(
+        f"{call}: the module's weights, or its running statistics (BatchNorm's), are not those of the "
+        "posterior's estimate (a checkpoint loaded, training went on after it, or forwards in train mode updated "
+        "the running statistics): fit one at these weights, evidence = LaplaceEvidence.fit(module, "
+        "train_loader, module.likelihood, module.prior), and pass it instead.")
+
+
+# a prediction, not a graph: the Jacobians of a kron layer's bias hold its weight as a constant that requires grad,
+# which would hand the caller tensors that require grad (``.numpy()`` refuses them) and whose ``backward`` writes
+# ``.grad`` into the network's weights; without the graph the pass is cheaper as well
+@torch.no_grad()
+def _linearized(evidence: LaplaceEvidence, model: nn.Module, x: Any, call: str) -> "tuple[Tensor, Tensor]":
+    """:func:`linearized_outputs`, its refusals named after ``call``."""
     if not torch.isfinite(evidence.log_marglik().detach()):
         raise ValueError(
             "The evidence is not finite at these weights (NaN or inf in the weights or the curvature, e.g. a run "
             "that diverged): the linearized predictive has no posterior to use. Check the weights, or fit the "
             "evidence again at finite ones."
         )
+    # after the finite check: an evidence fitted at NaN weights is named as that, not as one of other weights
+    _require_fitted(evidence, call)
     mean, blocks = _jacobian_blocks(evidence, model, x)
     return mean, evidence._block_covariance(blocks)
 
@@ -187,10 +221,11 @@ def predict_regression(evidence: LaplaceEvidence, model: nn.Module, x: Tensor) -
 
     Raises:
         TypeError: If the evidence's likelihood is not Gaussian.
+        ValueError: As :func:`linearized_outputs` (weights other than the evidence's included).
     """
     if not isinstance(evidence.likelihood, GaussianLikelihood):
         raise TypeError("predict_regression needs a GaussianLikelihood; use predict_classification.")
-    mean, cov = linearized_outputs(evidence, model, x)
+    mean, cov = _linearized(evidence, model, x, "predict_regression")
     noise = (evidence.likelihood.sigma.detach() ** 2).to(mean).expand_as(mean)
     return RegressionPrediction(mean, torch.diagonal(cov, dim1=1, dim2=2).to(mean), noise)
 
@@ -220,7 +255,8 @@ def predict_classification(
 
     Raises:
         TypeError: If the likelihood is not categorical.
-        ValueError: On an unknown method or ``samples < 1``.
+        ValueError: On an unknown method or ``samples < 1``; as :func:`linearized_outputs` (weights other than the
+            evidence's included).
     """
     if not isinstance(evidence.likelihood, CategoricalLikelihood):
         raise TypeError("predict_classification needs a CategoricalLikelihood; use predict_regression.")
@@ -232,7 +268,7 @@ def _classification(evidence: LaplaceEvidence, model: nn.Module, x: Tensor, meth
                     generator: Optional[torch.Generator]) -> "tuple[Tensor, Tensor]":
     """The network's outputs ``(B, C)`` and :func:`predict_classification`'s probabilities."""
     integer(samples, "samples", minimum=1)
-    mean, cov = linearized_outputs(evidence, model, x)
+    mean, cov = _linearized(evidence, model, x, "predict_classification")
     return mean, class_probabilities(mean, cov, method, samples, generator)
 
 
@@ -386,15 +422,7 @@ def predict(
     if not {id(p) for p in params} <= {id(p) for p in module.parameters()}:
         raise ValueError("predict: `module` is not the network of this posterior (the prior's parameters are not "
                          "its own): pass the module the callback was fitted on.")
-    if not evidence.fitted_at(params):
-        if not all(bool(torch.isfinite(p).all()) for p in params):  # NaN weights never match a fingerprint
-            raise ValueError("predict: the module's weights are not finite: training diverged, or the training data "
-                             "hold NaN or inf (MargLikCallback refuses them in its set-up batch only).")
-        raise ValueError(
-            "predict: the module's weights, or its running statistics (BatchNorm's), are not those of the "
-            "posterior's estimate (a checkpoint loaded, training went on after it, or forwards in train mode updated "
-            "the running statistics): fit one at these weights, evidence = LaplaceEvidence.fit(module, "
-            "train_loader, module.likelihood, module.prior), and pass it instead.")
+    _require_fitted(evidence, "predict")
     if isinstance(x, list):
         raise ValueError(f"predict: got a list of {len(x)} (a DataLoader's (inputs, targets) batch?): pass the "
                          "inputs, e.g. batch[0].")

@@ -12,7 +12,7 @@ from torch import nn
 
 from lightning_marglik import (
     BoundOptimizer, CategoricalLikelihood, EvidenceBound, GaussianLikelihood, GaussianPrior, LaplaceEvidence,
-    NegativeLogLikelihood, collect_statistics, linearized_outputs, map_loss, predict_classification,
+    NegativeLogLikelihood, collect_statistics, linearized_outputs, map_loss, predict, predict_classification,
     predict_regression,
 )
 from lightning_marglik.linearized import linearized_evidence
@@ -48,6 +48,51 @@ def test_class_probabilities_are_detached(method):
     evidence = LaplaceEvidence.fit(net, [(x, y)], CategoricalLikelihood(), GaussianPrior(net))
     probs = predict_classification(evidence, net, x[:3], method, samples=8)
     assert not probs.requires_grad
+
+
+PREDICTIVES = {
+    "linearized_outputs": lambda ev, net, x: linearized_outputs(ev, net, x)[1],
+    "predict_regression": lambda ev, net, x: predict_regression(ev, net, x).model_variance,
+    "predict_classification": lambda ev, net, x: predict_classification(ev, net, x),
+}
+
+
+@pytest.mark.parametrize("name", list(PREDICTIVES))
+def test_the_predictives_refuse_weights_other_than_the_evidences_as_predict_does(name):
+    """The posterior covariance is the one of the fitted weights: at others the variances were silently off (40 times
+    the fitted ones after a step of 0.5 on the first layer), where predict refused them."""
+    classification = name == "predict_classification"
+    net = _mlp(3 if classification else 1)
+    x = torch.randn(20, 2)
+    y = torch.randint(0, 3, (20,)) if classification else torch.randn(20, 1)
+    lik = CategoricalLikelihood() if classification else GaussianLikelihood()
+    evidence = LaplaceEvidence.fit(net, [(x, y)], lik, GaussianPrior(net), "full")
+    fitted = PREDICTIVES[name](evidence, net, x[:3])
+    with torch.no_grad():
+        net[0].weight.add_(0.5)  # trained further after the estimate
+    with pytest.raises(ValueError, match=rf"^{name}: the module's weights, or its running statistics .BatchNorm's., "
+                                         r"are not those of the posterior's estimate.*LaplaceEvidence.fit"):
+        PREDICTIVES[name](evidence, net, x[:3])
+    with torch.no_grad():
+        net[0].weight.sub_(0.5)
+        net[0].weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=rf"^{name}: the module's weights are not finite: training diverged"):
+        PREDICTIVES[name](evidence, net, x[:3])
+    with pytest.warns(UserWarning, match="not finite"):  # an evidence fitted at NaN weights is named as not finite
+        refitted = LaplaceEvidence.fit(net, [(x, y)], lik, GaussianPrior(net), "full")
+    with pytest.raises(ValueError, match="evidence is not finite at these weights"):
+        PREDICTIVES[name](refitted, net, x[:3])
+    assert torch.isfinite(fitted).all()
+
+
+def test_predict_keeps_its_own_name_in_the_refusal_of_other_weights():
+    net = _mlp(1)
+    x, y = torch.randn(20, 2), torch.randn(20, 1)
+    evidence = LaplaceEvidence.fit(net, [(x, y)], GaussianLikelihood(), GaussianPrior(net))
+    with torch.no_grad():
+        net[2].bias.add_(1.0)
+    with pytest.raises(ValueError, match=r"^predict: the module's weights, or its running statistics"):
+        predict(evidence, net, x[:3])
 
 
 # --- Monte-Carlo draws of a singular covariance -----------------------------------------------------------------
