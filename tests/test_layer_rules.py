@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from lightning_marglik import CategoricalLikelihood, LayerRule, register_layer_rule
-from lightning_marglik.curvature.layers import _RULES, hook_reason, layer_rule
+from lightning_marglik.curvature.layers import _RULES, KronShape, hook_reason, layer_rule
 from lightning_marglik.curvature.rows import contributing_rows
 from tests.real_networks import batches
 from tests.reference import graph_problem, hyper, reference_env, rel_err  # noqa: F401 (reference_env: autouse)
@@ -90,6 +90,46 @@ def test_subclasses_take_their_base_rule_and_bad_registrations_are_refused():
         register_layer_rule(object, ScaleRule())
     with pytest.raises(TypeError, match="LayerRule instance"):
         register_layer_rule(Scale, ScaleRule)
+
+
+class DiagonalOnlyKronRule(ScaleRule):
+    """``kron = True`` without ``kron_shape`` or ``kron_sums``: only ``structure="diag"`` can take it."""
+
+    kron = True
+
+
+class KronShapeOnlyRule(DiagonalOnlyKronRule):
+    """A layout that fits the weight (4 outputs, one input each), but no ``kron_sums``."""
+
+    def kron_shape(self, module):
+        return KronShape(out=4, inp=1)
+
+
+@pytest.mark.parametrize("structure", ["diag", "kron", "ekfac"])
+@pytest.mark.parametrize("rule, missing", [(DiagonalOnlyKronRule(), r"kron_shape\(\) or kron_sums\(\)"),
+                                           (KronShapeOnlyRule(), r"kron_sums\(\)")], ids=["no_methods", "no_sums"])
+def test_a_kron_rule_without_its_kronecker_methods_is_refused_only_where_they_are_called(structure, rule, missing):
+    """``structure="diag"`` calls only ``diagonal()``: the rule's Kronecker half was checked all the same, with an
+    empty NotImplementedError; ``kron`` and ``ekfac`` failed with the same, deep in building a structure."""
+    model = ScaleNet().double()
+    x, y = torch.randn(20, 3), torch.randn(20, 2)
+    prior, lik = hyperparameters(model, "regression")
+    register_layer_rule(Scale, rule)
+    try:
+        if structure != "diag":
+            name = type(rule).__name__
+            match = (rf"^Layer rule {name} for module 'scale' \(Scale\): kron = True, but the rule does not "
+                     rf"implement {missing},.*set kron = False")
+            if structure == "ekfac" and "kron_shape" not in missing:  # its layout read: ekfac names its rows first
+                match = rf"^structure='ekfac': the layer rule of 'scale' \({name}\).*input_rows/grad_rows"
+            with pytest.raises(ValueError, match=match):
+                fit(model, batches(x, y, 8), lik, prior, structure)
+            return
+        ev = fit(model, batches(x, y, 8), lik, prior, structure)
+        assert ev.slow == {}
+        check_against_reference(ev, graph_problem(model, x, y, "regression").reference("diag", "ggn"), prior, lik)
+    finally:
+        _RULES.pop(Scale)
 
 
 # --- HF Conv1D ----------------------------------------------------------------------------------

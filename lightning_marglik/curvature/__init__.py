@@ -23,6 +23,7 @@ from .hooks import Recorder, graph_uses, layer_input
 from .options import APPROXIMATIONS, BACKENDS, STRUCTURES, CurvatureOptions
 from .plan import LayerLayout, Plan, candidates, check_model, check_trainable, locate, make_plan
 from .statistics import BatchCurvature, CurvatureStatistics, LayerPlan, Structure, with_notes
+from .structures import KronStructure, structure_class
 
 #: Largest size in bytes of one part of a batch's loss-Hessian factor and output gradients (:func:`_part_size`).
 PART_BYTES = 128 * 2**20
@@ -185,6 +186,7 @@ def collect_statistics(
                 )
                 recorder.keep = {layer.name: layer.module for layer in plan.layers}
                 recorder.strict = True
+                recorder.kron = issubclass(structure_class(options.structure), KronStructure)
                 _warn_slow(plan, options)
                 exact_path = ExactPath(
                     model, [names[i] for i in plan.exact], [params[i] for i in plan.exact], list(plan.slow)

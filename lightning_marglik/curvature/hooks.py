@@ -55,6 +55,7 @@ class Recorder:
         self.outputs: Dict[str, Tensor] = {}
         self.unread: Set[str] = set()  # kept layers called without a tensor where layer_input looks for their input
         self.strict = False  # after the first batch: a kept layer must be called exactly once
+        self.kron = False  # the pass's structure sums Kronecker factors: check_rule checks a rule's Kronecker half
         self._active = False
         self._handles: list = []
         self._batch = 0
@@ -250,7 +251,7 @@ class Recorder:
         }
         if self.strict and not self._rules_checked:
             for name in names:
-                check_rule(name, self.keep[name], self.inputs[name], grads[name])
+                check_rule(name, self.keep[name], self.inputs[name], grads[name], self.kron)
             self._rules_checked = True
         return grads
 

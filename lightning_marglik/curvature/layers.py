@@ -128,7 +128,11 @@ class LayerRule:
     loss-Hessian factor columns w.r.t. its output. Subclass it for a layer of your own and
     register it with :func:`register_layer_rule`; a rule with only :meth:`diagonal` gives exact
     diagonal blocks under ``kron``, one that also sets ``kron = True`` and implements
-    :meth:`kron_shape` and :meth:`kron_sums` gives Kronecker blocks.
+    :meth:`kron_shape` and :meth:`kron_sums` gives Kronecker blocks (``structure="diag"`` calls only
+    :meth:`diagonal`). ``structure="ekfac"`` needs two methods more of a Kronecker rule:
+    ``input_rows(module, a)``, the input-side rows ``(B, R, in)``, and ``grad_rows(module, g)``, the output-side
+    rows ``(K, B, R, out)``, ``R`` rows per example (positions, conv patches): their products are the
+    per-example gradients its second moments sum.
 
     Attributes:
         kron: Whether the layer has Kronecker factors (else only an exact diagonal).
@@ -351,12 +355,47 @@ class _PrunedRule(LayerRule):
         return self.base.grad_rows(module, g)  # type: ignore[attr-defined]
 
 
-def check_rule(name: str, module: nn.Module, a: Tensor, g: Tensor) -> None:
+def _label(rule: LayerRule, name: str, module: nn.Module) -> str:
+    """How the messages name a registered rule and its layer."""
+    return f"Layer rule {type(rule).__name__} for module '{name}' ({type(module).__name__})"
+
+
+def check_kron_rule(name: str, module: nn.Module) -> None:
+    """Refuse a registered rule that sets ``kron = True`` without ``kron_shape``, before a structure that sums
+    Kronecker factors (``kron``, ``ekfac``) is built from it: :class:`LayerRule`'s own has nothing to return. One
+    without ``kron_sums`` alone is refused by :func:`check_rule` on the first batch, after its layout is checked.
+
+    Args:
+        name: The layer's module name (for the message).
+        module: The layer.
+
+    Raises:
+        ValueError: Naming the rule, the layer, the missing method(s) and the fix.
+    """
+    rule = layer_rule(module)
+    if rule is not None and type(rule) not in _BUILT_IN:
+        _require_kron(_label(rule, name, module), rule, "kron_shape")
+
+
+def _require_kron(label: str, rule: LayerRule, method: str) -> None:
+    """Refuse a ``kron`` rule that does not implement ``method`` (``kron_shape`` or ``kron_sums``), naming every
+    Kronecker method it lacks."""
+    missing = [f"{m}()" for m in ("kron_shape", "kron_sums") if getattr(type(rule), m) is getattr(LayerRule, m)]
+    if f"{method}()" in missing:
+        raise ValueError(
+            f"{label}: kron = True, but the rule does not implement {' or '.join(missing)}, which the Kronecker "
+            "blocks of structure='kron' and 'ekfac' need; implement them, or set kron = False (an exact diagonal "
+            "block from diagonal()), or use structure='diag'."
+        )
+
+
+def check_rule(name: str, module: nn.Module, a: Tensor, g: Tensor, kron: bool = True) -> None:
     """Hold a registered rule's output on one batch to its contract (the library's own rules are
     proven against the dense reference in the test suite and not re-checked).
 
     The diagonal must hold one tensor shaped like each trainable parameter, keyed by its name in
-    the module, and nothing else; a Kronecker layout must multiply out to the weight's size and the
+    the module, and nothing else, with no negative entry (it sums squares); where the pass sums the layer's
+    Kronecker factors, a Kronecker layout must multiply out to the weight's size and the
     Kronecker sums must have its factors' shapes. A transposed or misnamed result would otherwise be
     summed into the wrong scalars, or fail deep in a structure.
 
@@ -365,6 +404,8 @@ def check_rule(name: str, module: nn.Module, a: Tensor, g: Tensor) -> None:
         module: The layer.
         a: Its recorded input on the batch.
         g: Gradients w.r.t. its output, ``(K, *output.shape)``.
+        kron: Whether the pass's structure sums Kronecker factors (``kron``, ``ekfac``): else a ``kron`` rule's
+            Kronecker methods are not called, and not checked.
 
     Raises:
         ValueError: Naming the rule, the layer, what it returned and the fix.
@@ -372,7 +413,7 @@ def check_rule(name: str, module: nn.Module, a: Tensor, g: Tensor) -> None:
     rule = layer_rule(module)
     if rule is None or type(rule) in _BUILT_IN:
         return
-    label = f"Layer rule {type(rule).__name__} for module '{name}' ({type(module).__name__})"
+    label = _label(rule, name, module)
     params = dict(module.named_parameters(recurse=False))
     diagonal = rule.diagonal(module, a, g)
     if not isinstance(diagonal, dict):
@@ -393,7 +434,7 @@ def check_rule(name: str, module: nn.Module, a: Tensor, g: Tensor) -> None:
                 f"{tuple(params[role].shape)}; return, per role, a tensor shaped like the parameter (in its own "
                 "layout: not transposed or flattened)."
             )
-    if rule.kron:
+    if kron and rule.kron:
         _check_kron(label, rule, module, params, a, g)
 
 
@@ -401,6 +442,7 @@ def _check_kron(
     label: str, rule: LayerRule, module: nn.Module, params: Dict[str, Tensor], a: Tensor, g: Tensor
 ) -> None:
     """The Kronecker half of :func:`check_rule`."""
+    _require_kron(label, rule, "kron_shape")
     shape = rule.kron_shape(module)
     weight, bias = params.get("weight"), params.get("bias")
     if weight is not None and shape.out * shape.inp != weight.numel():
@@ -412,6 +454,7 @@ def _check_kron(
         raise ValueError(
             f"{label}: kron_shape() gives out={shape.out} for a bias of {bias.numel()} scalars; out must be its size."
         )
+    _require_kron(label, rule, "kron_sums")
     sums = rule.kron_sums(module, a, g)
     want = {
         "g": (shape.out, shape.out),

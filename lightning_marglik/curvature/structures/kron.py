@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ..exchange import Exchange
-from ..layers import FactorMasks, KronShape, is_kron_layer, kron_masks, layer_kron, layer_rule
+from ..layers import FactorMasks, KronShape, check_kron_rule, is_kron_layer, kron_masks, layer_kron, layer_rule
 from ..options import CurvatureOptions
 from ..statistics import BatchCurvature, InverseFn, Jacobian, LayerPlan, RankOneJacobian, Structure
 from .derivatives import LogDetDerivatives, separable_terms
@@ -251,9 +251,15 @@ class KronStructure(Structure):
     ) -> List[Structure]:
         """Kronecker blocks for the hooked layers whose rule has Kronecker factors (each layer's kept by
         its owning process where an ``exchange`` is given: :class:`.ShardedStructure`), an exact diagonal
-        block (:class:`.DiagStructure`) for every other parameter."""
+        block (:class:`.DiagStructure`) for every other parameter.
+
+        Raises:
+            ValueError: For a registered rule with ``kron = True`` but no ``kron_shape`` or ``kron_sums``.
+        """
         sizes = prior.param_sizes
         kron = [layer for layer in layers if is_kron_layer(layer.module)]
+        for layer in kron:  # a registered rule's kron_shape is called from here on
+            check_kron_rule(layer.name, layer.module)
         kron_indices = sorted(i for layer in kron for i in layer.roles.values())
         rest = [i for i in range(len(sizes)) if i not in set(kron_indices)]
         structures: List[Structure] = []
