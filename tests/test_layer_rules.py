@@ -132,6 +132,28 @@ def test_a_kron_rule_without_its_kronecker_methods_is_refused_only_where_they_ar
         _RULES.pop(Scale)
 
 
+class NegativeRule(ScaleRule):
+    """The squares summed with a minus sign: an indefinite ``H``, a NaN or a plausible wrong evidence."""
+
+    def diagonal(self, module, a, g):
+        return {"weight": -super().diagonal(module, a, g)["weight"]}
+
+
+@pytest.mark.parametrize("structure", ["diag", "kron"])
+def test_a_rule_whose_diagonal_is_negative_is_refused_naming_the_rule_and_the_fix(structure):
+    model = ScaleNet().double()
+    x, y = torch.randn(20, 3), torch.randn(20, 2)
+    prior, lik = hyperparameters(model, "regression")
+    register_layer_rule(Scale, NegativeRule())
+    try:
+        with pytest.raises(ValueError, match=r"^Layer rule NegativeRule for module 'scale' \(Scale\): diagonal\(\) "
+                                             r"returned 'weight' with negative entries \(min -.*square each "
+                                             r"per-example gradient, then sum\.$"):
+            fit(model, batches(x, y, 8), lik, prior, structure)
+    finally:
+        _RULES.pop(Scale)
+
+
 # --- HF Conv1D ----------------------------------------------------------------------------------
 
 

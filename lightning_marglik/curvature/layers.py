@@ -157,7 +157,8 @@ class LayerRule:
         """Exact diagonal of ``sum_{n,k} (J_n^T L_nk)^2`` for the layer's own parameters.
 
         Returns:
-            Per role (``"weight"``, ``"bias"``, ...), a tensor shaped like the parameter.
+            Per role (``"weight"``, ``"bias"``, ...), a tensor shaped like the parameter, with no negative entry
+            (a sum of squares).
         """
         raise NotImplementedError
 
@@ -433,6 +434,13 @@ def check_rule(name: str, module: nn.Module, a: Tensor, g: Tensor, kron: bool = 
                 f"{label}: diagonal() returned {role!r} of shape {shape}, the parameter {role!r} is "
                 f"{tuple(params[role].shape)}; return, per role, a tensor shaped like the parameter (in its own "
                 "layout: not transposed or flattened)."
+            )
+        # a sum of squares: a negative entry (a difference, or a missing square) makes H indefinite, the evidence
+        # NaN or a plausible wrong value
+        if bool((value < 0).any()):
+            raise ValueError(
+                f"{label}: diagonal() returned {role!r} with negative entries (min {float(value.min()):.3g}); the GGN "
+                "diagonal sums squares, sum_{n,k} (J_n^T L_nk)^2 >= 0: square each per-example gradient, then sum."
             )
     if kron and rule.kron:
         _check_kron(label, rule, module, params, a, g)
