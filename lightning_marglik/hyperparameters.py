@@ -476,11 +476,17 @@ def no_decay_names(prior: GaussianPrior) -> List[str]:
     Returns:
         Their names, in ``param_names`` order.
 
+    Raises:
+        TypeError: If ``prior`` is not a :class:`GaussianPrior` (e.g. the network itself).
+
     Example:
         >>> net = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 1))
         >>> no_decay_names(GaussianPrior(net))
         ['0.bias', '1.weight', '1.bias', '2.bias']
     """
+    if not isinstance(prior, GaussianPrior):
+        raise TypeError(f"no_decay_names(prior) takes a GaussianPrior, got {type(prior).__name__}: pass "
+                        "GaussianPrior(net) (or the module's prior), not the network.")
     return [n for n, p in zip(prior.param_names, prior.params) if p.ndim <= 1 or n.endswith(".bias")]
 
 
@@ -490,14 +496,17 @@ def check_likelihood_and_prior(likelihood: Any, prior: Any, call: str) -> None:
     Args:
         likelihood: What ``call`` got as its likelihood.
         prior: What ``call`` got as its prior.
-        call: The call's signature, as the message shows it, e.g. ``"map_loss(output, target, likelihood, prior)"``.
+        call: The call's signature, as the message shows it, e.g. ``"map_loss(output, target, likelihood, prior)"``;
+            the message names the two in its order.
 
     Raises:
         TypeError: If ``likelihood`` is not a :class:`Likelihood` or ``prior`` not a :class:`GaussianPrior`.
     """
     if not isinstance(likelihood, Likelihood) or not isinstance(prior, GaussianPrior):
+        order = ("a GaussianPrior, then a Likelihood" if call.find("prior") < call.find("likelihood")
+                 else "a Likelihood, then a GaussianPrior")
         raise TypeError(f"{call} got a {type(likelihood).__name__} as `likelihood` and a {type(prior).__name__} as "
-                        "`prior`: pass a Likelihood, then a GaussianPrior.")
+                        f"`prior`: pass {order}.")
 
 
 def map_loss(
@@ -581,9 +590,12 @@ def assign_hyperparameters(prior: GaussianPrior, likelihood: Likelihood, values:
         values: Log values by buffer name; names not given stay as they are.
 
     Raises:
+        TypeError: If ``prior`` is not a :class:`GaussianPrior` or ``likelihood`` not a :class:`Likelihood` (e.g. the
+            two in the other order).
         ValueError: On an unknown name, a value that is not a tensor, a shape mismatch, or a value that is not
             finite or lies beyond :data:`.likelihoods.LOG_LIMIT` in the buffer's dtype (nothing is written then).
     """
+    check_likelihood_and_prior(likelihood, prior, "assign_hyperparameters(prior, likelihood, values)")
     buffers = {"log_precision": prior.log_precision, **likelihood.hyperparameters()}
     converted = {}
     for name, value in values.items():

@@ -62,12 +62,25 @@ def linearized_outputs(evidence: LaplaceEvidence, model: nn.Module, x: Tensor) -
         The output mean and covariance.
 
     Raises:
+        TypeError: If ``evidence`` is not a :class:`LaplaceEvidence` (e.g. the network passed first).
         ValueError: If the evidence is not finite (weights or curvature with NaN or inf, e.g. after a
             diverged run): there is no posterior to predict with; if the prior's weights or the network's running
             statistics are no longer those the evidence was fitted at (trained further, a checkpoint loaded); if
             the forward fails on ``x``, its outputs are not ``(B, C)`` with ``B >= 1``, or some are not finite.
     """
+    _check_evidence(evidence, "linearized_outputs(evidence, model, x)")
     return _linearized(evidence, model, x, "linearized_outputs")
+
+
+def _check_evidence(evidence: Any, call: str) -> None:
+    """Refuse an ``evidence`` that is not one (most often the network, passed first).
+
+    Raises:
+        TypeError: If ``evidence`` is not a :class:`LaplaceEvidence`.
+    """
+    if not isinstance(evidence, LaplaceEvidence):
+        raise TypeError(f"{call} got a {type(evidence).__name__} as `evidence`: pass a LaplaceEvidence "
+                        "(LaplaceEvidence.fit(...), or a MargLikCallback's callback.evidence), then the network.")
 
 
 def _require_fitted(evidence: LaplaceEvidence, call: str) -> None:
@@ -220,9 +233,10 @@ def predict_regression(evidence: LaplaceEvidence, model: nn.Module, x: Tensor) -
     """Closed-form Gaussian predictive for a ``GaussianLikelihood``.
 
     Raises:
-        TypeError: If the evidence's likelihood is not Gaussian.
+        TypeError: If ``evidence`` is not a :class:`LaplaceEvidence`, or its likelihood is not Gaussian.
         ValueError: As :func:`linearized_outputs` (weights other than the evidence's included).
     """
+    _check_evidence(evidence, "predict_regression(evidence, model, x)")
     if not isinstance(evidence.likelihood, GaussianLikelihood):
         raise TypeError("predict_regression needs a GaussianLikelihood; use predict_classification.")
     mean, cov = _linearized(evidence, model, x, "predict_regression")
@@ -254,10 +268,11 @@ def predict_classification(
         Predictive class probabilities.
 
     Raises:
-        TypeError: If the likelihood is not categorical.
+        TypeError: If ``evidence`` is not a :class:`LaplaceEvidence`, or its likelihood is not categorical.
         ValueError: On an unknown method or ``samples < 1``; as :func:`linearized_outputs` (weights other than the
             evidence's included).
     """
+    _check_evidence(evidence, "predict_classification(evidence, model, x)")
     if not isinstance(evidence.likelihood, CategoricalLikelihood):
         raise TypeError("predict_classification needs a CategoricalLikelihood; use predict_regression.")
     method = choice(method, CLASSIFICATION_METHODS, "method")

@@ -12,8 +12,8 @@ from torch import nn
 
 from lightning_marglik import (
     BoundOptimizer, CategoricalLikelihood, EvidenceBound, GaussianLikelihood, GaussianPrior, LaplaceEvidence,
-    NegativeLogLikelihood, collect_statistics, linearized_outputs, map_loss, predict, predict_classification,
-    predict_regression,
+    NegativeLogLikelihood, assign_hyperparameters, collect_statistics, linearized_outputs, map_loss, no_decay_names,
+    predict, predict_classification, predict_regression,
 )
 from lightning_marglik.linearized import linearized_evidence
 from tests.reference import rel_err
@@ -180,6 +180,26 @@ def test_the_likelihood_and_the_prior_swapped_are_named_at_every_entry_point(nam
     message = r"\(.*likelihood, prior\) got a GaussianPrior as `likelihood` and a CategoricalLikelihood as `prior`: "
     with pytest.raises(TypeError, match=re.escape(name) + message + r"pass a Likelihood, then a GaussianPrior\.$"):
         SWAPPABLE[name](net, data, prior, lik)
+
+
+def test_arguments_in_the_wrong_order_or_of_the_wrong_type_are_named_not_attribute_errors():
+    """These gave bare AttributeErrors ('GaussianLikelihood' object has no attribute 'log_precision', ...)."""
+    net = _mlp(1)
+    x, y = torch.randn(8, 2), torch.randn(8, 1)
+    prior, lik = GaussianPrior(net), GaussianLikelihood()
+    evidence = LaplaceEvidence.fit(net, [(x, y)], lik, prior)
+    with pytest.raises(TypeError, match=r"^assign_hyperparameters\(prior, likelihood, values\) got a GaussianPrior as "
+                                        r"`likelihood` and a GaussianLikelihood as `prior`: pass a GaussianPrior, then "
+                                        r"a Likelihood\.$"):
+        assign_hyperparameters(lik, prior, {})
+    with pytest.raises(TypeError, match=r"^no_decay_names\(prior\) takes a GaussianPrior, got Sequential: pass "
+                                        r"GaussianPrior\(net\)"):
+        no_decay_names(net)
+    for name, call in PREDICTIVES.items():
+        with pytest.raises(TypeError, match=rf"^{name}\(evidence, model, x\) got a Sequential as `evidence`: pass a "
+                                            r"LaplaceEvidence .*then the network\.$"):
+            call(net, evidence, x)
+    assert no_decay_names(prior) == ["0.bias", "2.bias"]
 
 
 # --- targets a categorical likelihood does not take ---------------------------------------------------------------
