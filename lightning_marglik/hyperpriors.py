@@ -5,8 +5,9 @@ over the learned groups; :class:`~lightning_marglik.GaussianPrior` carries it (`
 """
 from __future__ import annotations
 
+import abc
 import math
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -16,7 +17,7 @@ from .validators import number, optional
 __all__ = ["GammaHyperprior", "Hyperprior", "LogNormalHyperprior"]
 
 
-class Hyperprior:
+class Hyperprior(abc.ABC):
     """A density over the log prior precision ``rho_g = log delta_g`` of each learned group (type-II MAP).
 
     With a hyperprior the evidence engine maximizes, and reports, ``log q(D|delta) + sum_g log
@@ -24,8 +25,21 @@ class Hyperprior:
     group whose weights are (near) zero has an evidence that keeps rising as ``delta_g -> inf``
     (the ARD pruning of ``benchmarks/results/runaway_mechanism.md``); a hyperprior that falls off fast enough makes the maximum
     finite. Subclasses give the density and its first two derivatives, elementwise, in ``rho``.
+
+    Raises:
+        TypeError: On building the base itself, which has no density (use :class:`GammaHyperprior` or
+            :class:`LogNormalHyperprior`), or a subclass without :meth:`log_density` and :meth:`derivatives`.
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Hyperprior":
+        # the base has no density: GaussianPrior took it, and the first evidence failed with an empty error
+        if cls is Hyperprior:
+            raise TypeError("Hyperprior is the abstract base of the hyperpriors and has no density: use "
+                            "GammaHyperprior(...) or LogNormalHyperprior(...), or a subclass that implements "
+                            "log_density and derivatives.")
+        return super().__new__(cls)
+
+    @abc.abstractmethod
     def log_density(self, log_precision: Tensor, initial_log_precision: float) -> Tensor:
         """``log p(rho)`` per entry of ``log_precision`` (a density in ``rho``, Jacobian included).
 
@@ -39,6 +53,7 @@ class Hyperprior:
         """
         raise NotImplementedError
 
+    @abc.abstractmethod
     def derivatives(self, log_precision: Tensor, initial_log_precision: float) -> Tuple[Tensor, Tensor]:
         """First and second derivative of :meth:`log_density` in ``rho``, elementwise (closed form)."""
         raise NotImplementedError

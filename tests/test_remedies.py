@@ -21,7 +21,7 @@ from lightning_marglik import (
     CategoricalLikelihood, GaussianPrior, LaplaceEvidence, MargLikCallback, MargLikConfigurationError, map_loss, solvers,
 )
 from lightning_marglik.hyperparameters import (
-    BIAS_NORMALIZATION, SCALE_INVARIANT, GammaHyperprior, LogNormalHyperprior, no_decay_names,
+    BIAS_NORMALIZATION, SCALE_INVARIANT, GammaHyperprior, Hyperprior, LogNormalHyperprior, no_decay_names,
 )
 from lightning_marglik.schedule_rules import loss_has_settled
 from tests.lightning_models import Classifier, blobs
@@ -175,6 +175,20 @@ def test_hyperprior_is_checked_and_shown():
     with pytest.raises(ValueError, match="`concentration`.*got True"):
         GammaHyperprior(concentration=True)
     assert "hyperprior=LogNormalHyperprior(scale=3, loc=None)" in repr(GaussianPrior(net, hyperprior=LogNormalHyperprior(3)))
+
+
+def test_the_bare_hyperprior_base_and_an_incomplete_subclass_cannot_be_built():
+    """GaussianPrior took Hyperprior() itself, and its first evidence failed with an empty NotImplementedError."""
+    with pytest.raises(TypeError, match=r"^Hyperprior is the abstract base.*use GammaHyperprior\(\.\.\.\) or "
+                                        r"LogNormalHyperprior\(\.\.\.\)"):
+        GaussianPrior(nn.Linear(2, 1), hyperprior=Hyperprior())
+
+    class DensityOnly(Hyperprior):
+        def log_density(self, log_precision, initial_log_precision):
+            return -log_precision**2
+
+    with pytest.raises(TypeError, match="abstract.*derivatives"):
+        DensityOnly()
 
 
 # --- 2. a bounded move per solve ------------------------------------------------------------------
