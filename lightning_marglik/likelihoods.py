@@ -40,9 +40,8 @@ def log_buffer(value: float, name: str) -> Tensor:
     """``log value`` as a 0-dim tensor, for a hyperparameter given as a positive finite number (or a one-element
     tensor of one) within :data:`LOG_LIMIT`'s range; a list, a string or a tensor of several values is refused
     with the option's name."""
-    if isinstance(value, Tensor) and value.numel() == 1:
-        value = value.item()
-    log_value = torch.tensor(math.log(number(value, name)))
+    value = number(value, name)  # a one-element tensor as its number
+    log_value = torch.tensor(math.log(value))
     limit = LOG_LIMIT[log_value.dtype]
     if not abs(float(log_value)) <= limit:
         raise ValueError(f"`{name}` must lie within e^-{limit:.1f} to e^{limit:.1f} ({math.exp(-limit):.3g} to "

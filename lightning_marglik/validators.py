@@ -18,6 +18,8 @@ import math
 import numbers
 from typing import Any, Mapping, Optional, Sequence, Tuple
 
+from torch import Tensor
+
 __all__ = ["SYNONYMS", "choice", "flag", "integer", "keywords", "number", "optional", "suggestion"]
 
 # Names users bring from other libraries (laplace-torch, BackPACK, the literature) for the values
@@ -141,12 +143,15 @@ def number(
 ) -> float:
     """``value`` as a finite float in the interval ``low .. high`` (open or closed at either end).
 
-    The default interval is ``(0, inf)``: a positive finite number. Any real number is taken (NumPy's too).
+    The default interval is ``(0, inf)``: a positive finite number. Any real number is taken (NumPy's too), and a
+    one-element tensor as the number it holds, as the hyperparameters' values take it (``precision=torch.tensor(2.)``).
 
     Raises:
         ValueError: Naming the option, the interval and the bad value (``bool``, strings, NaN and
             infinities included).
     """
+    if isinstance(value, Tensor) and value.numel() == 1:
+        value = value.item()
     ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
     if ok:
         ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)

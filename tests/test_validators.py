@@ -2,8 +2,10 @@
 import math
 
 import pytest
+import torch
 from hypothesis import given, strategies as st
 
+from lightning_marglik import GammaHyperprior, LogNormalHyperprior
 from lightning_marglik.validators import choice, integer, number, optional, suggestion
 
 STRUCTURES = ("full", "kron", "ekfac", "diag")
@@ -55,3 +57,15 @@ def test_number_bounds_open_and_closed():
         number(1, "f", 0, 1, low_open=False, high_open=True)
     assert optional(number, None, "lr") is None
     assert optional(number, 0.1, "lr") == 0.1
+
+
+def test_number_takes_a_one_element_tensor_as_its_number_as_the_hyperparameters_do():
+    """GammaHyperprior(torch.tensor(2.0)) was refused as 'must be a finite number ..., got tensor(2.)', where
+    GaussianPrior(precision=torch.tensor(2.0)) takes it."""
+    assert number(torch.tensor(0.5, dtype=torch.float64), "statistics_fraction", 0, 1) == 0.5
+    assert GammaHyperprior(torch.tensor(2.0), rate=torch.tensor([0.5])).log_density(torch.tensor(0.0), 0.0).item() == (
+        GammaHyperprior(2.0, 0.5).log_density(torch.tensor(0.0), 0.0).item())
+    assert LogNormalHyperprior(torch.tensor(3.0)).scale == 3.0
+    for bad in (torch.tensor([0.5, 0.5]), torch.tensor(True), torch.tensor(math.nan), torch.tensor(2.0)):
+        with pytest.raises(ValueError, match=r"`statistics_fraction` must be a finite number in \(0, 1\]"):
+            number(bad, "statistics_fraction", 0, 1)
