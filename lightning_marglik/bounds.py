@@ -87,6 +87,19 @@ def check_bound_options(bound: str, structure: str, subset_size: Optional[int]) 
             integer(subset_size, "subset_size", 1)
 
 
+def check_n_data(n_data: int, n_seen: int) -> None:
+    """Refuse an ``N`` below the data of the parts: the weight ``(N / n M - 1) / 2`` of ``q`` could turn negative,
+    and the value would no longer bound the evidence.
+
+    Raises:
+        ValueError: Naming ``N`` and the parts' count of data.
+    """
+    if n_data < n_seen:
+        raise ValueError(
+            f"`n_data` = {n_data} is below the {n_seen} data of the parts; pass the number of training data."
+        )
+
+
 class EvidenceBound:
     """A lower bound of the Laplace evidence from the evidence of each part of the data.
 
@@ -127,10 +140,7 @@ class EvidenceBound:
             )
         self.n_seen = sum(part.n_data for part in self.parts)
         self.n_data = self.n_seen if n_data is None else int(n_data)
-        if self.n_data < self.n_seen:
-            raise ValueError(
-                f"`n_data` = {self.n_data} is below the {self.n_seen} data of the parts; pass the number of training data."
-            )
+        check_n_data(self.n_data, self.n_seen)
         prior = self.prior
         with torch.no_grad():
             self._sq_norms = prior.group_sq_norms([p.detach() for p in prior.params], torch.float64).to(
@@ -432,7 +442,8 @@ class BoundOptimizer:
             The stochastic bound ``(N/n) sum_m (E_m + q/2) - q/2`` before the step, divided by ``N``.
 
         Raises:
-            ValueError: On a batch the bound cannot take (named), or ``N`` not known.
+            ValueError: On a batch the bound cannot take (named), ``N`` not known, or ``N`` below the data of the
+                batches (every process's together).
             RuntimeError: If the bound failed in another process.
         """
         prior, likelihood = self.prior, self.likelihood
@@ -456,6 +467,8 @@ class BoundOptimizer:
             raise RuntimeError("The evidence bound failed in another process; see that process's error.")
         assert bound is not None
         grad_sum, partition_sum, n_seen, n_partitions = total[:size], total[size], float(total[size + 1]), float(total[size + 2])
+        # on the data of every process's batch: each may hold fewer than N while together they hold more
+        check_n_data(n_data, int(n_seen))
         part = bound.parts[0]
         current = part._current()
         with torch.enable_grad():

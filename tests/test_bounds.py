@@ -13,6 +13,7 @@ import torch
 
 from lightning_marglik import LaplaceEvidence
 from lightning_marglik.bounds import BoundOptimizer, EvidenceBound
+from lightning_marglik.hyperparameters import learnable_values
 from tests.reference import (  # noqa: F401 (reference_env: autouse fixture)
     Problem,
     curvature_scale,
@@ -268,6 +269,22 @@ def test_n_data_below_the_batch_is_refused():
     prior, lik = hyper(model, "regression")
     with pytest.raises(ValueError, match="below the 10 data of the parts"):
         EvidenceBound.fit(model, [(x[:10], y[:10])], lik, prior, n_data=5)
+
+
+def test_optimizer_refuses_n_data_below_the_batches():
+    """N below the data of a step's batches (one process's, or every process's together: 10 + 10 > 15) is refused
+    as EvidenceBound refuses it, before the hyperparameters move: the weight of q would turn negative."""
+    model, x, y, _ = setup("mlp_small", "regression")
+    prior, lik = hyper(model, "regression", learn=True)
+    before = prior.log_precision.clone()
+    with pytest.raises(ValueError, match="`n_data` = 5 is below the 10 data of the parts"):
+        BoundOptimizer(lik, prior, n_data=5).step(model, (x[:10], y[:10]))
+    other = BoundOptimizer(lik, prior, n_data=15)
+    leaves = other._leaves_for({n: t.to(torch.float64) for n, t in learnable_values(prior, lik).items()})
+    pieces, _ = other._local_pieces(model, (x[10:20], y[10:20]), leaves, None)
+    with pytest.raises(ValueError, match="`n_data` = 15 is below the 20 data of the parts"):
+        other.step(model, (x[:10], y[:10]), all_reduce=lambda t: t + torch.cat([pieces, t.new_zeros(1)]))
+    assert torch.equal(prior.log_precision, before)
 
 
 def test_wrong_target_shape_is_named():
