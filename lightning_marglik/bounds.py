@@ -33,13 +33,14 @@ from __future__ import annotations
 import math
 import sys
 import warnings
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
 from .curvature import CurvatureOptions, CurvatureStatistics, collect_statistics, eval_mode, locate
 from .curvature.batches import BatchFn, batch_dims, call_model, eager, examples, move, split_batch
+from .curvature.estimator import resolved_options
 from .curvature.functional import jacobian_rows
 from .curvature.statistics import BatchCurvature
 from .curvature.structures import FullStructure, structure_class, structures_with
@@ -156,7 +157,7 @@ class EvidenceBound:
         bound: str = "parametric",
         structure: str = "kron",
         approx: str = "ggn",
-        mc_samples: int = 0,
+        mc_samples: Union[int, str] = 0,
         subset_size: Optional[int] = None,
         n_data: Optional[int] = None,
         generator: Optional[torch.Generator] = None,
@@ -174,7 +175,8 @@ class EvidenceBound:
             structure: The parts' curvature structure for ``"parametric"``: ``"kron"``, ``"diag"``
                 or ``"full"`` (ignored for ``"ntk"``).
             approx: ``"ggn"`` or ``"ef"``.
-            mc_samples: Monte-Carlo samples per example for the GGN; 0 for the exact GGN.
+            mc_samples: Monte-Carlo samples per example for the GGN; 0 for the exact GGN; ``"auto"``: decided
+                from each batch's outputs as for the evidence (:mod:`.curvature.estimator`).
             subset_size: ``"ntk"``: examples per part (default: the whole batch).
             n_data: Number ``N`` of data the bound is for (default: those of ``batches``).
             generator: Random generator of the Monte-Carlo samples.
@@ -256,7 +258,7 @@ def _kernel_statistics(
     likelihood: Likelihood,
     prior: GaussianPrior,
     approx: str,
-    mc_samples: int,
+    mc_samples: Union[int, str],
     subset_size: Optional[int],
     generator: Optional[torch.Generator],
     batch_fn: Optional[BatchFn],
@@ -264,7 +266,7 @@ def _kernel_statistics(
     """Per subset of ``subset_size`` examples of ``batch``: its likelihood statistics and its rows
     ``L^T J`` (one ``vmap`` of vector-Jacobian products per subset: ``subset_size K x P`` rows at a
     time) in a ``full`` structure, which takes the kernel form while it holds fewer rows than
-    parameters."""
+    parameters. ``mc_samples="auto"`` is decided from the batch's outputs, as every evidence pass decides it."""
     names, _ = locate(model, prior)
     params = prior.params
     device, dtype = params[0].device, params[0].dtype
@@ -273,19 +275,20 @@ def _kernel_statistics(
     n = examples(inputs, target)
     dims = batch_dims(inputs, n)
     size = n if subset_size is None else subset_size
-    options = CurvatureOptions("full", approx, mc_samples, max_memory=sys.maxsize)
+    requested = CurvatureOptions("full", approx, mc_samples, max_memory=sys.maxsize)
     out = []
     with eval_mode(model), eager():
         with torch.no_grad():
             output = call_model(model, inputs)
-        factor = likelihood.hessian_sqrt(output, target, approx, mc_samples, generator)
+        options, estimator = resolved_options(requested, likelihood, output.shape)
+        factor = likelihood.hessian_sqrt(output, target, options.approx, options.mc_samples, generator)
         for start in range(0, n, size):
             part = slice(start, start + size)
             rows = jacobian_rows(model, names, params, _take(inputs, dims, part), factor[part]).detach()
             # P x P only when a subset has at least P rows, i.e. for networks smaller than the subset's kernel
             structure = FullStructure(range(len(prior.param_sizes)), prior.param_sizes, prior.structure, options.max_memory)
             structure.to(device).accumulate(BatchCurvature([], rows))
-            stats = CurvatureStatistics(options, names, [structure])
+            stats = CurvatureStatistics(options, names, [structure], estimator=estimator)
             stats.add_likelihood(likelihood.statistics(output[part], target[part]))
             out.append(stats)
     return out
@@ -330,7 +333,8 @@ class BoundOptimizer:
         bound: ``"parametric"`` or ``"ntk"``.
         structure: The parametric bound's curvature structure (``"kron"``, ``"diag"``, ``"full"``).
         approx: ``"ggn"`` or ``"ef"``.
-        mc_samples: Monte-Carlo samples per example for the GGN (0: exact).
+        mc_samples: Monte-Carlo samples per example for the GGN (0: exact; ``"auto"``: decided from each batch's
+            outputs, as for the evidence).
         subset_size: ``"ntk"``: examples per kernel (default: the whole batch).
         lr: Adam learning rate on the log hyperparameters.
         batch_fn: Maps a batch to ``(inputs, targets)``.
@@ -364,7 +368,7 @@ class BoundOptimizer:
         bound: str = "parametric",
         structure: str = "kron",
         approx: str = "ggn",
-        mc_samples: int = 0,
+        mc_samples: Union[int, str] = 0,
         subset_size: Optional[int] = None,
         lr: float = 0.1,
         batch_fn: Optional[BatchFn] = None,

@@ -6,9 +6,10 @@ import math
 import pytest
 import pytorch_lightning as pl
 import torch
+from torch.utils.data import TensorDataset
 
 from lightning_marglik import BoundOptimizer, MargLikBoundCallback, MargLikCheckpoint, MargLikConfigurationError
-from tests.lightning_models import Regressor, loader, regression_data, trainer
+from tests.lightning_models import Classifier, Regressor, blobs, loader, regression_data, trainer
 
 
 def _fit(callbacks, max_epochs, model=None, **kwargs):
@@ -36,6 +37,25 @@ def test_steps_are_bound_optimizer_steps_on_every_kth_batch(bound):
     assert callback.history == [{"epoch": 1, "step": 4, "marglik": pytest.approx(sum(values) / 2, rel=1e-5), "steps": 2}]
     assert t.callback_metrics["marglik"].item() == pytest.approx(sum(values) / 2, rel=1e-5)
     assert callback.final_marglik == callback.last_marglik
+
+
+@pytest.mark.parametrize("classes,resolved,estimator", [
+    (3, 0, "auto: the exact GGN"), (12, 1, "auto: the Monte-Carlo GGN (1 sample)"),
+])
+def test_ntk_mc_samples_auto_runs_what_the_setup_line_names(classes, resolved, estimator):
+    """bound="ntk" with mc_samples="auto": the set-up pass decides the estimator, its line names it, and every step
+    runs it: the fit equals one with that count set (the same seeded draws)."""
+    x, y = blobs(40, seed=0).tensors
+    fits = []
+    for mc_samples in ("auto", resolved):
+        callback = MargLikBoundCallback(bound="ntk", mc_samples=mc_samples, every_k_batches=2, subset_size=4)
+        pl.seed_everything(0, verbose=False)
+        model = Classifier(n_data=40, classes=classes)
+        trainer([callback], max_epochs=1).fit(model, loader(TensorDataset(x.double(), y), batch_size=10))
+        fits.append((callback, model.prior.log_precision))
+    (auto, by_auto), (set_, by_count) = fits
+    assert auto.estimator.startswith(estimator) and auto.options.mc_samples == resolved
+    assert torch.equal(by_auto, by_count) and auto.history == set_.history
 
 
 def test_learns_the_noise_and_checkpoints_the_best_epoch(tmp_path):

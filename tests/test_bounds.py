@@ -187,6 +187,26 @@ def test_stochastic_estimate_averages_to_the_bound(bound):
     assert rel_err(torch.stack(estimates).mean(), whole) <= TOL
 
 
+@pytest.mark.parametrize("classes,resolved", [(3, 0), (12, 1)])
+def test_ntk_mc_samples_auto_takes_the_evidence_estimator(classes, resolved):
+    """mc_samples="auto" on the NTK bound is the count every evidence pass takes (curvature.estimator: the exact
+    GGN up to 10 columns, one sample beyond): the bound and an optimizer step equal that count's, same draws."""
+    model, x, y, _ = setup("mlp_small", "classification", n_out=classes)
+    prior, lik = hyper(model, "classification")
+    bounds = [
+        EvidenceBound.fit(model, [(x, y)], lik, prior, bound="ntk", mc_samples=mc_samples, subset_size=8,
+                          generator=torch.Generator().manual_seed(0)).log_marglik()
+        for mc_samples in ("auto", resolved, 1 - resolved)
+    ]
+    assert torch.equal(bounds[0], bounds[1]) and not torch.equal(bounds[0], bounds[2])
+    steps = []
+    for mc_samples in ("auto", resolved):
+        prior, lik = hyper(model, "classification", learn=True)
+        optimizer = BoundOptimizer(lik, prior, n_data=len(x), bound="ntk", mc_samples=mc_samples)
+        steps.append((optimizer.step(model, (x, y), torch.Generator().manual_seed(0)), prior.log_precision.clone()))
+    assert steps[0][0] == steps[1][0] and torch.equal(steps[0][1], steps[1][1])
+
+
 def test_optimizer_step_is_adam_on_the_summed_bound():
     """One step with a simulated second process (its pieces added by ``all_reduce``): the returned
     value is the two-batch estimate per datum, and Adam's first step moves every learned log

@@ -237,7 +237,8 @@ class MargLikBoundCallback(MargLikBoundCallbackCore, Callback):
         burnin: Epochs without steps.
         lr: Adam learning rate on the log hyperparameters.
         subset_size: ``"ntk"``: examples per kernel (default: the whole batch).
-        mc_samples: Monte-Carlo samples per example for the GGN (0: exact).
+        mc_samples: Monte-Carlo samples per example for the GGN (0: exact; ``"auto"``: decided on the set-up
+            batch's outputs as for :class:`MargLikCallback`, and named in the set-up line).
         seed: Seed of the Monte-Carlo samples, 0 to ``2**64 - 1``.
         backend: ``"hooks"`` or ``"backpack"`` (``"parametric"`` only).
         scale_invariant: As for :class:`MargLikCallback`.

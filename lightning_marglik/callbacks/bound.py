@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 
@@ -48,7 +48,7 @@ class MargLikBoundCallbackCore(EstimatorCore):
         burnin: int = 0,
         lr: float = 0.1,
         subset_size: Optional[int] = None,
-        mc_samples: int = 0,
+        mc_samples: Union[int, str] = 0,
         seed: int = 0,
         backend: str = "hooks",
         scale_invariant: str = "decoupled",
@@ -96,9 +96,10 @@ class MargLikBoundCallbackCore(EstimatorCore):
         # set-up checks, N on the prior, a changed set of learnables, the set-up line (after every refusal)
         super().on_train_start(trainer, pl_module)
         prior, likelihood = self._hyperparameters()
+        # the set-up pass resolved mc_samples="auto" (self.options): the steps run what the set-up line names
         self._optimizer = BoundOptimizer(
             likelihood, prior, bound=self.bound, structure=self.structure, approx=self.approx,
-            mc_samples=self.mc_samples, subset_size=self.subset_size, lr=self.lr,
+            mc_samples=self.options.mc_samples, subset_size=self.subset_size, lr=self.lr,
             batch_fn=self._batch_fn(pl_module), backend=self.options.backend,
         )
         self._optimizer.load_state_dict(self._optimizer_state)
@@ -110,7 +111,7 @@ class MargLikBoundCallbackCore(EstimatorCore):
             return
         assert self._optimizer is not None
         strategy = trainer.strategy
-        generator = self._seeded(trainer, trainer.global_step) if self.mc_samples else None
+        generator = self._seeded(trainer, trainer.global_step) if self.options.mc_samples else None
 
         def all_reduce(flat: torch.Tensor) -> torch.Tensor:
             return strategy.reduce(flat.to(strategy.root_device), reduce_op="sum")
