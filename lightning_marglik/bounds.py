@@ -88,6 +88,20 @@ def check_bound_options(bound: str, structure: str, subset_size: Optional[int]) 
             integer(subset_size, "subset_size", 1)
 
 
+def check_no_hyperprior(prior: GaussianPrior) -> None:
+    """Refuse a prior with a hyperprior: every part's evidence holds its term, which the sum would count per part.
+
+    Raises:
+        ValueError: Naming the hyperprior and what takes one.
+    """
+    if prior.hyperprior is not None:
+        raise ValueError(
+            f"The evidence bound does not take a hyperprior on the prior precisions (the prior has "
+            f"{prior.hyperprior!r}); use GaussianPrior(..., hyperprior=None) for the bound, or the full "
+            "evidence (LaplaceEvidence, MargLikCallback)."
+        )
+
+
 def check_n_data(n_data: int, n_seen: int) -> None:
     """Refuse an ``N`` below the data of the parts: the weight ``(N / n M - 1) / 2`` of ``q`` could turn negative,
     and the value would no longer bound the evidence.
@@ -133,12 +147,7 @@ class EvidenceBound:
             raise ValueError("The bound needs at least one part of the data holding a datum.")
         self.parts = list(parts)
         self.prior, self.likelihood = self.parts[0].prior, self.parts[0].likelihood
-        if self.prior.hyperprior is not None:  # every part's evidence holds its term: the sum would count it per part
-            raise ValueError(
-                f"The evidence bound does not take a hyperprior on the prior precisions (the prior has "
-                f"{self.prior.hyperprior!r}); use GaussianPrior(..., hyperprior=None) for the bound, or the full "
-                "evidence (LaplaceEvidence, MargLikCallback)."
-            )
+        check_no_hyperprior(self.prior)
         self.n_seen = sum(part.n_data for part in self.parts)
         self.n_data = self.n_seen if n_data is None else int(n_data)
         check_n_data(self.n_data, self.n_seen)
@@ -341,7 +350,7 @@ class BoundOptimizer:
         backend: ``"hooks"`` or ``"backpack"`` (parametric only).
 
     Raises:
-        ValueError: On bad options (named).
+        ValueError: On bad options (named), or a prior with a hyperprior (the bound would count its term per part).
         TypeError: If ``likelihood`` or ``prior`` is not one (e.g. the two passed in the other order).
 
     Example:
@@ -375,6 +384,7 @@ class BoundOptimizer:
         backend: str = "hooks",
     ) -> None:
         check_likelihood_and_prior(likelihood, prior, "BoundOptimizer(likelihood, prior)")
+        check_no_hyperprior(prior)  # now, not at the first step inside training
         check_bound_options(bound, structure, subset_size)
         CurvatureOptions(structure if bound == "parametric" else "full", approx, mc_samples, backend=backend)
         lr = number(lr, "lr")

@@ -8,7 +8,9 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import TensorDataset
 
-from lightning_marglik import BoundOptimizer, MargLikBoundCallback, MargLikCheckpoint, MargLikConfigurationError
+from lightning_marglik import (
+    BoundOptimizer, GammaHyperprior, GaussianPrior, MargLikBoundCallback, MargLikCheckpoint, MargLikConfigurationError,
+)
 from tests.lightning_models import Classifier, Regressor, blobs, loader, regression_data, trainer
 
 
@@ -112,6 +114,16 @@ def test_every_k_beyond_an_epoch_is_refused_before_training():
     before = [p.clone() for p in model.parameters()]
     with pytest.raises(MargLikConfigurationError, match="every_k_batches=5.*an epoch has 4 training batches"):
         _fit([MargLikBoundCallback(every_k_batches=5)], max_epochs=1, model=model)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_a_prior_with_a_hyperprior_is_refused_before_training():
+    """Refused at set-up with BoundOptimizer's message, not at the first bound step after training batches."""
+    model = Regressor()
+    model.prior = GaussianPrior(model.net, hyperprior=GammaHyperprior())
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(MargLikConfigurationError, match=r"MargLikBoundCallback: .*does not take a hyperprior"):
+        _fit([MargLikBoundCallback(every_k_batches=3)], max_epochs=1, model=model)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 

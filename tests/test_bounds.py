@@ -351,3 +351,5 @@ def test_a_prior_with_a_hyperprior_is_refused_by_the_bound():
     prior = GaussianPrior(net, hyperprior=LogNormalHyperprior(scale=2.0))
     with pytest.raises(ValueError, match=r"does not take a hyperprior.*hyperprior=None"):
         EvidenceBound.fit(net, data, GaussianLikelihood(), prior, bound="parametric", structure="diag")
+    with pytest.raises(ValueError, match=r"does not take a hyperprior.*hyperprior=None"):  # when built, not at a step
+        BoundOptimizer(GaussianLikelihood(), prior, n_data=16)

@@ -246,7 +246,8 @@ class MargLikBoundCallback(MargLikBoundCallbackCore, Callback):
 
     Raises:
         ValueError: On an invalid argument (the message names it and the fix).
-        MargLikConfigurationError: When training starts, as for :class:`MargLikCallback`.
+        MargLikConfigurationError: At set-up for a prior with a hyperprior (the bound would count its term once
+            per part), and when training starts, as for :class:`MargLikCallback`.
 
     Example:
         >>> callback = MargLikBoundCallback(bound="parametric", structure="kron", every_k_batches=10, lr=0.05)

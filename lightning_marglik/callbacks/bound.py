@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 
-from ..bounds import BoundOptimizer, check_bound_options
+from ..bounds import BoundOptimizer, check_bound_options, check_no_hyperprior
 from ..curvature import CurvatureOptions
 from .arguments import BOUND_KEYWORDS
 from .averaging import averaging_callbacks
@@ -71,6 +71,11 @@ class MargLikBoundCallbackCore(EstimatorCore):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
+        if stage == "fit":  # before training, not at the first step: the prior is found by now
+            try:
+                check_no_hyperprior(self._hyperparameters()[0])
+            except ValueError as err:
+                raise MargLikConfigurationError(f"{type(self).__name__}: {err}") from err
         averaging = averaging_callbacks(trainer) if stage == "fit" else []
         if averaging:  # its steps write the hyperparameters at every k-th batch, and it has no evidence pass
             raise MargLikConfigurationError(
