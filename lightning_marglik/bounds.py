@@ -48,7 +48,7 @@ from .evidence import LaplaceEvidence
 from .hyperparameters import (
     GaussianPrior, Likelihood, assign_hyperparameters, check_likelihood_and_prior, learnable_values,
 )
-from .validators import integer, number
+from .validators import integer, number, optional
 
 __all__ = ["BOUNDS", "BoundOptimizer", "EvidenceBound"]
 
@@ -127,8 +127,8 @@ class EvidenceBound:
         n_data: The number ``N`` of data the bound is for (default: the parts' count).
 
     Raises:
-        ValueError: Without parts, with ``n_data`` below the parts' count of data, or with a prior that
-            has a hyperprior (each part's evidence holds its term, which the sum would count per part).
+        ValueError: Without parts, with ``n_data`` not an int >= 1 or below the parts' count of data, or with a
+            prior that has a hyperprior (each part's evidence holds its term, which the sum would count per part).
 
     Example:
         >>> from torch.utils.data import DataLoader, TensorDataset
@@ -149,7 +149,8 @@ class EvidenceBound:
         self.prior, self.likelihood = self.parts[0].prior, self.parts[0].likelihood
         check_no_hyperprior(self.prior)
         self.n_seen = sum(part.n_data for part in self.parts)
-        self.n_data = self.n_seen if n_data is None else int(n_data)
+        # an int as BoundOptimizer takes it: int() would truncate 64.7 and read '100'
+        self.n_data = self.n_seen if n_data is None else integer(n_data, "n_data", 1)
         check_n_data(self.n_data, self.n_seen)
         prior = self.prior
         with torch.no_grad():
@@ -201,6 +202,7 @@ class EvidenceBound:
         """
         check_likelihood_and_prior(likelihood, prior, "EvidenceBound.fit(model, batches, likelihood, prior)")
         check_bound_options(bound, structure, subset_size)
+        optional(integer, n_data, "n_data", 1)  # refused before the parts are computed (the constructor checks it too)
         parts: List[LaplaceEvidence] = []
         for batch in batches:
             if bound == "parametric":

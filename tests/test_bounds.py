@@ -291,6 +291,18 @@ def test_n_data_below_the_batch_is_refused():
         EvidenceBound.fit(model, [(x[:10], y[:10])], lik, prior, n_data=5)
 
 
+@pytest.mark.parametrize("n_data", [64.7, 64.0, "100", True])
+def test_n_data_that_is_not_an_int_is_refused(n_data):
+    """As BoundOptimizer refuses it: int() would truncate 64.7 to 64 and read '100' as 100."""
+    model, x, y, _ = setup("mlp_small", "regression")
+    prior, lik = hyper(model, "regression")
+    with pytest.raises(ValueError, match=r"`n_data` must be an int >= 1, got"):
+        EvidenceBound.fit(model, [(x[:10], y[:10])], lik, prior, n_data=n_data)
+    parts = EvidenceBound.fit(model, [(x[:10], y[:10])], lik, prior).parts
+    with pytest.raises(ValueError, match=r"`n_data` must be an int >= 1, got"):
+        EvidenceBound(parts, n_data=n_data)
+
+
 def test_optimizer_refuses_n_data_below_the_batches():
     """N below the data of a step's batches (one process's, or every process's together: 10 + 10 > 15) is refused
     as EvidenceBound refuses it, before the hyperparameters move: the weight of q would turn negative."""
