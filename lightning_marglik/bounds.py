@@ -42,13 +42,14 @@ from .curvature import CurvatureOptions, CurvatureStatistics, collect_statistics
 from .curvature.batches import BatchFn, batch_dims, call_model, eager, examples, move, split_batch
 from .curvature.estimator import resolved_options
 from .curvature.functional import jacobian_rows
+from .curvature.options import BACKENDS
 from .curvature.statistics import BatchCurvature
 from .curvature.structures import FullStructure, structure_class, structures_with
 from .evidence import LaplaceEvidence
 from .hyperparameters import (
     GaussianPrior, Likelihood, assign_hyperparameters, check_likelihood_and_prior, learnable_values,
 )
-from .validators import integer, number, optional
+from .validators import choice, integer, number, optional
 
 __all__ = ["BOUNDS", "BoundOptimizer", "EvidenceBound"]
 
@@ -56,13 +57,13 @@ BOUNDS = ("parametric", "ntk")
 AllReduce = Callable[[Tensor], Tensor]
 
 
-def check_bound_options(bound: str, structure: str, subset_size: Optional[int]) -> None:
+def check_bound_options(bound: str, structure: str, subset_size: Optional[int], backend: str) -> None:
     """Refuse options the bounds do not take, naming the fix.
 
     Raises:
         ValueError: On an unknown bound, a structure the parametric bound does not take, a structure other than
-            ``full`` (or the default) for the NTK bound, or a ``subset_size`` for the parametric bound (its parts
-            are the batches).
+            ``full`` (or the default) for the NTK bound, a ``backend`` other than ``hooks`` for the NTK bound (its
+            Jacobians are torch.func's), or a ``subset_size`` for the parametric bound (its parts are the batches).
     """
     if bound not in BOUNDS:
         raise ValueError(f"`bound` must be one of {BOUNDS}, got {bound!r}.")
@@ -83,6 +84,11 @@ def check_bound_options(bound: str, structure: str, subset_size: Optional[int]) 
                 f"bound='ntk' bounds each subset by its exact kernel (the `full` form), so structure={structure!r} "
                 "would be ignored; `structure` applies to bound='parametric' only: leave it out, or use "
                 "bound='parametric'."
+            )
+        if choice(backend, BACKENDS, "backend") != "hooks":  # "hooks" is the default: left out, it is not the user's
+            raise ValueError(
+                f"bound='ntk' computes its Jacobians with torch.func, so backend={backend!r} would be ignored; "
+                "`backend` applies to bound='parametric' only: leave it out, or use bound='parametric'."
             )
         if subset_size is not None:
             integer(subset_size, "subset_size", 1)
@@ -201,7 +207,7 @@ class EvidenceBound:
             TypeError: If ``likelihood`` or ``prior`` is not one (e.g. the two passed in the other order).
         """
         check_likelihood_and_prior(likelihood, prior, "EvidenceBound.fit(model, batches, likelihood, prior)")
-        check_bound_options(bound, structure, subset_size)
+        check_bound_options(bound, structure, subset_size, backend)
         optional(integer, n_data, "n_data", 1)  # refused before the parts are computed (the constructor checks it too)
         parts: List[LaplaceEvidence] = []
         for batch in batches:
@@ -387,7 +393,7 @@ class BoundOptimizer:
     ) -> None:
         check_likelihood_and_prior(likelihood, prior, "BoundOptimizer(likelihood, prior)")
         check_no_hyperprior(prior)  # now, not at the first step inside training
-        check_bound_options(bound, structure, subset_size)
+        check_bound_options(bound, structure, subset_size, backend)
         CurvatureOptions(structure if bound == "parametric" else "full", approx, mc_samples, backend=backend)
         lr = number(lr, "lr")
         if n_data is not None:

@@ -269,12 +269,25 @@ def test_non_finite_bound_leaves_hyperparameters():
     (dict(lr=0.0), r"`lr` must be a finite number in \(0, inf\)"),
     (dict(approx="fisher"), "`approx` must be one of"),
     (dict(n_data=0), "`n_data` must be an int >= 1"),
+    (dict(bound="ntk", backend="backpack"), "computes its Jacobians with torch.func, so backend='backpack'"),
 ])
 def test_bad_options_are_named(kwargs, match):
     model, _, _, _ = setup("mlp_small", "regression")
     prior, lik = hyper(model, "regression")
     with pytest.raises(ValueError, match=match):
         BoundOptimizer(lik, prior, **kwargs)
+
+
+@pytest.mark.parametrize("backend,match", [
+    ("backpack", "bound='ntk' computes its Jacobians with torch.func, so backend='backpack' would be ignored"),
+    ("bogus", "`backend` must be one of"),
+])
+def test_ntk_bound_refuses_a_backend(backend, match):
+    """The NTK bound's Jacobians are torch.func's: a backend would be ignored, as MargLikBoundCallback says."""
+    model, x, y, _ = setup("mlp_small", "regression")
+    prior, lik = hyper(model, "regression")
+    with pytest.raises(ValueError, match=match):
+        EvidenceBound.fit(model, [(x[:10], y[:10])], lik, prior, bound="ntk", backend=backend)
 
 
 def test_unknown_n_data_is_named():

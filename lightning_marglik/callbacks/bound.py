@@ -54,9 +54,7 @@ class MargLikBoundCallbackCore(EstimatorCore):
         scale_invariant: str = "decoupled",
         flush_denormals: bool = True,
     ) -> None:
-        check_bound_options(bound, structure, subset_size)
-        if bound == "ntk" and backend != "hooks":
-            raise ValueError("bound='ntk' computes its Jacobians with torch.func; `backend` applies to bound='parametric' only.")
+        check_bound_options(bound, structure, subset_size, backend)
         if bound == "ntk":  # the set-up check's evidence pass on one batch: kernel form, never refused for P
             options = CurvatureOptions("full", approx, mc_samples, max_memory=sys.maxsize)
         else:
