@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import sys
 import warnings
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -520,7 +520,22 @@ class BoundOptimizer:
         return self._optimizer.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue Adam's moments from :meth:`state_dict` (taken at the first step; ``{}``: afresh)."""
+        """Continue Adam's moments from :meth:`state_dict` (taken at the first step; ``{}``: afresh).
+
+        Raises:
+            ValueError: If ``state`` is not an optimizer's state (a dict with ``state`` and ``param_groups``).
+        """
+        # refused now: Adam reads it only at the next step, where a KeyError would not say whose state it was
+        if state and not isinstance(state, Mapping):
+            raise ValueError(
+                f"`state` must be BoundOptimizer.state_dict()'s dict, or {{}} to start afresh, got {state!r}."
+            )
+        missing = " and ".join(repr(key) for key in ("state", "param_groups") if key not in state) if state else ""
+        if missing:
+            raise ValueError(
+                f"`state` is not an optimizer state: it lacks {missing} (keys {list(state)!r}); pass what "
+                "BoundOptimizer.state_dict() returned, or {} to start afresh."
+            )
         self._pending_state = dict(state) if state else None
         self._leaves, self._optimizer = {}, None
 

@@ -247,6 +247,22 @@ def test_optimizer_state_continues():
     assert torch.equal(runs[0], runs[1])
 
 
+@pytest.mark.parametrize("state,match", [
+    ({"foo": 1}, r"not an optimizer state: it lacks 'state' and 'param_groups' \(keys \['foo'\]\)"),
+    ({"state": {}}, r"not an optimizer state: it lacks 'param_groups'"),
+    ([1], r"must be BoundOptimizer.state_dict\(\)'s dict"),
+])
+def test_a_state_that_is_not_an_optimizer_state_is_refused(state, match):
+    """Refused when loaded, naming what it lacks, not with a KeyError at the next step; {} still starts afresh."""
+    model, x, y, _ = setup("mlp_small", "regression")
+    prior, lik = hyper(model, "regression", learn=True)
+    optimizer = BoundOptimizer(lik, prior, n_data=len(x), structure="diag")
+    with pytest.raises(ValueError, match=match):
+        optimizer.load_state_dict(state)
+    optimizer.load_state_dict({})
+    assert math.isfinite(optimizer.step(model, (x[:10], y[:10]))) and optimizer.state_dict()["state"]
+
+
 def test_non_finite_bound_leaves_hyperparameters():
     model, x, y, _ = setup("mlp_small", "regression")
     prior, lik = hyper(model, "regression", learn=True)
