@@ -161,6 +161,22 @@ def test_a_checkpoint_loaded_to_validate_leaves_the_fits_record_and_follows_its_
         predict(cb, model, torch.zeros(2, 1))  # the weights loaded are the second estimate's, the evidence the last's
 
 
+def test_a_fit_that_trains_nothing_keeps_the_checkpoints_and_early_stoppings_record(tmp_path):
+    """fit again on a finished Trainer: the callback kept its record (with a warning), but the checkpoint forgot its
+    best file and early stopping its best score, and trainer.validate(ckpt_path="best") refused: 'not configured to
+    save the best model'."""
+    cb, ck, es = MargLikCallback(structure="diag", frequency=2, steps=10), MargLikCheckpoint(dirpath=tmp_path), \
+        MargLikEarlyStopping(patience=3)
+    data = loader(regression_data())
+    model, fitted = _fit([cb, ck, es], max_epochs=4, data=data)
+    record = (ck.best_model_path, ck.best_model_score, dict(ck.best_k_models), es.best_score, es.wait_count)
+    assert ck.best_model_path and torch.isfinite(es.best_score)
+    with pytest.warns(UserWarning, match="this fit trained nothing"):
+        fitted.fit(model, data)
+    assert (ck.best_model_path, ck.best_model_score, dict(ck.best_k_models), es.best_score, es.wait_count) == record
+    fitted.validate(model, data, ckpt_path="best", verbose=False)
+
+
 def test_an_early_stop_that_min_epochs_overrules_says_training_goes_on(caplog):
     """Under min_epochs it said "stopped training after epoch 2" where Lightning trained on to epoch 6."""
     stopping = MargLikEarlyStopping(patience=1, min_delta=0.5)  # no estimate gains 0.5: a stop after the second

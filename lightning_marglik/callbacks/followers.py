@@ -12,7 +12,7 @@ import logging
 import math
 import os
 import uuid
-from typing import ClassVar, Optional, Tuple
+from typing import Any, ClassVar, Dict, Optional, Tuple
 
 import torch
 from fsspec.core import url_to_fs
@@ -36,9 +36,14 @@ class _FollowsEstimates(KnownKeywords):
 
     _package: ClassVar[LightningPackage]
     _marglik: EstimatorCore
+    # the attributes of one fit's record, which set-up resets and a fit that trains nothing gets back
+    _RECORD: ClassVar[Tuple[str, ...]]
+    _kept: Optional[Dict[str, Any]] = None
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         check_package(self, trainer)
+        if stage == "fit":  # before the subclass resets it: a fit that trains nothing keeps it (teardown)
+            self._kept = {name: copy.deepcopy(getattr(self, name)) for name in self._RECORD}
         super().setup(trainer, pl_module, stage)  # type: ignore[misc]
         if stage == "fit":
             found = [c for c in trainer.callbacks if isinstance(c, EstimatorCore)]
@@ -47,6 +52,23 @@ class _FollowsEstimates(KnownKeywords):
                     f"{type(self).__name__} needs exactly one MargLikCallback in the Trainer's callbacks."
                 )
             self._marglik = found[0]
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)  # type: ignore[misc]
+        self._kept = None  # this fit trains: its own record
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+        self._kept = None  # a checkpoint's record
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """A fit that trained nothing (``fit`` again on a finished Trainer) gives the previous fit's record back, as
+        the estimating callback does: its best file stays ``ckpt_path="best"``."""
+        super().teardown(trainer, pl_module, stage)  # type: ignore[misc]
+        if stage == "fit" and self._kept is not None:
+            for name, value in self._kept.items():
+                setattr(self, name, value)
+            self._kept = None
 
 
 # ModelCheckpoint's record of one fit's files and scores (its state_dict's), as its __init__ leaves it
@@ -59,6 +81,8 @@ class CheckpointCore(_FollowsEstimates):
 
     Documented on ``lightning_marglik.MargLikCheckpoint``.
     """
+
+    _RECORD = _BEST_STATE
 
     _foreign_keywords = CHECKPOINT_KEYWORDS
 
@@ -170,6 +194,7 @@ class EarlyStoppingCore(_FollowsEstimates):
     """
 
     _foreign_keywords = STOPPING_KEYWORDS
+    _RECORD = ("wait_count", "stopped_epoch", "best_score", "stopping_reason", "stopping_reason_message")
 
     def __init__(self, patience: int = 3, min_delta: float = 0.0, verbose: bool = False) -> None:
         super().__init__(
