@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from typing import Any, Callable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
