@@ -337,7 +337,6 @@ class EstimatorCore(KnownKeywords):
         ]
 
     @staticmethod
-    @staticmethod
     def _batch_fn(pl_module: LightningModule) -> Optional[Callable[[Any], Any]]:
         method = getattr(pl_module, "marglik_batch", None)
         return method if callable(method) else None
