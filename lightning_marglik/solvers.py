@@ -453,8 +453,9 @@ class _ClosedForm:
     """Values and derivatives from one call of the caller's ``derivatives`` per point.
 
     The closed form may fail where the objective itself is finite (a factorisation of its own
-    that breaks at extreme hyperparameters): such a point is evaluated by ``fallback`` (autograd
-    on the objective), so the closed form never rejects a point the objective accepts.
+    that breaks at extreme hyperparameters, or derivatives that underflow to 0/0 there, as at
+    ``log sigma >= 180``): such a point is evaluated by ``fallback`` (autograd on the objective), so the closed form
+    never rejects a point the objective accepts.
     """
 
     def __init__(self, derivatives: Derivatives, fallback: _Autograd) -> None:
@@ -466,8 +467,10 @@ class _ClosedForm:
             self.last = self.function(self.fallback.flat.unflatten(vector.detach()))
         except torch.linalg.LinAlgError:
             self.last = None
-        if self.last is not None and bool(torch.isfinite(self.last.value)):
-            return self.last.value.detach().reshape(())
+        last = self.last
+        if last is not None and all(bool(torch.isfinite(t).all()) for t in (last.value, last.gradient, last.rows,
+                                                                             last.diagonal)):
+            return last.value.detach().reshape(())
         self.last = None
         return self.fallback.value(vector)
 

@@ -6,6 +6,7 @@ writing nothing and ``set_hyperparameters`` writing the solution, fixed hyperpar
 """
 from __future__ import annotations
 
+import math
 
 import pytest
 import torch
@@ -168,3 +169,23 @@ def test_bad_optimize_arguments(kwargs):
     ev = LaplaceEvidence.fit(model, loader(x, y), GaussianLikelihood(), GaussianPrior(model), structure="diag")
     with pytest.raises(ValueError):
         ev.optimize(**{"steps": 5, "lr": 0.1, "solver": "adam", **kwargs})
+
+
+@pytest.mark.parametrize("structure", ["full", "kron", "diag"])
+def test_newton_starts_where_the_closed_form_derivatives_underflow_but_the_objective_is_finite(structure):
+    """From log sigma = 180 the closed-form Hessian row of log sigma is 0/0 (its curvature scale squared underflows)
+    while the objective, its gradient and autograd's Hessian are finite: Newton returned the start unchanged
+    (diverged, no warning). The point is taken by autograd, as one where the closed form raises."""
+    torch.manual_seed(0)
+    x = torch.randn(40, 3)
+    y = torch.sin(2 * x[:, :1]) + 0.1 * torch.randn(40, 1)
+    net = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 1))
+    solutions = []
+    for log_sigma in (150.0, 180.0):
+        likelihood, prior = GaussianLikelihood(sigma=math.exp(log_sigma)), GaussianPrior(net, structure="layerwise")
+        evidence = LaplaceEvidence.fit(net, [(x, y)], likelihood, prior, structure=structure, mc_samples=0)
+        solutions.append(evidence.optimize(max_evaluations=100))
+    for solution in solutions:
+        assert solution.converged and not solution.diverged
+    assert torch.allclose(solutions[1].values["log_sigma"], solutions[0].values["log_sigma"], atol=1e-4)
+    assert solutions[1].value.item() == pytest.approx(solutions[0].value.item(), abs=1e-5)
