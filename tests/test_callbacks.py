@@ -159,6 +159,9 @@ def test_a_checkpoint_loaded_to_validate_leaves_the_fits_record_and_follows_its_
     assert not torch.equal(model.prior.applied_precision, end_applied)
     with pytest.raises(ValueError, match=r"not those of the posterior's estimate \(a checkpoint loaded"):
         predict(cb, model, torch.zeros(2, 1))  # the weights loaded are the second estimate's, the evidence the last's
+    # the checkpoint's record stays the fit's: "best" is still the best-evidence file, not the one loaded
+    assert ck.best_model_path.endswith(f"marglik-epoch={cb.best_epoch}-step={4 * (cb.best_epoch + 1)}.ckpt")
+    assert ck.best_model_score.item() == pytest.approx(cb.best_marglik) and len(ck.best_k_models) == 4
 
 
 def test_a_fit_that_trains_nothing_keeps_the_checkpoints_and_early_stoppings_record(tmp_path):

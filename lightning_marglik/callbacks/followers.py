@@ -40,8 +40,11 @@ class _FollowsEstimates(KnownKeywords):
     _RECORD: ClassVar[Tuple[str, ...]]
     _kept: Optional[Dict[str, Any]] = None
 
+    _fitting = True  # whether Lightning last set up a fit: a checkpoint loaded outside one leaves the record
+
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         check_package(self, trainer)
+        self._fitting = stage == "fit"
         if stage == "fit":  # before the subclass resets it: a fit that trains nothing keeps it (teardown)
             self._kept = {name: copy.deepcopy(getattr(self, name)) for name in self._RECORD}
         super().setup(trainer, pl_module, stage)  # type: ignore[misc]
@@ -58,6 +61,11 @@ class _FollowsEstimates(KnownKeywords):
         self._kept = None  # this fit trains: its own record
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore a checkpoint's record for a fit that resumes from it. Loaded to test, validate or predict
+        (Lightning loads every callback's state for any stage), the checkpoint is the module's: the fit's record
+        stays, so ``best_model_path`` still names the best-evidence model after ``ckpt_path=`` an earlier one."""
+        if not self._fitting:
+            return
         super().load_state_dict(state_dict)  # type: ignore[misc]
         self._kept = None  # a checkpoint's record
 
