@@ -15,7 +15,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_marglik import MargLikBoundCallback, MargLikCallback
+from lightning_marglik import GaussianPrior, MargLikBoundCallback, MargLikCallback, MargLikEarlyStopping
+from lightning_marglik.callbacks import core, prior_guard
+from lightning_marglik.callbacks.prior_guard import guard_words
 from lightning_marglik.callbacks.report import FLAT, summary_line, trend
 from tests.lightning_models import Classifier, trainer
 
@@ -248,3 +250,46 @@ def test_a_fit_that_trains_nothing_keeps_the_previous_summary():
     with pytest.warns(UserWarning, match="trained nothing"):
         fitted.fit(Classifier(n_data=60), _data())
     assert callback.summary is summary
+
+
+def test_a_prior_that_learns_nothing_says_every_tensor_is_held():
+    """GaussianPrior(learn=False): the end line named only the output layer as held, where every tensor stays at the
+    declared precision."""
+    module = Classifier(n_data=60)
+    module.prior = GaussianPrior(module.net, learn=False)
+    callback = MargLikCallback(frequency=1)
+    trainer([callback], max_epochs=2).fit(module, _data())
+    assert callback.summary["held"] == module.prior.param_names == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert "held at the declared precision: 0.weight, 0.bias, 2.weight and 1 more;" in summary_line(
+        "MargLikCallback", callback.summary)
+
+
+def test_one_guarded_estimate_is_said_in_the_singular():
+    summary = {"estimates": 1, "declared": 0, "last": {"epoch": 3, "learned": -1.0, "declared": -2.0,
+                                                       "applied": "learned"}}
+    assert guard_words(summary).startswith("prior guard: the learned weight decay scored at least as well at the one "
+                                           "estimate (")
+
+
+def test_a_decision_after_which_early_stopping_ended_training_is_dropped(monkeypatch):
+    """MargLikEarlyStopping ended training right after a guarded estimate: its decision guarded no training, yet
+    the end line counted it and said training applied it at the end. It is dropped, as the estimate after the last
+    epoch of max_epochs is not scored, and the prior is left as the decision before it."""
+    callback = MargLikCallback(frequency=1, steps=10)
+    stopping = MargLikEarlyStopping(patience=1, min_delta=10.0)  # no estimate gains 10: a stop after the second
+    module = Classifier(n_data=60)
+    fitted = trainer([callback, stopping], max_epochs=8)
+    decided = []
+    run = prior_guard.run_guard
+
+    def recording(*args, **kwargs):
+        decided.append(run(*args, **kwargs))
+        return decided[-1]
+
+    monkeypatch.setattr(core, "run_guard", recording)  # the real guard, its decisions recorded as made
+    fitted.fit(module, _data())
+    assert fitted.current_epoch == 2 and [h["epoch"] for h in callback.history] == [1, 2]
+    assert [d["epoch"] for d in decided] == [1, 2]  # the guard did score the estimate training stopped after
+    assert callback.guard_decisions == decided[:1] and callback.summary["guard"]["estimates"] == 1
+    declared = decided[0]["applied"] == "declared"
+    assert (prior_guard.GUARD in module.prior.treatments) == declared

@@ -183,7 +183,8 @@ class MargLikCallback(MargLikCallbackCore, Callback):
             decided, and why, is in ``output_decision`` and on the prior (``prior.treatments["output layer"]``);
             a scalar prior learns its one precision. ``GaussianPrior(fixed=...)`` wins for the tensors it names
             (it also holds a layer of your choice). See ``benchmarks/results/never_worse_default.md``.
-        guard: After each estimate within training (not after the last epoch), score the learned weight decay
+        guard: After each estimate within training (not after the last epoch; a decision after which training
+            stopped, e.g. by early stopping, is dropped when it ends), score the learned weight decay
             against the declared ``precision`` by the training data's approximate 5-fold cross-validated log
             likelihood (:mod:`lightning_marglik.guard`: one Newton step per fold from the current weights, the
             evidence's own curvature, no extra curvature pass) and feed the learned one back into the MAP loss only

@@ -32,7 +32,7 @@ from .epoch_loss import EpochLoss
 from .estimating import EstimatorCore
 from .logged import log_after_training
 from .package import MONITOR, LightningModule, Trainer
-from .prior_guard import guard_off_reason, restore_guard, run_guard
+from .prior_guard import drop_unguarded_decision, guard_off_reason, restore_guard, run_guard
 from .progress import progress
 from .report import announce_end
 from .schedule import EpochSchedule, SettledSchedule
@@ -104,7 +104,7 @@ class MargLikCallbackCore(TrainedModuleQueries, EstimatorCore):
 
     def _load_for_evaluation(self, state_dict: Dict[str, Any]) -> None:
         """Where the fit's prior is the loaded module's, its guard treatment follows the checkpoint's last decision:
-        ``prior.applied_precision`` is then the weight decay training applied at the weights loaded."""
+        ``prior.applied_precision`` is then the weight decay a fit resumed from the checkpoint trains with."""
         module = self._stage_module
         if self.prior is not None and self.guard_off is None and module is not None and any(
                 m is self.prior for m in module.modules()):
@@ -171,6 +171,7 @@ class MargLikCallbackCore(TrainedModuleQueries, EstimatorCore):
                 self._log(pl_module, marglik)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        drop_unguarded_decision(self, trainer)
         # weight averaging wrote the weights the fit returns (its callbacks run first): their evidence is owed
         if self.schedule.is_current(trainer) and not self._averaging.active:
             self.final_marglik = self.last_marglik

@@ -26,7 +26,10 @@ from .data import isolate_rng
 from .package import LightningModule, Trainer
 from .sharding import shards_parameters
 
-__all__ = ["GUARD", "guard_off_reason", "guard_phrase", "guard_summary", "guard_words", "restore_guard", "run_guard"]
+__all__ = [
+    "GUARD", "drop_unguarded_decision", "guard_off_reason", "guard_phrase", "guard_summary", "guard_words",
+    "restore_guard", "run_guard",
+]
 
 #: The prior's treatment reason for the tensors whose learned weight decay the guard keeps out of training.
 GUARD = "prior guard"
@@ -129,6 +132,18 @@ def guard_phrase(callback: Any) -> str:
             "feeds it back always)")
 
 
+def drop_unguarded_decision(callback: Any, trainer: Trainer) -> None:
+    """When training ends right after a guarded estimate (``MargLikEarlyStopping``, ``max_steps`` at an epoch's end),
+    that decision guarded no training: it is dropped, and the prior is left as the decision before it, so that the
+    end line and ``applied_precision`` say what training applied, as where the last epoch of ``max_epochs`` is not
+    scored. A checkpoint saved at that epoch keeps it: a fit resumed from there trains on with it, as an
+    uninterrupted run would have. Call it before the estimate at the end of training, if any."""
+    decisions, history = callback.guard_decisions, callback.history
+    if decisions and history and decisions[-1]["epoch"] == history[-1]["epoch"] and callback.schedule.is_current(trainer):
+        decisions.pop()
+        restore_guard(callback._hyperparameters()[0], decisions)
+
+
 def guard_summary(decisions: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
     """The end of training's facts of the guard: ``estimates`` scored, ``declared`` (how many kept the declared
     weight decay) and the ``last`` decision; ``None`` if it never ran."""
@@ -146,7 +161,8 @@ def guard_words(summary: Dict[str, Any]) -> str:
     scores = (f"log likelihood per datum at epoch={last['epoch'] - 1}: learned {last['learned']:.4g}, "
               f"declared {last['declared']:.4g}")
     if not summary["declared"]:
-        return f"prior guard: the learned weight decay scored at least as well at all {summary['estimates']} estimates ({scores})"
+        at = "the one estimate" if summary["estimates"] == 1 else f"all {summary['estimates']} estimates"
+        return f"prior guard: the learned weight decay scored at least as well at {at} ({scores})"
     return (f"prior guard: the declared weight decay kept for training at {summary['declared']} of "
             f"{summary['estimates']} estimates, where the learned one scored worse by approximate cross-validation "
             f"({scores}); the learned precisions are the evidence's own choice; at the end training applied the "

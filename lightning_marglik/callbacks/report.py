@@ -173,7 +173,7 @@ def summarize(callback: Any) -> Dict[str, Any]:
         "precisions": precisions,
         "lowest": ranked[0] if ranked else None,
         "highest": ranked[-1] if ranked else None,
-        "held": prior.fixed_names(),
+        "held": prior.fixed_names() if prior.learn else list(prior.param_names),  # learn=False: every tensor
         "decoupled": prior.treated("decoupled"),
         "trend": direction,
         "change": change,
