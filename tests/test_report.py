@@ -293,3 +293,12 @@ def test_a_decision_after_which_early_stopping_ended_training_is_dropped(monkeyp
     assert callback.guard_decisions == decided[:1] and callback.summary["guard"]["estimates"] == 1
     declared = decided[0]["applied"] == "declared"
     assert (prior_guard.GUARD in module.prior.treatments) == declared
+
+
+def test_one_learned_precision_is_said_once():
+    """A scalar prior (or one learned tensor) read "learned precisions 4.64 (all tensors) to 4.64 (all tensors)"."""
+    one = {**_summary("flat", 1e-5), "lowest": ("all tensors", 4.64), "highest": ("all tensors", 4.64)}
+    line = summary_line("MargLikCallback", one)
+    assert "learned precision 4.64 (all tensors);" in line and " to 4.64" not in line
+    two = {**_summary("flat", 1e-5), "lowest": ("0.bias", 0.5), "highest": ("0.weight", 2.0)}
+    assert "learned precisions 0.5 (0.bias) to 2 (0.weight);" in summary_line("MargLikCallback", two)

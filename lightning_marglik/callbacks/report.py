@@ -209,7 +209,9 @@ def summary_line(who: str, summary: Dict[str, Any], knob: str = "frequency") -> 
         parts.append(f"best {summary['best_marglik']:.4f} (epoch={summary['best_epoch']})")
     lowest: Optional[Tuple[str, float]] = summary["lowest"]
     highest: Optional[Tuple[str, float]] = summary["highest"]
-    if lowest is not None and highest is not None:
+    if lowest is not None and highest is not None and lowest[0] == highest[0]:  # one learned precision
+        parts.append(f"learned precision {lowest[1]:.3g} ({lowest[0]})")
+    elif lowest is not None and highest is not None:
         parts.append(f"learned precisions {lowest[1]:.3g} ({lowest[0]}) to {highest[1]:.3g} ({highest[0]})")
     if summary["held"]:
         parts.append(f"held at the declared precision: {_names(summary['held'])}")
