@@ -23,7 +23,8 @@ from torch.nn import functional as F
 
 from lightning_marglik import FixupBias, FixupScale, GaussianPrior, no_decay_names
 from lightning_marglik.curvature import layers
-from lightning_marglik.curvature.layers import check_rule, hook_reason, layer_diagonal, layer_rule
+from lightning_marglik.curvature.layers import hook_reason, layer_diagonal, layer_rule
+from lightning_marglik.curvature.rule_checks import check_rule
 from lightning_marglik.curvature.structures import DiagStructure
 from tests.real_networks import N_OUT, batches
 from tests.reference import graph_problem, reference_env, rel_err  # noqa: F401 (reference_env: autouse)

@@ -34,7 +34,8 @@ from torch import Tensor, nn
 
 from ..private import tensor_version
 from .batches import Inputs, call_model
-from .layers import check_rule, layer_rule
+from .layers import layer_rule
+from .rule_checks import check_rule
 
 __all__ = ["Recorder", "graph_uses", "layer_input"]
 
@@ -223,7 +224,7 @@ class Recorder:
 
         Raises:
             ValueError: On the first batch after the plan, if a registered rule breaks its contract
-                (:func:`.layers.check_rule`).
+                (:func:`.rule_checks.check_rule`).
         """
         names = [n for n in self.keep if n in self.outputs]
         outs = [self.outputs[n] for n in names]

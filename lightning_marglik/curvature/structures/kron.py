@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 
 from ..exchange import Exchange
-from ..layers import FactorMasks, KronShape, check_kron_rule, is_kron_layer, kron_masks, layer_kron, layer_rule
+from ..layers import FactorMasks, KronShape, is_kron_layer, kron_masks, layer_kron, layer_rule
+from ..rule_checks import check_kron_rule
 from ..options import CurvatureOptions
 from ..statistics import BatchCurvature, InverseFn, Jacobian, LayerPlan, RankOneJacobian, Structure
 from .derivatives import LogDetDerivatives, separable_terms
