@@ -119,6 +119,27 @@ def test_the_estimate_when_max_steps_ends_training_is_ranked_and_saved_by_the_ch
     assert all(torch.equal(saved[name], value) for name, value in model.state_dict().items())
 
 
+class _DivergesAtTheEnd(pl.Callback):
+    """The weights turn NaN at the last training step, as a diverging run's do."""
+
+    def __init__(self, last_step: int) -> None:
+        self.last_step = last_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.last_step:
+            with torch.no_grad():
+                pl_module.net[0].weight.fill_(float("nan"))
+
+
+def test_the_estimate_at_the_end_of_training_is_not_saved_at_non_finite_weights(tmp_path):
+    cb = MargLikCallback(structure="diag", frequency=3, steps=10)
+    ck = MargLikCheckpoint(dirpath=tmp_path, save_top_k=-1)
+    with pytest.warns(UserWarning, match="not finite"):
+        _fit([cb, ck, _DivergesAtTheEnd(26)], max_epochs=100, max_steps=26)
+    assert cb.estimated_at_end and math.isnan(cb.history[-1]["marglik"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["marglik-epoch=2-step=12.ckpt", "marglik-epoch=5-step=24.ckpt"]
+
+
 def test_a_fit_that_ends_at_a_scheduled_estimate_saves_nothing_more_at_its_end(tmp_path):
     cb = MargLikCallback(structure="diag", frequency=2, steps=10)
     ck = MargLikCheckpoint(dirpath=tmp_path, save_top_k=-1)
