@@ -808,7 +808,8 @@ def hybrid_module_blocks(record: LayerRecord, lam: Tensor, offsets: Dict[int, Tu
         assert torch.allclose(check, z.reshape(n, out, r), atol=1e-10), prefix  # patch order = weight order
         og = out // groups
         g_blocks = [g[i * og:(i + 1) * og, i * og:(i + 1) * og] for i in range(groups)]
-        a_blocks = [kept_mean(torch.einsum("nkr,nr,nlr->kl", cols_g[:, i], kept, cols_g[:, i]), kept.sum()) for i in range(groups)]
+        a_blocks = [kept_mean(torch.einsum("nkr,nr,nlr->kl", cols_g[:, i], kept, cols_g[:, i]), kept.sum())
+                    for i in range(groups)]
         weight = torch.block_diag(*[kron(gb, ab) for gb, ab in zip(g_blocks, a_blocks)])
         add("weight", weight, tuple(x for pair in zip(g_blocks, a_blocks) for x in pair))
         add("bias", g.clone(), (g,))

@@ -2,9 +2,9 @@
 
 Every model is tiny and built from a config (no download). For each: the float64 diagonal and full
 (and, for the timm ResNet and MLP-Mixer, Kronecker) log-determinants equal the dense reference
-(tests/reference.py: Jacobians of the whole batch by ``jacrev``), and ``structure="kron"`` runs in a real ``Trainer`` with the callback, with only the
-modules that need it on the exact per-example path. Each test is skipped, with the reason, when its
-package is absent (``pip install -e ".[integrations]"``).
+(tests/reference.py: Jacobians of the whole batch by ``jacrev``), and ``structure="kron"`` runs in a real
+``Trainer`` with the callback, with only the modules that need it on the exact per-example path. Each test is
+skipped, with the reason, when its package is absent (``pip install -e ".[integrations]"``).
 """
 from __future__ import annotations
 
@@ -265,7 +265,8 @@ def mixer(seed: int = 0, zero_head: bool = False) -> nn.Module:
     from timm.models.mlp_mixer import MlpMixer
 
     torch.manual_seed(seed)
-    net = MlpMixer(num_classes=CLASSES, img_size=8, in_chans=1, patch_size=4, num_blocks=1, embed_dim=4, mlp_ratio=(0.5, 1.0))
+    net = MlpMixer(num_classes=CLASSES, img_size=8, in_chans=1, patch_size=4, num_blocks=1, embed_dim=4,
+                   mlp_ratio=(0.5, 1.0))
     _perturb_affine(*[m for m in net.modules() if isinstance(m, nn.LayerNorm)])
     if not zero_head:
         with torch.no_grad():

@@ -85,7 +85,8 @@ def test_nested_compiled_frozen_and_tied_output_layers():
 
 
 class RegisteredTwice(nn.Module):
-    """Hugging Face's MLM head: the decoder's bias is also the head's own ``bias`` (``self.decoder.bias = self.bias``)."""
+    """Hugging Face's MLM head: the decoder's bias is also the head's own ``bias``
+    (``self.decoder.bias = self.bias``)."""
 
     def __init__(self, also_outside: bool = False) -> None:
         super().__init__()

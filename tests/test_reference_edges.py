@@ -15,7 +15,9 @@ from torch import nn
 from lightning_marglik import GaussianPrior, LaplaceEvidence, LayerRule, register_layer_rule
 from lightning_marglik.linearized import linearized_evidence
 from lightning_marglik.predictive import output_jacobians, predict_classification
-from tests.reference import Problem, graph_jacobians, graph_problem, hyper, reference_env, rel_err  # noqa: F401 (autouse)
+from tests.reference import (  # noqa: F401 (reference_env: autouse)
+    Problem, graph_jacobians, graph_problem, hyper, reference_env, rel_err,
+)
 
 TOL = 1e-8
 

@@ -184,7 +184,8 @@ class CheckpointCore(_FollowsEstimates):
             candidates["epoch"] = torch.tensor(marglik.history[-1]["epoch"] - 1)
             self._save_topk_checkpoint(trainer, candidates)
         elif self.verbose:
-            log.info("MargLikCheckpoint: the estimate at the end of training not saved (non-finite evidence or weights).")
+            log.info("MargLikCheckpoint: the estimate at the end of training not saved (non-finite evidence or "
+                     "weights).")
 
 
 def _all_finite(module: torch.nn.Module) -> bool:

@@ -139,7 +139,8 @@ def drop_unguarded_decision(callback: Any, trainer: Trainer) -> None:
     scored. A checkpoint saved at that epoch keeps it: a fit resumed from there trains on with it, as an
     uninterrupted run would have. Call it before the estimate at the end of training, if any."""
     decisions, history = callback.guard_decisions, callback.history
-    if decisions and history and decisions[-1]["epoch"] == history[-1]["epoch"] and callback.schedule.is_current(trainer):
+    last_followed = bool(decisions) and bool(history) and decisions[-1]["epoch"] == history[-1]["epoch"]
+    if last_followed and callback.schedule.is_current(trainer):
         decisions.pop()
         restore_guard(callback._hyperparameters()[0], decisions)
 
