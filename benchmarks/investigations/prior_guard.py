@@ -100,11 +100,11 @@ def plan() -> List[_zoo.RunSpec]:
 # --- analysis ----------------------------------------------------------------------------------------
 
 
-def _table(rows: List[tuple]) -> List[str]:
-    """``rows``: (cell, runs by arm, cross-validation's (runs, cpu, chosen) or None)."""
+def table(rows: List[tuple], arms: Sequence[str] = ARMS) -> List[str]:
+    """``rows``: (cell, runs by ``arms``, the first delta = 1's; cross-validation's (runs, cpu, chosen) or None)."""
     lines = ["| cell | arm | acc | NLL | NLL - delta=1 | acc - delta=1 (points) | log delta of the weights, input to "
              "output | cost | targets missed |", "|---|---|---:|---:|---:|---:|---|---:|---|"]
-    met = {arm: 0 for arm in ARMS[1:]}
+    met = {arm: 0 for arm in arms[1:]}
     for cell, runs, cv_runs in rows:
         cv = None
         if cv_runs is not None:
@@ -112,13 +112,13 @@ def _table(rows: List[tuple]) -> List[str]:
             cv_text, row = family._row("cross-validation (chose " + ", ".join(f"{d:g}" for d in chosen) + ")", picked,
                                        runs["delta=1"], cpu)
             cv = {**row, "overfits": sum(d > 1.0 for d in chosen) * 2 > len(chosen)}
-        for arm in ARMS:
+        for arm in arms:
             text, row = family._row(arm, runs[arm], runs["delta=1"], cv=None if arm == "delta=1" else cv)
             lines.append(f"| {cell}{' (overfits)' if cv and cv['overfits'] else ''} " + text)
             met[arm] = met.get(arm, 0) + (not row["missed"])
         if cv is not None:
             lines.append(f"| {cell} " + cv_text)
-    lines += ["", "Cells meeting every target: " + "; ".join(f"{arm} {met[arm]} of {len(rows)}" for arm in ARMS[1:]), ""]
+    lines += ["", "Cells meeting every target: " + "; ".join(f"{arm} {met[arm]} of {len(rows)}" for arm in arms[1:]), ""]
     return lines
 
 
@@ -155,10 +155,10 @@ def analyse() -> None:
              "Targets (issue 52): NLL at most delta = 1's + 0.02, accuracy at most 1 point below; where delta = 1 "
              "overfits (cross-validation chose a stronger prior in most seeds), NLL and accuracy at least "
              "cross-validation's; cost at most 2x one run. `no guard` is the evidence's own choice.", "",
-             "## The 100-class MLP family (prior_strength.py's members)", ""] + _table(family_rows)
-    lines += ["## The never-worse study's 12 cells (vs_cross_validation.py's recipes)", ""] + _table(cell_rows)
+             "## The 100-class MLP family (prior_strength.py's members)", ""] + table(family_rows)
+    lines += ["## The never-worse study's 12 cells (vs_cross_validation.py's recipes)", ""] + table(cell_rows)
     lines += [f"## Full MNIST, the paper's MLP, {MNIST_EPOCHS} epochs (cross-validation on seed 0)", ""]
-    lines += _table([("mnist-60k / paper MLP", mnist, mnist_cv)])
+    lines += table([("mnist-60k / paper MLP", mnist, mnist_cv)])
     lines += ["## The guard's decisions (estimates that kept the declared weight decay / estimates scored, per seed)",
               "", "| cell | seeds 0, 1, 2 |", "|---|---|"]
     lines += [_decisions(cell, runs) for cell, runs, _ in family_rows + cell_rows]
