@@ -32,7 +32,7 @@ import tempfile
 import time
 import warnings
 from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import pytorch_lightning as pl
@@ -821,6 +821,19 @@ def run_shard(specs: List[RunSpec], k: int, n: int, cache: str) -> None:
 
 def output_dir(script: str) -> str:
     return os.path.join(OUTPUTS, script)
+
+
+def study_provenance(script: str, runs: List[Dict[str, Any]], seeds: Sequence[int],
+                     steps: str = "then `--analyse`") -> str:
+    """A study's results header: its date, command, the libraries its ``runs`` name (one, or the study is void),
+    how many runs and ``seeds``."""
+    from _common import now
+
+    libraries = sorted({r["library"] for r in runs})
+    return (f"Date: {now()}. Command: `python benchmarks/investigations/{script}.py --shard K/2` (two processes), "
+            f"{steps}. Library of the runs: {', '.join(libraries)}"
+            + (" (ONE library)" if len(libraries) == 1 else " (MIXED: void as a study)")
+            + f". {len(runs)} runs, one CPU thread each, seeds {', '.join(map(str, seeds))}")
 
 
 def study_main(argv: Optional[List[str]], doc: str, results: str, plan: Callable[[], List[RunSpec]], cache: str,

@@ -51,7 +51,7 @@ sys.path.insert(0, HERE)
 import _zoo  # noqa: E402
 import prior_guard  # noqa: E402
 import prior_strength as family  # noqa: E402
-from _common import RESULTS, hand_written, now, write_with_data  # noqa: E402
+from _common import RESULTS, hand_written, write_with_data  # noqa: E402
 
 from lightning_marglik import LaplaceEvidence, MargLikBoundCallback, MargLikCallback, solvers  # noqa: E402
 from lightning_marglik.callbacks.data import isolate_rng  # noqa: E402
@@ -245,11 +245,7 @@ def analyse() -> None:
     rows += [(f"{d} / {n}", {arm: [_zoo.cached(cell_spec(d, n, s, arm), cache) for s in SEEDS] for arm in ARMS}, None)
              for d, n in CELLS]
     lines = [f"# {__doc__.splitlines()[0]} {__doc__.splitlines()[1]}", "",
-             f"Date: {now()}. Command: `python benchmarks/investigations/online_remedies.py --shard K/2` (two processes), "
-             f"then `--analyse`. Library of the runs: {', '.join(libraries)}"
-             + (" (ONE library)" if len(libraries) == 1 else " (MIXED: void as a study)")
-             + f". {len(every)} runs, one CPU thread each, seeds {', '.join(map(str, SEEDS))}; `cost`: process CPU over "
-             "the same seed's delta = 1 run.", "",
+             _zoo.study_provenance(NAME, every, SEEDS) + "; `cost`: process CPU over the same seed's delta = 1 run.", "",
              "Targets (issue 52) against delta = 1: NLL at most delta = 1's + 0.02, accuracy at most 1 point below, cost "
              "at most 2x one run; cross-validation's level where delta = 1 overfits is in `prior_guard.md` (not "
              "rerun here). `no guard` is the evidence's own choice, `defaults` the library's guard.", ""]

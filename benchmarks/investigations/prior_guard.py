@@ -43,7 +43,7 @@ import _zoo  # noqa: E402
 import paper_mnist  # noqa: E402
 import prior_strength as family  # noqa: E402
 import vs_cross_validation as cells  # noqa: E402
-from _common import RESULTS, hand_written, now, write_with_data  # noqa: E402
+from _common import RESULTS, hand_written, write_with_data  # noqa: E402
 
 NAME = "prior_guard"
 SEEDS = family.SEEDS
@@ -147,11 +147,7 @@ def analyse() -> None:
     mnist = {arm: [_zoo.cached(mnist_spec(s, arm), cache) for s in SEEDS] for arm in ARMS}
     mnist_cv = family.cross_validation(mnist_spec, MNIST_GRID, cache, seeds=(0,))
     lines = [f"# {__doc__.splitlines()[0]}", "",
-             f"Date: {now()}. Command: `python benchmarks/investigations/prior_guard.py --shard K/2` (two processes), then "
-             f"`--analyse`. Library of the runs: {', '.join(libraries)}"
-             + (" (ONE library)" if len(libraries) == 1 else " (MIXED: void as a study)")
-             + f". {len(every)} runs, one CPU thread each, seeds {', '.join(map(str, SEEDS))}; `cost`: process CPU over "
-             "the same seed's delta = 1 run (cross-validation: its split runs and the retrain).", "",
+             _zoo.study_provenance(NAME, every, SEEDS) + "; `cost`: process CPU over the same seed's delta = 1 run (cross-validation: its split runs and the retrain).", "",
              "Targets (issue 52): NLL at most delta = 1's + 0.02, accuracy at most 1 point below; where delta = 1 "
              "overfits (cross-validation chose a stronger prior in most seeds), NLL and accuracy at least "
              "cross-validation's; cost at most 2x one run. `no guard` is the evidence's own choice.", "",

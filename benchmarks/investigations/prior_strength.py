@@ -48,7 +48,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 import _zoo  # noqa: E402
-from _common import RESULTS, hand_written, now, write_with_data  # noqa: E402
+from _common import RESULTS, hand_written, write_with_data  # noqa: E402
 
 NAME = "prior_strength"
 SEEDS = (0, 1, 2)
@@ -548,10 +548,7 @@ def analyse() -> None:
     runs = [_zoo.cached(s, cache_dir()) for s in plan() + study_plan()]
     libraries = sorted({r["library"] for r in runs})
     lines = [f"# {__doc__.splitlines()[0]}", "",
-             f"Date: {now()}. Command: `python benchmarks/investigations/prior_strength.py --shard K/2` (two processes), "
-             f"then `--mechanism` and `--analyse`. Library of the runs: {', '.join(libraries)}"
-             + (" (ONE library)" if len(libraries) == 1 else " (MIXED: void as a study)")
-             + f". {len(runs)} runs, one CPU thread each, seeds {', '.join(map(str, SEEDS))}.", "",
+             _zoo.study_provenance(NAME, runs, SEEDS, steps="then `--mechanism` and `--analyse`") + ".", "",
              "Setting: 100 class means from N(0, I_64), inputs a mean plus noise, 5,000 test points; MLP 64-256-256-100 "
              "(3 hidden: 64-256-256-256-100), Adam 1e-3 constant, batch 128, 60 epochs, a layerwise prior from delta = 1; "
              "the defaults estimate every 10th epoch with the kron GGN of one Monte-Carlo sample (`mc_samples='auto'` at "
