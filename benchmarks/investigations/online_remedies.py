@@ -17,6 +17,8 @@ library commit:
       log Z_corrected(delta) = log Z_laplace(delta) + r^T (H + delta)^-1 r / 2
 
   exact for a linear-Gaussian model at any ``theta`` (``tests/test_online_remedies.py``).
+* ``mode-corrected + guard``: the same with the library's guard on (the defaults' guard, scoring the learned
+  weight decay of the corrected evidence against the declared one).
 * ``conditional``: the conditional marginal likelihood ``log p(D_2 | D_1)`` (Lotfi et al., ICML 2022) with
   ``D_1`` 80 % of the evidence batches, as the difference of two mode-corrected Laplace evidences, that of all
   data and that of ``D_1`` (:class:`ConditionalEvidence`; exact for a linear-Gaussian model, tested too).
@@ -60,7 +62,7 @@ from lightning_marglik.curvature.batches import move, split_batch  # noqa: E402
 
 NAME = "online_remedies"
 SEEDS = family.SEEDS
-ARMS = ("delta=1", "defaults", "no guard", "bound", "mode-corrected", "conditional")
+ARMS = ("delta=1", "defaults", "no guard", "bound", "mode-corrected", "conditional", "mode-corrected + guard")
 HELD_IN = 0.8  # Lotfi et al.'s share of the data conditioned on
 
 
@@ -199,8 +201,9 @@ def bound_callback(dataloader: Any = None, seed: int = 0, **options: Any) -> Mar
 
 
 _zoo.CALLBACKS.update({"mode-corrected": ModeCorrectedCallback, "conditional": ConditionalCallback,
-                       "bound": bound_callback})
-CALLBACK_OPTIONS = {"bound": {"mc_samples": "auto"}, "mode-corrected": {"guard": False}, "conditional": {"guard": False}}
+                       "bound": bound_callback, "mode-corrected + guard": ModeCorrectedCallback})
+CALLBACK_OPTIONS = {"bound": {"mc_samples": "auto"}, "mode-corrected": {"guard": False}, "conditional": {"guard": False},
+                    "mode-corrected + guard": {}}
 
 
 # --- the study ----------------------------------------------------------------------------------------
