@@ -80,19 +80,20 @@ def mnist_spec(seed: int, arm: str) -> _zoo.RunSpec:
     return replace(paper_mnist.spec("mlp", seed, "defaults", epochs=MNIST_EPOCHS), callback=callback)
 
 
-def _grid(grid: Sequence[float]) -> List[str]:
+def grid_arms(grid: Sequence[float]) -> List[str]:
+    """The arms of cross-validation over ``grid``: its split runs and the runs on all the data (delta = 1 is the arms' own)."""
     return [f"cv delta={d:g}" for d in grid] + [f"delta={d:g}" for d in grid if d != 1.0]
 
 
 def plan() -> List[_zoo.RunSpec]:
     """Every run, the most expensive first (full MNIST, the ResNet cells, the family)."""
     specs = [mnist_spec(s, arm) for s in SEEDS for arm in ARMS]
-    specs += [mnist_spec(0, arm) for arm in _grid(MNIST_GRID)]
+    specs += [mnist_spec(0, arm) for arm in grid_arms(MNIST_GRID)]
     study = sorted(family.STUDY_CELLS, key=lambda cell: "resnet" not in cell[1])
     specs += [cell_spec(d, n, s, arm) for d, n in study for s in SEEDS for arm in ARMS]
-    specs += [cell_spec(*CV_CELL, s, arm) for s in SEEDS for arm in _grid(cells.GRID)]
+    specs += [cell_spec(*CV_CELL, s, arm) for s in SEEDS for arm in grid_arms(cells.GRID)]
     specs += [family_spec(m, s, arm) for m in family.MEMBERS for s in SEEDS for arm in ARMS]
-    specs += [family_spec(m, s, arm) for m in family.CV_MEMBERS for s in SEEDS for arm in _grid(family.CV_GRID)]
+    specs += [family_spec(m, s, arm) for m in family.CV_MEMBERS for s in SEEDS for arm in grid_arms(family.CV_GRID)]
     unique = {s.key(): s for s in specs}  # the delta = 1 runs of a grid are the arms' own
     return list(unique.values())
 
