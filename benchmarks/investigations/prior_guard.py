@@ -81,7 +81,8 @@ def mnist_spec(seed: int, arm: str) -> _zoo.RunSpec:
 
 
 def grid_arms(grid: Sequence[float]) -> List[str]:
-    """The arms of cross-validation over ``grid``: its split runs and the runs on all the data (delta = 1 is the arms' own)."""
+    """The arms of cross-validation over ``grid``: its split runs and the runs on all the data (delta = 1 is the
+    arms' own)."""
     return [f"cv delta={d:g}" for d in grid] + [f"delta={d:g}" for d in grid if d != 1.0]
 
 
@@ -119,7 +120,8 @@ def table(rows: List[tuple], arms: Sequence[str] = ARMS) -> List[str]:
             met[arm] = met.get(arm, 0) + (not row["missed"])
         if cv is not None:
             lines.append(f"| {cell} " + cv_text)
-    lines += ["", "Cells meeting every target: " + "; ".join(f"{arm} {met[arm]} of {len(rows)}" for arm in arms[1:]), ""]
+    met_by = "; ".join(f"{arm} {met[arm]} of {len(rows)}" for arm in arms[1:])
+    lines += ["", f"Cells meeting every target: {met_by}", ""]
     return lines
 
 
@@ -148,7 +150,8 @@ def analyse() -> None:
     mnist = {arm: [_zoo.cached(mnist_spec(s, arm), cache) for s in SEEDS] for arm in ARMS}
     mnist_cv = family.cross_validation(mnist_spec, MNIST_GRID, cache, seeds=(0,))
     lines = [f"# {__doc__.splitlines()[0]}", "",
-             _zoo.study_provenance(NAME, every, SEEDS) + "; `cost`: process CPU over the same seed's delta = 1 run (cross-validation: its split runs and the retrain).", "",
+             _zoo.study_provenance(NAME, every, SEEDS) + "; `cost`: process CPU over the same seed's delta = 1 run "
+             "(cross-validation: its split runs and the retrain).", "",
              "Targets (issue 52): NLL at most delta = 1's + 0.02, accuracy at most 1 point below; where delta = 1 "
              "overfits (cross-validation chose a stronger prior in most seeds), NLL and accuracy at least "
              "cross-validation's; cost at most 2x one run. `no guard` is the evidence's own choice.", "",
