@@ -87,15 +87,20 @@ def nll_gradient(model: torch.nn.Module, batches: Iterable[Tuple[Any, Tensor]],
 
 class ModeCorrectedEvidence(LaplaceEvidence):
     """The Laplace evidence of the quadratic model at its own mode: ``log_marglik_at`` adds
-    ``r^T (H + delta)^-1 r / 2`` with ``r = g + delta theta`` (:attr:`gradient` is ``g``). Its solver takes
-    the gradient and Hessian by autograd (the library's closed form is the plain evidence's)."""
+    ``r^T (H + delta)^-1 r / 2`` with ``r = g + delta theta``. The likelihood's gradient ``g`` scales with its
+    curvature scale ``s`` (``1 / (sigma^2 T)`` for a Gaussian, ``1 / T`` for a categorical), so it is kept per unit
+    of ``s`` (:attr:`unit_gradient`) and scaled at every point the solver tries, as the curvature is. The solver
+    takes the gradient and Hessian by autograd (the library's closed form is the plain evidence's)."""
 
-    gradient: List[Tensor]
+    unit_gradient: List[Tensor]
 
     @classmethod
     def of(cls, evidence: LaplaceEvidence, gradient: List[Tensor]) -> "ModeCorrectedEvidence":
+        """``evidence`` (made this class, in place) with the likelihood's ``gradient`` at its current
+        hyperparameters."""
         evidence.__class__ = cls
-        evidence.gradient = gradient  # type: ignore[attr-defined]
+        scale = evidence._scale(evidence._current())
+        evidence.unit_gradient = [g / scale for g in gradient]  # type: ignore[attr-defined]
         return evidence  # type: ignore[return-value]
 
     def correction(self, values: Dict[str, Tensor]) -> Tensor:
@@ -103,7 +108,7 @@ class ModeCorrectedEvidence(LaplaceEvidence):
         delta = [d.exp() for d in self.prior.tensor_log_precisions(values["log_precision"].to(torch.float64))]
         scale = self._scale({k: v.to(torch.float64) for k, v in values.items()})
         theta = [p.detach().reshape(-1).to(torch.float64) for p in self.prior.params]
-        r = [g + d * t for g, d, t in zip(self.gradient, delta, theta)]
+        r = [scale * g + d * t for g, d, t in zip(self.unit_gradient, delta, theta)]
         total = torch.zeros((), dtype=torch.float64)
         for structure in self.structures:
             solved = structure.inverse(scale, delta)([r[i] for i in structure.indices])
@@ -186,14 +191,13 @@ class ConditionalCallback(ModeCorrectedCallback):
 
     def _corrected(self, evidence: LaplaceEvidence, pl_module: Any, batches: List[Tuple[Any, Tensor]],
                    options: Any) -> LaplaceEvidence:
-        whole = ModeCorrectedEvidence.of(evidence, nll_gradient(pl_module, batches, evidence))
+        conditional = ConditionalEvidence.of(evidence, nll_gradient(pl_module, batches, evidence))
         first = batches[:max(1, round(HELD_IN * len(batches)))]
-        prior, n_data = whole.prior, whole.prior.n_data  # LaplaceEvidence.fit counts its data into the prior
-        held_in = LaplaceEvidence.fit(pl_module, first, whole.likelihood, prior, structure=options.structure,
+        prior, n_data = conditional.prior, conditional.prior.n_data  # fit counts its data into the prior
+        held_in = LaplaceEvidence.fit(pl_module, first, conditional.likelihood, prior, structure=options.structure,
                                       approx=options.approx, mc_samples=options.mc_samples,
                                       generator=torch.Generator().manual_seed(self.seed))
         prior.n_data = n_data
-        conditional = ConditionalEvidence.of(whole, whole.gradient)
         conditional.held_in = ModeCorrectedEvidence.of(held_in, nll_gradient(pl_module, first, held_in))
         return conditional
 
