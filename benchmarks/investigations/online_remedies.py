@@ -56,10 +56,9 @@ import prior_guard  # noqa: E402
 import prior_strength as family  # noqa: E402
 from _common import RESULTS, hand_written, write_with_data  # noqa: E402
 
-from lightning_marglik import LaplaceEvidence, MargLikBoundCallback, MargLikCallback, solvers  # noqa: E402
-from lightning_marglik.callbacks.data import isolate_rng  # noqa: E402
+from lightning_marglik import LaplaceEvidence, MargLikBoundCallback, MargLikCallback, guard, solvers  # noqa: E402
+from lightning_marglik.callbacks.prior_guard import device_batches  # noqa: E402
 from lightning_marglik.curvature import eval_mode  # noqa: E402
-from lightning_marglik.curvature.batches import move, split_batch  # noqa: E402
 
 NAME = "online_remedies"
 SEEDS = family.SEEDS
@@ -72,17 +71,14 @@ HELD_IN = 0.8  # Lotfi et al.'s share of the data conditioned on
 
 def nll_gradient(model: torch.nn.Module, batches: Iterable[Tuple[Any, Tensor]],
                  evidence: LaplaceEvidence) -> List[Tensor]:
-    """The gradient of the (tempered) negative log likelihood of ``batches`` in the prior's tensors, flat, float64."""
+    """The gradient of the (tempered) negative log likelihood of ``batches`` in the prior's tensors, flat, float64
+    (summed as the guard sums a fold's)."""
     params = evidence.prior.params
-    total = [torch.zeros(p.numel(), dtype=torch.float64, device=p.device) for p in params]
-    with eval_mode(model), torch.enable_grad():
-        for inputs, target in batches:
-            loss = evidence.likelihood.nll(model(inputs), target).sum()
-            for t, g in zip(total, torch.autograd.grad(loss, params, allow_unused=True)):
-                if g is not None:
-                    t += g.reshape(-1).double()
+    total = params[0].new_zeros(sum(p.numel() for p in params), dtype=torch.float64)
+    with eval_mode(model):
+        guard._add_fold_gradient(total, model, params, evidence.likelihood, list(batches))
     inverse_temperature = float(evidence.likelihood.temperature.detach().reciprocal())
-    return [t * inverse_temperature for t in total]
+    return list((total * inverse_temperature).split([p.numel() for p in params]))
 
 
 class ModeCorrectedEvidence(LaplaceEvidence):
@@ -169,16 +165,10 @@ class ModeCorrectedCallback(MargLikCallback):
     """``MargLikCallback`` whose estimates maximize the mode-corrected evidence (the study runs it with
     ``guard=False``, one change to the evidence's own choice, and with the guard on)."""
 
-    def _batches(self, trainer: Any, pl_module: Any) -> List[Tuple[Any, Tensor]]:
-        param, batch_fn = pl_module.prior.params[0], self._batch_fn(pl_module)
-        with isolate_rng():  # reading the training loader must not move the training's random state
-            batches = [split_batch(batch, batch_fn) for batch in self._evidence_batches(trainer, pl_module)]
-        return [(move(inputs, param.device, param.dtype), target.to(param.device)) for inputs, target in batches]
-
     def _evidence(self, trainer: Any, pl_module: Any, options: Any, generator: Any,
                   folded: Any = None) -> LaplaceEvidence:
         evidence = super()._evidence(trainer, pl_module, options, generator, folded)
-        return self._corrected(evidence, pl_module, self._batches(trainer, pl_module), options)
+        return self._corrected(evidence, pl_module, device_batches(self, trainer, pl_module), options)
 
     def _corrected(self, evidence: LaplaceEvidence, pl_module: Any, batches: List[Tuple[Any, Tensor]],
                    options: Any) -> LaplaceEvidence:

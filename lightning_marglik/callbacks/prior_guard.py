@@ -14,7 +14,7 @@ gradients are whole-model vectors) and where the evidence learns no tensor's wei
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn  # one rank state for both packages
@@ -27,8 +27,8 @@ from .package import LightningModule, Trainer
 from .sharding import shards_parameters
 
 __all__ = [
-    "GUARD", "drop_unguarded_decision", "guard_off_reason", "guard_phrase", "guard_summary", "guard_words",
-    "restore_guard", "run_guard",
+    "GUARD", "device_batches", "drop_unguarded_decision", "guard_off_reason", "guard_phrase", "guard_summary",
+    "guard_words", "restore_guard", "run_guard",
 ]
 
 #: The prior's treatment reason for the tensors whose learned weight decay the guard keeps out of training.
@@ -90,11 +90,7 @@ def run_guard(callback: Any, trainer: Trainer, pl_module: LightningModule, epoch
     learned = prior.weight_decay_log_precision().detach()
     _apply(prior, declared=True)
     declared = prior.weight_decay_log_precision().detach()
-    param = prior.params[0]
-    batch_fn = callback._batch_fn(pl_module)
-    with isolate_rng():  # reading the training loader must not move the training's random state
-        batches = [split_batch(batch, batch_fn) for batch in callback._evidence_batches(trainer, pl_module)]
-    batches = [(move(inputs, param.device, param.dtype), target.to(param.device)) for inputs, target in batches]
+    batches = device_batches(callback, trainer, pl_module)
     strategy = trainer.strategy
     try:
         scores = approximate_cv(callback.evidence, pl_module, batches, {"learned": learned, "declared": declared},
@@ -112,6 +108,16 @@ def run_guard(callback: Any, trainer: Trainer, pl_module: LightningModule, epoch
     decision = {"epoch": epoch, **scores, "applied": applied}
     callback.guard_decisions.append(decision)
     return decision
+
+
+def device_batches(callback: Any, trainer: Trainer, pl_module: LightningModule) -> List[Tuple[Any, torch.Tensor]]:
+    """This rank's evidence batches as ``(inputs, targets)`` on the prior's device and dtype, read without moving
+    training's random state."""
+    param = callback._hyperparameters()[0].params[0]
+    batch_fn = callback._batch_fn(pl_module)
+    with isolate_rng():  # reading the training loader must not move the training's random state
+        batches = [split_batch(batch, batch_fn) for batch in callback._evidence_batches(trainer, pl_module)]
+    return [(move(inputs, param.device, param.dtype), target.to(param.device)) for inputs, target in batches]
 
 
 def _no_forward_mode(error: Exception) -> bool:
