@@ -1,12 +1,15 @@
 """``MargLikCallback``'s prior guard: the learned weight decay reaches training only while it scores better.
 
 After each estimate within training, :func:`lightning_marglik.guard.approximate_cv` scores the training data's
-approximate cross-validated log likelihood under the learned weight decay and under the declared one; the
-learned one is fed back into the MAP loss only while it scores at least as well, otherwise the tensors the
-evidence learns are decoupled (``prior.treatments["prior guard"]``): the evidence goes on learning its own
-precisions (``prior.log_precision``, the evidence's own choice), training keeps the declared precision. Each
-decision is recorded (``callback.guard_decisions``, the history's ``"guard"`` entries) and said at the end of
-training. The estimate after training has no training to guard and is not scored, until a fit resumed from
+approximate cross-validated log likelihood under the learned weight decay and under the declared one. The learned
+candidate of a layerwise prior is the mode-corrected evidence's choice (:mod:`lightning_marglik.mode_correction`,
+from the estimate's precisions, with the gradient the folds' gradients sum to): the evidence of the quadratic model
+at its own mode, not at weights trained at another precision. It is fed back into the MAP loss
+(``prior.weight_decay_override``) only while it scores at least as well; otherwise the tensors the evidence learns
+are decoupled (``prior.treatments["prior guard"]``) and training keeps the declared precision. Either way the
+evidence goes on learning and reporting its own precisions (``prior.log_precision``: the plain evidence's choice,
+whose ``marglik`` the checkpoint, early stopping and model comparison read). Each decision is recorded
+(``callback.guard_decisions``) and said at the end of training. The estimate after training has no training to guard and is not scored, until a fit resumed from
 it trains on: then it is scored when that training starts, as an uninterrupted run scored it.
 
 The guard is off, with the reason said at set-up, under a strategy that shards the parameters (its folds'
@@ -20,8 +23,9 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn  # one rank state for both packages
 
 from ..curvature.batches import move, split_batch
-from ..guard import FOLDS, approximate_cv
+from ..guard import FOLDS, approximate_cv, fold_calls, fold_gradients
 from ..hyperparameters import GaussianPrior
+from ..mode_correction import ModeCorrectedEvidence
 from .data import isolate_rng
 from .package import LightningModule, Trainer
 from .sharding import shards_parameters
@@ -58,14 +62,17 @@ def guard_off_reason(trainer: Trainer, prior: GaussianPrior) -> Optional[str]:
 
 
 def restore_guard(prior: GaussianPrior, decisions: List[Dict[str, Any]]) -> None:
-    """The prior as the last decision left it: a fresh fit starts with the learned weight decay fed back, a
-    resumed one where its checkpoint's last decision left it."""
-    declared = bool(decisions) and decisions[-1]["applied"] == "declared"
-    _apply(prior, declared)
+    """The prior as the last decision left it: a fresh fit starts with the evidence's learned weight decay fed
+    back, a resumed one where its checkpoint's last decision left it."""
+    last = decisions[-1] if decisions else {}
+    corrected = last.get("learned_log_precision")
+    _apply(prior, last.get("applied") == "declared", None if corrected is None else torch.tensor(corrected))
 
 
-def _apply(prior: GaussianPrior, declared: bool) -> None:
+def _apply(prior: GaussianPrior, declared: bool, corrected: Optional[torch.Tensor] = None) -> None:
+    """Training's weight decay: the declared one, else ``corrected`` (``None``: the evidence's own)."""
     prior.treatments.pop(GUARD, None)
+    prior.weight_decay_override = None if declared or corrected is None else corrected.to(prior.log_precision)
     if declared:
         prior.treat(_guarded(prior), "decoupled", GUARD)
 
@@ -80,21 +87,28 @@ def run_guard(callback: Any, trainer: Trainer, pl_module: LightningModule, epoch
         epoch: The epoch (from 1) the estimate followed.
 
     Returns:
-        The decision (``epoch``, the two scores, ``applied``: ``"learned"`` or ``"declared"``), also appended to
+        The decision (``epoch``, the two scores, ``applied``: ``"learned"`` or ``"declared"``, and for a layerwise
+        prior ``learned_log_precision``: the mode-corrected evidence's log precision per group), also appended to
         ``callback.guard_decisions``; ``None`` where the guard does not run.
     """
     prior, _ = callback._hyperparameters()
     if callback.guard_off is not None or callback.evidence is None:
         return None
-    prior.treatments.pop(GUARD, None)
+    batches = device_batches(callback, trainer, pl_module)
+    strategy = trainer.strategy
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        return strategy.reduce(t.to(strategy.root_device), reduce_op="sum").to(t.device)
+
+    gradients = fold_gradients(callback.evidence, pl_module, fold_calls(batches, FOLDS), reduce)
+    corrected = _corrected(callback, trainer, gradients.sum(0))
+    _apply(prior, declared=False, corrected=corrected)
     learned = prior.weight_decay_log_precision().detach()
     _apply(prior, declared=True)
     declared = prior.weight_decay_log_precision().detach()
-    batches = device_batches(callback, trainer, pl_module)
-    strategy = trainer.strategy
     try:
         scores = approximate_cv(callback.evidence, pl_module, batches, {"learned": learned, "declared": declared},
-                                reduce=lambda t: strategy.reduce(t.to(strategy.root_device), reduce_op="sum").to(t.device))
+                                reduce=reduce, gradients=gradients)
     except (NotImplementedError, RuntimeError) as error:  # the same on every rank
         if not _no_forward_mode(error):
             raise
@@ -104,10 +118,23 @@ def run_guard(callback: Any, trainer: Trainer, pl_module: LightningModule, epoch
         _apply(prior, declared=False)
         return None
     applied = "learned" if scores["learned"] >= scores["declared"] else "declared"
-    _apply(prior, declared=applied == "declared")
-    decision = {"epoch": epoch, **scores, "applied": applied}
+    _apply(prior, declared=applied == "declared", corrected=corrected)
+    decision: Dict[str, Any] = {"epoch": epoch, **scores, "applied": applied}
+    if corrected is not None:
+        decision["learned_log_precision"] = corrected.tolist()
     callback.guard_decisions.append(decision)
     return decision
+
+
+def _corrected(callback: Any, trainer: Trainer, gradient: torch.Tensor) -> Optional[torch.Tensor]:
+    """The mode-corrected evidence's log precision per group, from the estimate's (rank 0's on every rank); ``None``
+    for a diagonal prior, whose candidate is the evidence's own choice."""
+    evidence = callback.evidence
+    if evidence.prior.structure != "layerwise":
+        return None
+    solution = ModeCorrectedEvidence(evidence, gradient).maximize(max_step=callback.max_step,
+                                                                  max_evaluations=max(callback.steps, 1))
+    return trainer.strategy.broadcast(solution.values["log_precision"], src=0)
 
 
 def device_batches(callback: Any, trainer: Trainer, pl_module: LightningModule) -> List[Tuple[Any, torch.Tensor]]:
@@ -133,9 +160,10 @@ def guard_phrase(callback: Any) -> str:
     """The set-up line's phrase: what the guard does, or why it is off."""
     if callback.guard_off is not None:
         return f"prior guard {callback.guard_off}"
-    return (f"prior guard: after each estimate in training, the learned weight decay is fed back only while its "
-            f"approximate {FOLDS}-fold cross-validated log likelihood beats the declared precision's (guard=False "
-            "feeds it back always)")
+    return (f"prior guard: after each estimate in training, the learned weight decay (a layerwise prior's: the "
+            "mode-corrected evidence's choice) is fed back only while its approximate "
+            f"{FOLDS}-fold cross-validated log likelihood beats the declared precision's (guard=False feeds the "
+            "evidence's own choice back always)")
 
 
 def drop_unguarded_decision(callback: Any, trainer: Trainer) -> None:
@@ -167,10 +195,13 @@ def guard_words(summary: Dict[str, Any]) -> str:
     # epoch counts the epochs the estimate followed, from 1, as the history's)
     scores = (f"log likelihood per datum at epoch={last['epoch'] - 1}: learned {last['learned']:.4g}, "
               f"declared {last['declared']:.4g}")
+    # where the learned candidate was the mode-corrected evidence's, the precisions the evidence reports are not it
+    whose = (" (the mode-corrected evidence's, prior.applied_precision; prior.precision is the evidence's own choice)"
+             if "learned_log_precision" in last else "")
     if not summary["declared"]:
         at = "the one estimate" if summary["estimates"] == 1 else f"all {summary['estimates']} estimates"
-        return f"prior guard: the learned weight decay scored at least as well at {at} ({scores})"
+        return f"prior guard: the learned weight decay{whose} scored at least as well at {at} ({scores})"
     return (f"prior guard: the declared weight decay kept for training at {summary['declared']} of "
-            f"{summary['estimates']} estimates, where the learned one scored worse by approximate cross-validation "
-            f"({scores}); the learned precisions are the evidence's own choice; at the end training applied the "
-            f"{last['applied']} one")
+            f"{summary['estimates']} estimates, where the learned one{whose} scored worse by approximate "
+            f"cross-validation ({scores}); the learned precisions are the evidence's own choice; at the end training "
+            f"applied the {last['applied']} one")

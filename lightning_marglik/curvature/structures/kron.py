@@ -205,6 +205,7 @@ class KronStructure(Structure):
     """
 
     name = "kron"
+    tensor_blocks = True  # a block per tensor (a layer's weight and bias apart)
     per_tensor_prior = True
     training_statistics = True  # the factors from the training gradients, rescalable
     layer_owned = True
