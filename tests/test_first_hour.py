@@ -49,7 +49,7 @@ def test_the_prior_says_which_precision_map_loss_applies():
     assert prior.treated("decoupled") == ["0.bias", "2.bias"]  # the default biases="decoupled"
     assert prior.precision[biases].ne(1.0).all()  # learned ...
     assert torch.equal(prior.applied_precision[biases], torch.ones(2))  # ... but the declared δ = 1 is applied
-    # the weights': the prior guard's last decision, the mode-corrected evidence's choice where it scored better
+    # the weights': the prior guard's last decision, its corrected learned candidate where it scored better
     last = callback.guard_decisions[-1]
     assert last["applied"] == "learned" and "weight decay: the prior guard's" in repr(prior)
     corrected = torch.tensor(last["learned_log_precision"])[weights].exp()

@@ -201,7 +201,8 @@ def test_each_decision_follows_its_scores_and_training_decays_by_the_last_one():
     guarded = prior.treatments.get(GUARD, ([], ""))[0]
     body = ["0.weight"]  # the output layer is held, the biases decoupled: the first weight is what the evidence sets
     decay = prior.per_tensor(prior.weight_decay_log_precision())
-    # the learned candidate is the mode-corrected evidence's choice, not the precision the evidence reports
+    # the learned candidate is corrected (the mode-corrected evidence's weaker prior), not the precision the evidence
+    # reports
     corrected = decisions[-1]["learned_log_precision"]
     assert corrected[0] != pytest.approx(prior.log_precision[0].item(), abs=1e-3)
     if decisions[-1]["applied"] == "declared":
@@ -223,7 +224,7 @@ def test_guard_false_feeds_the_learned_weight_decay_back_and_a_bad_value_is_refu
 
 def test_the_guard_trains_at_the_weight_decay_each_decision_applied():
     """The same fit with and without the guard: the same first estimate, then the guarded run trains at the weight
-    decay its decision applied (the mode-corrected evidence's, then the declared one on this data), the plain run at
+    decay its decision applied (the corrected learned one, then the declared one on this data), the plain run at
     the evidence's own choice."""
     guarded, plain = MargLikCallback(frequency=1, steps=20), MargLikCallback(frequency=1, steps=20, guard=False)
     a, _ = _fit(guarded, epochs=4, module=_seeded(Classifier, n_data=300), data=_data(300))
@@ -259,7 +260,7 @@ def test_the_decisions_survive_a_checkpoint_on_disk_and_a_resume_restores_the_tr
     held = second.prior.treatments.get(GUARD, ([], ""))[0]
     last = whole.guard_decisions[-1]
     assert bool(held) == (last["applied"] == "declared")
-    # the mode-corrected weight decay a "learned" decision applied comes back with the checkpoint's decisions
+    # the corrected weight decay a "learned" decision applied comes back with the checkpoint's decisions
     override = second.prior.weight_decay_override
     assert (override is None) == (last["applied"] == "declared")
     if override is not None:
