@@ -7,6 +7,7 @@ float64 whatever the model's dtype. Knows nothing of Lightning.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import warnings
@@ -454,6 +455,14 @@ class LaplaceEvidence:
         scale = self._scale(values)
         delta = [d.exp() for d in self.prior.tensor_log_precisions(values["log_precision"])]
         return sum(s.covariance(blocks, scale, delta) for s in self.structures)
+
+    def reusing_decompositions(self) -> contextlib.ExitStack:
+        """Inside, every structure's :meth:`~.curvature.statistics.Structure.inverse` at several precisions decomposes
+        each factor once (e.g. the prior guard's candidates); released on leaving."""
+        stack = contextlib.ExitStack()
+        for structure in self.structures:
+            stack.enter_context(structure.reusing_decompositions())
+        return stack
 
     # --- optimization -------------------------------------------------------------------------
 

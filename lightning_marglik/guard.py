@@ -30,7 +30,6 @@ gradient that each block's solve overwrites with its step), float64 one structur
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -137,9 +136,7 @@ def approximate_cv(
         gradients = fold_gradients(evidence, model, calls, reduce)
     elif tuple(gradients.shape) != (folds, sum(sizes)):
         raise ValueError(f"`gradients` must be fold_gradients' ({folds}, {sum(sizes)}), got {tuple(gradients.shape)}.")
-    with eval_mode(model), contextlib.ExitStack() as reusing:
-        for structure in evidence.structures:  # the candidates' inverses share each factor's decomposition
-            reusing.enter_context(structure.reusing_decompositions())
+    with eval_mode(model), evidence.reusing_decompositions():  # the candidates' inverses share each decomposition
         hyper = {name: value.detach().double() for name, value in likelihood.hyperparameters().items()}
         scale = likelihood.curvature_scale(evidence.approx, hyper) * (folds - 1) / folds
         # one more weight-sized vector: the held-in folds' gradient, then (block by block, in place) the step; the

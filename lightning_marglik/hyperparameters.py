@@ -147,7 +147,7 @@ class GaussianPrior(HyperparameterModule):
         # reason -> (names, treatment), declared by ``treat`` (MargLikCallback: from the structural analysis)
         self.treatments: Dict[str, Tuple[List[str], str]] = {}
         # the log precision per group the MAP loss applies in place of log_precision (MargLikCallback's prior guard:
-        # the mode-corrected evidence's choice, while it scores better); None: log_precision
+        # its corrected learned candidate, while it scores better); None: log_precision
         self.weight_decay_override: Optional[Tensor] = None
 
     def treat(self, names: Sequence[str], treatment: str, reason: str) -> None:

@@ -18,13 +18,13 @@ of the prior's tensors, with ``x = H^-1 r`` and ``w = theta - x``, the correctio
 holds one tensor (``kron``, ``ekfac``, ``diag``: :attr:`~.curvature.statistics.Structure.tensor_blocks`), one more
 per learned tensor where a block couples several (``full``).
 
-Alone it is not the remedy: where the declared prior already fits it rises towards large precisions, whose
-quadratic model switches a weakly determined layer off (``benchmarks/results/online_remedies.md``). The callback
-uses it behind the prior guard, as the guard's learned candidate (:mod:`.callbacks.prior_guard`).
+Alone it is not the remedy: as a tensor's precision grows it tends to the likelihood of the network's linearization
+at zero weights with no Occam factor left, and where the declared prior already fits it switches a weakly determined
+layer off (``benchmarks/results/online_remedies.md``). The callback's prior guard scores, per tensor, the weaker of
+its precision and the plain evidence's (:mod:`.callbacks.prior_guard`).
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -163,17 +163,10 @@ class ModeCorrectedEvidence(LaplaceEvidence):
         Returns:
             The solution (``values["log_precision"]``: every group's, float64).
         """
-        with self._reusing():
+        with self.reusing_decompositions():
             solution, _ = self._solve(self._learnable_values(), 0, 0.0, None, "newton", tol, max_evaluations, max_step)
         return solution
 
     def optimize(self, *args: Any, **kwargs: Any) -> solvers.Solution:
-        with self._reusing():
+        with self.reusing_decompositions():  # every solve of the correction at once
             return super().optimize(*args, **kwargs)
-
-    def _reusing(self) -> contextlib.ExitStack:
-        """Each factor's eigendecomposition taken once for every solve of an optimization."""
-        stack = contextlib.ExitStack()
-        for structure in self.structures:
-            stack.enter_context(structure.reusing_decompositions())
-        return stack

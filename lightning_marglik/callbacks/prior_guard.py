@@ -10,8 +10,9 @@ precision; why the weaker: :func:`_corrected`). It is fed back into the MAP loss
 are decoupled (``prior.treatments["prior guard"]``) and training keeps the declared precision. Either way the
 evidence goes on learning and reporting its own precisions (``prior.log_precision``: the plain evidence's choice,
 whose ``marglik`` the checkpoint, early stopping and model comparison read). Each decision is recorded
-(``callback.guard_decisions``) and said at the end of training. The estimate after training has no training to guard and is not scored, until a fit resumed from
-it trains on: then it is scored when that training starts, as an uninterrupted run scored it.
+(``callback.guard_decisions``) and said at the end of training. The estimate after training has no training to
+guard and is not scored, until a fit resumed from it trains on: then it is scored when that training starts, as an
+uninterrupted run scored it.
 
 The guard is off, with the reason said at set-up, under a strategy that shards the parameters (its folds'
 gradients are whole-model vectors) and where the evidence learns no tensor's weight decay.
@@ -102,14 +103,15 @@ def run_guard(callback: Any, trainer: Trainer, pl_module: LightningModule, epoch
         return strategy.reduce(t.to(strategy.root_device), reduce_op="sum").to(t.device)
 
     gradients = fold_gradients(callback.evidence, pl_module, fold_calls(batches, FOLDS), reduce)
-    corrected = _corrected(callback, trainer, gradients.sum(0))
-    _apply(prior, declared=False, corrected=corrected)
-    learned = prior.weight_decay_log_precision().detach()
-    _apply(prior, declared=True)
-    declared = prior.weight_decay_log_precision().detach()
     try:
-        scores = approximate_cv(callback.evidence, pl_module, batches, {"learned": learned, "declared": declared},
-                                reduce=reduce, gradients=gradients)
+        with callback.evidence.reusing_decompositions():  # the candidate's solve and the scores share them
+            corrected = _corrected(callback, trainer, gradients.sum(0))
+            _apply(prior, declared=False, corrected=corrected)
+            learned = prior.weight_decay_log_precision().detach()
+            _apply(prior, declared=True)
+            declared = prior.weight_decay_log_precision().detach()
+            scores = approximate_cv(callback.evidence, pl_module, batches,
+                                    {"learned": learned, "declared": declared}, reduce=reduce, gradients=gradients)
     except (NotImplementedError, RuntimeError) as error:  # the same on every rank
         if not _no_forward_mode(error):
             raise

@@ -404,7 +404,11 @@ class KronStructure(Structure):
     @contextlib.contextmanager
     def reusing_decompositions(self) -> Iterator[None]:
         """Inside, each layer's eigenbases are decomposed once for every :meth:`inverse` (they do not depend on the
-        precision); released on leaving, so that no eigenbasis outlives the caller's use."""
+        precision); released on leaving, so that no eigenbasis outlives the caller's use. Entered again inside, the
+        outer one's decompositions serve (the prior guard's candidate solve and its scores share them)."""
+        if self._reused is not None:
+            yield
+            return
         self._reused = {}
         try:
             yield
