@@ -7,7 +7,6 @@ float64 whatever the model's dtype. Knows nothing of Lightning.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import warnings
@@ -456,14 +455,6 @@ class LaplaceEvidence:
         delta = [d.exp() for d in self.prior.tensor_log_precisions(values["log_precision"])]
         return sum(s.covariance(blocks, scale, delta) for s in self.structures)
 
-    def reusing_decompositions(self) -> contextlib.ExitStack:
-        """Inside, every structure's :meth:`~.curvature.statistics.Structure.inverse` at several precisions decomposes
-        each factor once (e.g. the prior guard's candidates); released on leaving."""
-        stack = contextlib.ExitStack()
-        for structure in self.structures:
-            stack.enter_context(structure.reusing_decompositions())
-        return stack
-
     # --- optimization -------------------------------------------------------------------------
 
     def optimize(
@@ -514,18 +505,8 @@ class LaplaceEvidence:
         """
         solver = choice(solver, SOLVERS, "solver")
         max_step = optional(number, max_step, "max_step", what="the largest change of log delta per solve, or None")
-        solution, limits = self._solve(self._learnable_values(), steps, lr, state, solver, tol, max_evaluations, max_step)
-        if solution.unbounded and _first_process():  # one warning, not one per DDP rank (the callback's are rank 0's too)
-            warnings.warn(_unbounded_message(solution.unbounded, limits, self.hyperparameters()), stacklevel=2)
-        return solution
-
-    def _solve(
-        self, learnable: Dict[str, Tensor], steps: int, lr: float, state: Optional[dict], solver: str, tol: float,
-        max_evaluations: int, max_step: Optional[float],
-    ) -> Tuple[solvers.Solution, Dict[str, float]]:
-        """:meth:`optimize` over the log hyperparameters ``learnable`` (their starts) of :meth:`log_marglik_at` and
-        :meth:`_second_order`, without its warning; returns the solution and each name's buffer limit."""
         current = self._current()
+        learnable = self._learnable_values()
         limits = {name: LOG_LIMIT[self.hyperparameters()[name].dtype] for name in learnable}
         # every value the buffers can hold, so that set_hyperparameters takes any solution
         box = {name: (start.clamp(max=-limits[name]), start.clamp(min=limits[name]))
@@ -549,8 +530,9 @@ class LaplaceEvidence:
         # in the last tenth of the range: in float64 the curvature's scale (1 / sigma^2 times the GGN) overflows
         # before the edge itself, and the solve stops short of it (log sigma -351.5 of -353.2)
         unbounded = tuple(n for n, v in solution.values.items() if bool((v.abs() >= 0.9 * limits[n]).any()))
-        values = {n: full[n].detach() for n in solution.values}
-        return dataclasses.replace(solution, values=values, unbounded=unbounded), limits
+        if unbounded and _first_process():  # one warning, not one per DDP rank (the callback's are rank 0's too)
+            warnings.warn(_unbounded_message(unbounded, limits, self.hyperparameters()), stacklevel=2)
+        return dataclasses.replace(solution, values={n: full[n].detach() for n in solution.values}, unbounded=unbounded)
 
     def gradient(self) -> Dict[str, Tensor]:
         """Gradient of the log marglik w.r.t. each learnable log hyperparameter (for diagnostics;

@@ -30,6 +30,7 @@ gradient that each block's solve overwrites with its step), float64 one structur
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -42,7 +43,7 @@ from .curvature.forward_mode import output_and_change
 from .evidence import LaplaceEvidence
 from .validators import integer
 
-__all__ = ["FOLDS", "approximate_cv", "fold_calls", "fold_gradients", "fold_pieces"]
+__all__ = ["FOLDS", "approximate_cv", "fold_calls", "fold_pieces"]
 
 #: Folds of the approximate cross-validation.
 FOLDS = 5
@@ -87,7 +88,6 @@ def approximate_cv(
     candidates: Dict[str, Tensor],
     folds: int = FOLDS,
     reduce: Optional[Reduce] = None,
-    gradients: Optional[Tensor] = None,
 ) -> Dict[str, float]:
     """The approximate K-fold cross-validated log likelihood per datum of each candidate weight decay.
 
@@ -98,15 +98,13 @@ def approximate_cv(
         candidates: Name -> log precision per prior group (the shape of ``prior.log_precision``).
         folds: K, at least 2.
         reduce: Sums a tensor over processes (``None``: one process).
-        gradients: The folds' gradients (:func:`fold_gradients` of ``fold_calls(batches, folds)``), where the
-            caller took them already; ``None``: taken here.
 
     Returns:
         Name -> the held-out log likelihood per datum, summed over folds (and processes).
 
     Raises:
-        ValueError: On fewer than 2 folds, no example in ``batches``, a candidate that is not a finite log
-            precision of ``prior.log_precision``'s shape, or ``gradients`` of another shape than ``(folds, P)``.
+        ValueError: On fewer than 2 folds, no example in ``batches``, or a candidate that is not a finite log
+            precision of ``prior.log_precision``'s shape.
 
     Example:
         >>> from lightning_marglik import CategoricalLikelihood, GaussianPrior
@@ -131,12 +129,18 @@ def approximate_cv(
     names, _ = locate(model, prior)
     theta = [p.detach() for p in prior.params]
     sizes = prior.param_sizes
-    calls = _calls(batches, folds)
-    if gradients is None:
-        gradients = fold_gradients(evidence, model, calls, reduce)
-    elif tuple(gradients.shape) != (folds, sum(sizes)):
-        raise ValueError(f"`gradients` must be fold_gradients' ({folds}, {sum(sizes)}), got {tuple(gradients.shape)}.")
-    with eval_mode(model), evidence.reusing_decompositions():  # the candidates' inverses share each decomposition
+    calls = fold_calls(batches, folds)
+    if not any(calls):
+        raise ValueError("`batches` holds no example: pass the evidence data the evidence was fit on.")
+    inverse_temperature = float(likelihood.temperature.detach().reciprocal())
+    with eval_mode(model), contextlib.ExitStack() as reusing:
+        for structure in evidence.structures:  # the candidates' inverses share each factor's decomposition
+            reusing.enter_context(structure.reusing_decompositions())
+        # one (K, P) buffer, each fold's gradient summed into its row: no list of K flat copies to stack
+        gradients = theta[0].new_zeros(folds, sum(sizes))
+        for row, fold in zip(gradients, calls):
+            _add_fold_gradient(row, model, prior.params, likelihood, fold)
+        gradients = reduce(gradients.mul_(inverse_temperature))
         hyper = {name: value.detach().double() for name, value in likelihood.hyperparameters().items()}
         scale = likelihood.curvature_scale(evidence.approx, hyper) * (folds - 1) / folds
         # one more weight-sized vector: the held-in folds' gradient, then (block by block, in place) the step; the
@@ -166,42 +170,6 @@ def approximate_cv(
             scores[name] = held_out
         values = reduce(torch.stack(list(scores.values())))  # the evidence's n_data is summed over processes already
     return {name: float(value) / float(evidence.n_data) for name, value in zip(scores, values)}
-
-
-def fold_gradients(evidence: LaplaceEvidence, model: nn.Module, calls: Sequence[Sequence[Batch]],
-                   reduce: Optional[Reduce] = None) -> Tensor:
-    """Each fold's gradient of its tempered negative log likelihood at the current weights, summed over processes.
-
-    Args:
-        evidence: The evidence at the model's current weights (its likelihood and prior).
-        model: The network, called in eval mode.
-        calls: Each fold's calls (:func:`fold_calls` of the evidence batches).
-        reduce: Sums a tensor over processes (``None``: one process).
-
-    Returns:
-        ``(K, P)`` in the weights' dtype, flat in the prior's order; the rows sum to the gradient of the whole
-        evidence data (:class:`~.mode_correction.ModeCorrectedEvidence`'s ``g``).
-    """
-    prior, likelihood = evidence.prior, evidence.likelihood
-    # one (K, P) buffer, each fold's gradient summed into its row: no list of K flat copies to stack
-    gradients = prior.params[0].new_zeros(len(calls), prior.n_params)
-    with eval_mode(model):
-        for row, fold in zip(gradients, calls):
-            _add_fold_gradient(row, model, prior.params, likelihood, fold)
-    inverse_temperature = float(likelihood.temperature.detach().reciprocal())
-    return (reduce or (lambda t: t))(gradients.mul_(inverse_temperature))
-
-
-def _calls(batches: Sequence[Batch], folds: int) -> List[List[Batch]]:
-    """:func:`fold_calls`, refusing batches without an example.
-
-    Raises:
-        ValueError: If ``batches`` hold no example.
-    """
-    calls = fold_calls(batches, folds)
-    if not any(calls):
-        raise ValueError("`batches` holds no example: pass the evidence data the evidence was fit on.")
-    return calls
 
 
 def fold_calls(batches: Sequence[Batch], folds: int) -> List[List[Batch]]:

@@ -146,9 +146,6 @@ class GaussianPrior(HyperparameterModule):
         self.initial_precision = float(precision)
         # reason -> (names, treatment), declared by ``treat`` (MargLikCallback: from the structural analysis)
         self.treatments: Dict[str, Tuple[List[str], str]] = {}
-        # the log precision per group the MAP loss applies in place of log_precision (MargLikCallback's prior guard:
-        # its corrected learned candidate, while it scores better); None: log_precision
-        self.weight_decay_override: Optional[Tensor] = None
 
     def treat(self, names: Sequence[str], treatment: str, reason: str) -> None:
         """Declare a set of tensors whose precision is treated apart, and why; replaces an earlier
@@ -394,12 +391,9 @@ class GaussianPrior(HyperparameterModule):
         return value
 
     def weight_decay_log_precision(self) -> Tensor:
-        """Log precision per group that the MAP loss uses (detached): ``log_precision`` (or
-        :attr:`weight_decay_override` where set), except for tensors under the ``"decoupled"`` treatment
-        (:meth:`treat`), which keep the initial precision."""
+        """Log precision per group that the MAP loss uses (detached): ``log_precision``, except for
+        tensors under the ``"decoupled"`` treatment (:meth:`treat`), which keep the initial precision."""
         log_precision = self.log_precision.detach()
-        if self.weight_decay_override is not None:
-            log_precision = self.weight_decay_override.to(log_precision)
         decoupled = self.treated("decoupled")
         if decoupled:
             initial = torch.full_like(log_precision, math.log(self.initial_precision))
@@ -437,8 +431,6 @@ class GaussianPrior(HyperparameterModule):
         decoupled = self.treated("decoupled")
         # their printed precision is not their weight decay: say which is applied
         applied = f", decoupled={decoupled} (weight decay at precision={self.initial_precision:g})" if decoupled else ""
-        if self.weight_decay_override is not None:
-            applied += ", weight decay: the prior guard's (applied_precision)"
         return (
             f"structure={self.structure!r}, groups={self.log_precision.numel()}, learn={self.learn}, "
             f"fixed={self.fixed}{applied}{hyper}"

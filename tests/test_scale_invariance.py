@@ -416,10 +416,8 @@ def _fit(treatment=None, **prior_kwargs):
     kwargs = {} if treatment is None else {"scale_invariant": treatment}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        # biases and output layer learned, the guard's weight decay apart: these tests are about the scale-invariant
-        # tensors alone
-        callback = MargLikCallback(frequency=1, steps=20, biases="learn", output_layer="learn", guard=False, **kwargs)
-        trainer([callback], 2).fit(
+        # biases and output layer learned: these tests are about the scale-invariant tensors alone
+        trainer([MargLikCallback(frequency=1, steps=20, biases="learn", output_layer="learn", **kwargs)], 2).fit(
             model, DataLoader(data, batch_size=16)
         )
     return model, [str(w.message) for w in caught if "scale" in str(w.message)]

@@ -116,9 +116,7 @@ def test_a_batchnorm_kept_in_eval_mode_by_the_training_recipe_is_not_treated_as_
     model = FrozenNormNet(freeze)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        # the guard's weight decay apart: the test is about the scale-invariance treatment
-        callback = MargLikCallback(frequency=1, steps=10, biases="learn", guard=False)
-        trainer([callback], 2).fit(model, DataLoader(data, batch_size=16))
+        trainer([MargLikCallback(frequency=1, steps=10, biases="learn")], 2).fit(model, DataLoader(data, batch_size=16))
     assert set(model.norm_modes) == {not freeze}  # the recipe did what it says
     scale = [str(w.message) for w in caught if "invariant to the scale" in str(w.message)]
     if freeze:

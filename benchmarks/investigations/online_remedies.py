@@ -30,11 +30,6 @@ cells (``vs_cross_validation.py``'s recipes): the two the guard misses there (ba
 digits / CNN, the one the evidence's own choice misses; 3 seeds. The prototypes run on one process (no DDP).
 Runs are cached in ``outputs/online_remedies/runs`` and name their library (``_zoo``'s harness).
 
-Its results ran on 85f945b. Since 8751716 the library's guard itself scores a corrected candidate (per tensor the
-weaker of the evidence's and the mode-corrected evidence's precision, ``lightning_marglik.mode_correction``): on a
-later library the ``defaults`` arm is that guard, and ``mode-corrected + guard`` corrects twice (this prototype's
-evidence, then the guard's solve from it); ``prior_guard.py`` measures the library's.
-
 Usage::
 
     python benchmarks/investigations/online_remedies.py --plan

@@ -2,10 +2,7 @@
 
 ``MargLikCallback(guard=True)`` (the default): after each estimate in training the learned weight decay is fed
 back only while the training data's approximate 5-fold cross-validated log likelihood scores it at least as
-well as the declared prior (``lightning_marglik.guard``). Since the fourteenth session the learned candidate of a
-layerwise prior is the mode-corrected evidence's choice (``lightning_marglik.mode_correction``); the runs of
-b95a88b (the guard scoring the evidence's own choice) are in the results file's history. Arms, on one library
-commit:
+well as the declared prior (``lightning_marglik.guard``). Arms, on one library commit:
 
 * ``delta=1``: no callback, the declared prior;
 * ``defaults``: ``MargLikCallback()``, the guard on;

@@ -189,15 +189,10 @@ class MargLikCallback(MargLikCallbackCore, Callback):
             likelihood (:mod:`lightning_marglik.guard`: one Newton step per fold from the current weights, the
             evidence's own curvature, no extra curvature pass) and feed the learned one back into the MAP loss only
             while it scores at least as well; otherwise the evidence's learned tensors are decoupled for
-            training (``prior.treatments["prior guard"]``). With a layerwise prior the learned candidate is per
-            tensor the weaker of the evidence's precision and the mode-corrected evidence's
-            (:mod:`lightning_marglik.mode_correction`: the evidence of the quadratic model at its own mode, with
-            the gradient the folds' gradients sum to), applied through ``prior.weight_decay_override``; ``prior.precision`` and ``marglik`` stay the plain evidence's own
-            (what checkpointing, early stopping and model comparison read). Each decision is in
-            ``guard_decisions`` (with ``learned_log_precision``) and said at the end of training;
-            ``prior.applied_precision`` is what training applies. Off under a strategy that shards the
-            parameters. ``False``: the evidence's own learned weight decay is always fed back (the plain
-            Algorithm 1). See ``benchmarks/results/prior_guard.md``.
+            training (``prior.treatments["prior guard"]``) and their learned precision stays the evidence's own
+            choice. Each decision is in ``guard_decisions`` and said at the end of training. Off under a
+            strategy that shards the parameters. ``False``: the learned weight decay is always fed back (the
+            plain Algorithm 1). See ``benchmarks/results/prior_guard.md``.
 
     Raises:
         ValueError: On an invalid argument (the message names it).

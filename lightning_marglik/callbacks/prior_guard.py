@@ -1,18 +1,13 @@
 """``MargLikCallback``'s prior guard: the learned weight decay reaches training only while it scores better.
 
 After each estimate within training, :func:`lightning_marglik.guard.approximate_cv` scores the training data's
-approximate cross-validated log likelihood under the learned weight decay and under the declared one. The learned
-candidate of a layerwise prior takes per group the weaker of the evidence's own precision and the mode-corrected
-evidence's (:mod:`lightning_marglik.mode_correction`, solved from the estimate's precisions, with the gradient the
-folds' gradients sum to: the evidence of the quadratic model at its own mode, not at weights trained at another
-precision; why the weaker: :func:`_corrected`). It is fed back into the MAP loss
-(``prior.weight_decay_override``) only while it scores at least as well; otherwise the tensors the evidence learns
-are decoupled (``prior.treatments["prior guard"]``) and training keeps the declared precision. Either way the
-evidence goes on learning and reporting its own precisions (``prior.log_precision``: the plain evidence's choice,
-whose ``marglik`` the checkpoint, early stopping and model comparison read). Each decision is recorded
-(``callback.guard_decisions``) and said at the end of training. The estimate after training has no training to
-guard and is not scored, until a fit resumed from it trains on: then it is scored when that training starts, as an
-uninterrupted run scored it.
+approximate cross-validated log likelihood under the learned weight decay and under the declared one; the
+learned one is fed back into the MAP loss only while it scores at least as well, otherwise the tensors the
+evidence learns are decoupled (``prior.treatments["prior guard"]``): the evidence goes on learning its own
+precisions (``prior.log_precision``, the evidence's own choice), training keeps the declared precision. Each
+decision is recorded (``callback.guard_decisions``, the history's ``"guard"`` entries) and said at the end of
+training. The estimate after training has no training to guard and is not scored, until a fit resumed from
+it trains on: then it is scored when that training starts, as an uninterrupted run scored it.
 
 The guard is off, with the reason said at set-up, under a strategy that shards the parameters (its folds'
 gradients are whole-model vectors) and where the evidence learns no tensor's weight decay.
@@ -25,9 +20,8 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn  # one rank state for both packages
 
 from ..curvature.batches import move, split_batch
-from ..guard import FOLDS, approximate_cv, fold_calls, fold_gradients
+from ..guard import FOLDS, approximate_cv
 from ..hyperparameters import GaussianPrior
-from ..mode_correction import ModeCorrectedEvidence
 from .data import isolate_rng
 from .package import LightningModule, Trainer
 from .sharding import shards_parameters
@@ -64,17 +58,14 @@ def guard_off_reason(trainer: Trainer, prior: GaussianPrior) -> Optional[str]:
 
 
 def restore_guard(prior: GaussianPrior, decisions: List[Dict[str, Any]]) -> None:
-    """The prior as the last decision left it: a fresh fit starts with the evidence's learned weight decay fed
-    back, a resumed one where its checkpoint's last decision left it."""
-    last = decisions[-1] if decisions else {}
-    corrected = last.get("learned_log_precision")
-    _apply(prior, last.get("applied") == "declared", None if corrected is None else torch.tensor(corrected))
+    """The prior as the last decision left it: a fresh fit starts with the learned weight decay fed back, a
+    resumed one where its checkpoint's last decision left it."""
+    declared = bool(decisions) and decisions[-1]["applied"] == "declared"
+    _apply(prior, declared)
 
 
-def _apply(prior: GaussianPrior, declared: bool, corrected: Optional[torch.Tensor] = None) -> None:
-    """Training's weight decay: the declared one, else ``corrected`` (``None``: the evidence's own)."""
+def _apply(prior: GaussianPrior, declared: bool) -> None:
     prior.treatments.pop(GUARD, None)
-    prior.weight_decay_override = None if declared or corrected is None else corrected.to(prior.log_precision)
     if declared:
         prior.treat(_guarded(prior), "decoupled", GUARD)
 
@@ -89,29 +80,21 @@ def run_guard(callback: Any, trainer: Trainer, pl_module: LightningModule, epoch
         epoch: The epoch (from 1) the estimate followed.
 
     Returns:
-        The decision (``epoch``, the two scores, ``applied``: ``"learned"`` or ``"declared"``, and for a layerwise
-        prior ``learned_log_precision``: the learned candidate's log precision per group), also appended to
+        The decision (``epoch``, the two scores, ``applied``: ``"learned"`` or ``"declared"``), also appended to
         ``callback.guard_decisions``; ``None`` where the guard does not run.
     """
     prior, _ = callback._hyperparameters()
     if callback.guard_off is not None or callback.evidence is None:
         return None
+    prior.treatments.pop(GUARD, None)
+    learned = prior.weight_decay_log_precision().detach()
+    _apply(prior, declared=True)
+    declared = prior.weight_decay_log_precision().detach()
     batches = device_batches(callback, trainer, pl_module)
     strategy = trainer.strategy
-
-    def reduce(t: torch.Tensor) -> torch.Tensor:
-        return strategy.reduce(t.to(strategy.root_device), reduce_op="sum").to(t.device)
-
-    gradients = fold_gradients(callback.evidence, pl_module, fold_calls(batches, FOLDS), reduce)
     try:
-        with callback.evidence.reusing_decompositions():  # the candidate's solve and the scores share them
-            corrected = _corrected(callback, trainer, gradients.sum(0))
-            _apply(prior, declared=False, corrected=corrected)
-            learned = prior.weight_decay_log_precision().detach()
-            _apply(prior, declared=True)
-            declared = prior.weight_decay_log_precision().detach()
-            scores = approximate_cv(callback.evidence, pl_module, batches,
-                                    {"learned": learned, "declared": declared}, reduce=reduce, gradients=gradients)
+        scores = approximate_cv(callback.evidence, pl_module, batches, {"learned": learned, "declared": declared},
+                                reduce=lambda t: strategy.reduce(t.to(strategy.root_device), reduce_op="sum").to(t.device))
     except (NotImplementedError, RuntimeError) as error:  # the same on every rank
         if not _no_forward_mode(error):
             raise
@@ -121,34 +104,10 @@ def run_guard(callback: Any, trainer: Trainer, pl_module: LightningModule, epoch
         _apply(prior, declared=False)
         return None
     applied = "learned" if scores["learned"] >= scores["declared"] else "declared"
-    _apply(prior, declared=applied == "declared", corrected=corrected)
-    decision: Dict[str, Any] = {"epoch": epoch, **scores, "applied": applied}
-    if corrected is not None:
-        decision["learned_log_precision"] = corrected.tolist()
+    _apply(prior, declared=applied == "declared")
+    decision = {"epoch": epoch, **scores, "applied": applied}
     callback.guard_decisions.append(decision)
     return decision
-
-
-def _corrected(callback: Any, trainer: Trainer, gradient: torch.Tensor) -> Optional[torch.Tensor]:
-    """The learned candidate's log precision per group: per group the weaker of the evidence's own precision and the
-    mode-corrected evidence's (solved from the estimate's; rank 0's on every rank); ``None`` for a diagonal prior,
-    whose candidate is the evidence's own choice.
-
-    The weaker, because the correction is trusted one way only. Where the weights are not the mode, the plain
-    evidence reads their shrunken norms as a call for a stronger prior (issue 52's mechanism), which the correction
-    undoes. As one tensor's precision grows, though, its quadratic model's mode moves to zero and the corrected
-    evidence tends to the likelihood of the network's linearization there, ``f(theta) - J theta`` (fit to the data by
-    training), with no Occam factor left: it asks for a stronger prior than any evidence of the trained network
-    warrants (``benchmarks/results/online_remedies.md``: log delta 19 where delta = 1 fits; the toy regression's
-    depth 3 at 15-22, where the guard's linearized refits read the same intercept and let it through, and training
-    collapsed: test RMSE 0.73 against 0.11)."""
-    evidence = callback.evidence
-    if evidence.prior.structure != "layerwise":
-        return None
-    solution = ModeCorrectedEvidence(evidence, gradient).maximize(max_step=callback.max_step,
-                                                                  max_evaluations=max(callback.steps, 1))
-    own = evidence.prior.log_precision.detach().to(solution.values["log_precision"])
-    return trainer.strategy.broadcast(torch.minimum(solution.values["log_precision"], own), src=0)
 
 
 def device_batches(callback: Any, trainer: Trainer, pl_module: LightningModule) -> List[Tuple[Any, torch.Tensor]]:
@@ -174,10 +133,9 @@ def guard_phrase(callback: Any) -> str:
     """The set-up line's phrase: what the guard does, or why it is off."""
     if callback.guard_off is not None:
         return f"prior guard {callback.guard_off}"
-    return ("prior guard: after each estimate in training, the learned weight decay (a layerwise prior's: per tensor "
-            "the weaker of the evidence's and the mode-corrected evidence's) is fed back only while its approximate "
-            f"{FOLDS}-fold cross-validated log likelihood beats the declared precision's (guard=False feeds the "
-            "evidence's own choice back always)")
+    return (f"prior guard: after each estimate in training, the learned weight decay is fed back only while its "
+            f"approximate {FOLDS}-fold cross-validated log likelihood beats the declared precision's (guard=False "
+            "feeds it back always)")
 
 
 def drop_unguarded_decision(callback: Any, trainer: Trainer) -> None:
@@ -209,13 +167,10 @@ def guard_words(summary: Dict[str, Any]) -> str:
     # epoch counts the epochs the estimate followed, from 1, as the history's)
     scores = (f"log likelihood per datum at epoch={last['epoch'] - 1}: learned {last['learned']:.4g}, "
               f"declared {last['declared']:.4g}")
-    # where the learned candidate was corrected, the precisions the evidence reports are not it
-    whose = (" (mode-corrected, prior.applied_precision; prior.precision is the evidence's own choice)"
-             if "learned_log_precision" in last else "")
     if not summary["declared"]:
         at = "the one estimate" if summary["estimates"] == 1 else f"all {summary['estimates']} estimates"
-        return f"prior guard: the learned weight decay{whose} scored at least as well at {at} ({scores})"
+        return f"prior guard: the learned weight decay scored at least as well at {at} ({scores})"
     return (f"prior guard: the declared weight decay kept for training at {summary['declared']} of "
-            f"{summary['estimates']} estimates, where the learned one{whose} scored worse by approximate "
-            f"cross-validation ({scores}); the learned precisions are the evidence's own choice; at the end training "
-            f"applied the {last['applied']} one")
+            f"{summary['estimates']} estimates, where the learned one scored worse by approximate cross-validation "
+            f"({scores}); the learned precisions are the evidence's own choice; at the end training applied the "
+            f"{last['applied']} one")

@@ -109,9 +109,6 @@ class Structure:
     #: Whether its statistics split by layer across processes under sharded training (:mod:`.structures.sharded`:
     #: ``from_plan`` then takes ``exchange=``, and the class gives ``layer_states`` and ``layer_sums``).
     layer_owned: ClassVar[bool] = False
-    #: Whether its ``H`` is block diagonal over the prior's tensors (no block couples two of them): one solve then
-    #: gives each tensor's own block of ``H^-1 v`` (the Hessian of :mod:`lightning_marglik.mode_correction`).
-    tensor_blocks: ClassVar[bool] = False
     #: A choice its plan made from the options, with the reason, for the record (``CurvatureStatistics.estimator``).
     note: str = ""
 

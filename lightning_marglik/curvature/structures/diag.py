@@ -28,7 +28,6 @@ class DiagStructure(Structure):
     """
 
     name = "diag"
-    tensor_blocks = True  # every scalar its own block
     training_statistics = True  # the layers' diagonals from the training gradients, rescalable
 
     def __init__(self, indices: Sequence[int], sizes: Sequence[int], layers: List[LayerPlan], exact: List[int]) -> None:

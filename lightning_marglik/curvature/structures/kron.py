@@ -205,7 +205,6 @@ class KronStructure(Structure):
     """
 
     name = "kron"
-    tensor_blocks = True  # a block per tensor (a layer's weight and bias apart)
     per_tensor_prior = True
     training_statistics = True  # the factors from the training gradients, rescalable
     layer_owned = True
@@ -404,11 +403,7 @@ class KronStructure(Structure):
     @contextlib.contextmanager
     def reusing_decompositions(self) -> Iterator[None]:
         """Inside, each layer's eigenbases are decomposed once for every :meth:`inverse` (they do not depend on the
-        precision); released on leaving, so that no eigenbasis outlives the caller's use. Entered again inside, the
-        outer one's decompositions serve (the prior guard's candidate solve and its scores share them)."""
-        if self._reused is not None:
-            yield
-            return
+        precision); released on leaving, so that no eigenbasis outlives the caller's use."""
         self._reused = {}
         try:
             yield
