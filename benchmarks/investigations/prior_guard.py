@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 
@@ -131,9 +132,12 @@ def _decisions(title: str, runs: Dict[str, List[Dict[str, Any]]]) -> str:
     return f"| {title} | {', '.join(counts)} |"
 
 
-def analyse() -> None:
-    path = RESULTS / f"{NAME}.md"
-    cache = cache_dir()
+def analyse(cache: Optional[str] = None, path: Optional[Path] = None, title: Optional[str] = None,
+            steps: str = "then `--analyse`") -> None:
+    """Write the results file (``path``, default this study's) from the runs in ``cache`` (default this study's),
+    headed ``title`` (default the first line of this docstring); ``steps``: how the analysis ran after the shards."""
+    path = path or RESULTS / f"{NAME}.md"
+    cache = cache or cache_dir()
     every = [_zoo.cached(s, cache) for s in plan()]
     libraries = sorted({r["library"] for r in every})
     family_rows, cell_rows = [], []
@@ -149,8 +153,8 @@ def analyse() -> None:
         cell_rows.append((f"{d} / {n}", runs, cv))
     mnist = {arm: [_zoo.cached(mnist_spec(s, arm), cache) for s in SEEDS] for arm in ARMS}
     mnist_cv = family.cross_validation(mnist_spec, MNIST_GRID, cache, seeds=(0,))
-    lines = [f"# {__doc__.splitlines()[0]}", "",
-             _zoo.study_provenance(NAME, every, SEEDS) + "; `cost`: process CPU over the same seed's delta = 1 run "
+    lines = [f"# {title or __doc__.splitlines()[0]}", "",
+             _zoo.study_provenance(NAME, every, SEEDS, steps) + "; `cost`: process CPU over the same seed's delta = 1 run "
              "(cross-validation: its split runs and the retrain).", "",
              "Targets (issue 52): NLL at most delta = 1's + 0.02, accuracy at most 1 point below; where delta = 1 "
              "overfits (cross-validation chose a stronger prior in most seeds), NLL and accuracy at least "
