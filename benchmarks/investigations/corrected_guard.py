@@ -16,7 +16,8 @@ another library enters the study.
 Usage::
 
     git worktree add /tmp/corrected 84cce80 && cd /tmp/corrected
-    python benchmarks/investigations/prior_guard.py --shard 0/2 & python benchmarks/investigations/prior_guard.py --shard 1/2
+    python benchmarks/investigations/prior_guard.py --shard 0/2 &
+    python benchmarks/investigations/prior_guard.py --shard 1/2
     cp -r outputs/prior_guard/runs <this checkout>/outputs/corrected_guard/
     python benchmarks/investigations/corrected_guard.py       # writes benchmarks/results/corrected_guard.md
 """

@@ -135,7 +135,7 @@ def _decisions(title: str, runs: Dict[str, List[Dict[str, Any]]]) -> str:
 def analyse(cache: Optional[str] = None, path: Optional[Path] = None, title: Optional[str] = None,
             steps: str = "then `--analyse`") -> None:
     """Write the results file (``path``, default this study's) from the runs in ``cache`` (default this study's),
-    headed ``title`` (default the first line of this docstring); ``steps``: how the analysis ran after the shards."""
+    headed ``title`` (default the module docstring's first line); ``steps``: how the analysis ran after the shards."""
     path = path or RESULTS / f"{NAME}.md"
     cache = cache or cache_dir()
     every = [_zoo.cached(s, cache) for s in plan()]
@@ -154,8 +154,8 @@ def analyse(cache: Optional[str] = None, path: Optional[Path] = None, title: Opt
     mnist = {arm: [_zoo.cached(mnist_spec(s, arm), cache) for s in SEEDS] for arm in ARMS}
     mnist_cv = family.cross_validation(mnist_spec, MNIST_GRID, cache, seeds=(0,))
     lines = [f"# {title or __doc__.splitlines()[0]}", "",
-             _zoo.study_provenance(NAME, every, SEEDS, steps) + "; `cost`: process CPU over the same seed's delta = 1 run "
-             "(cross-validation: its split runs and the retrain).", "",
+             _zoo.study_provenance(NAME, every, SEEDS, steps) + "; `cost`: process CPU over the same seed's delta = 1 "
+             "run (cross-validation: its split runs and the retrain).", "",
              "Targets (issue 52): NLL at most delta = 1's + 0.02, accuracy at most 1 point below; where delta = 1 "
              "overfits (cross-validation chose a stronger prior in most seeds), NLL and accuracy at least "
              "cross-validation's; cost at most 2x one run. `no guard` is the evidence's own choice.", "",
